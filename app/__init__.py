@@ -1,0 +1,1 @@
+"""HTTP layer: the OpenAI wire format over the scheduler. Never imports torch."""

@@ -1,0 +1,56 @@
+"""Command line: ``python -m app --model M --host H --port P``."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+
+import uvicorn
+
+from app.server import ServerConfig, create_app
+from engine import chooser
+from engine.config import DEFAULT_MODEL, EngineConfig
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    defaults = EngineConfig()
+    parser = argparse.ArgumentParser(prog="python -m app", description="OpenAI-compatible completions server")
+    parser.add_argument(
+        "--model",
+        default=DEFAULT_MODEL,
+        help="default model name, .gguf file, HF model dir, hub id, or 'fake'",
+    )
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--served-model-name", default=None, help="name clients send as `model` (default: the model's)")
+    parser.add_argument("--max-batch-size", type=int, default=defaults.max_batch_size, help="sequences per step")
+    parser.add_argument("--max-model-len", type=int, default=None, help="longest prompt + completion")
+    parser.add_argument("--kv-cache-gib", type=float, default=defaults.kv_cache_gib, help="KV cache memory bound")
+    parser.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=defaults.max_num_batched_tokens,
+        help="tokens per forward step; long prompts are prefilled in chunks of this size",
+    )
+    parser.add_argument("--max-queue", type=int, default=ServerConfig().max_queue, help="waiting requests before 429")
+    parser.add_argument("--log-level", default="info")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    engine_config = EngineConfig(
+        model=args.model,
+        max_batch_size=args.max_batch_size,
+        max_model_len=args.max_model_len,
+        kv_cache_gib=args.kv_cache_gib,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+    )
+    served = chooser.build(engine_config)
+    app = create_app(served, ServerConfig(served_model_name=args.served_model_name, max_queue=args.max_queue))
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,63 @@
+"""The seam between the torch-free scheduler and an engine that owns the model and its KV memory."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+from engine.types import GenerationRequest, StepOutput
+
+
+class InferenceEngine(ABC):
+    """Iteration-level engine the scheduler pumps, one call at a time from one thread.
+
+    Each active sequence advances one token per step and leaves the moment it emits a stop token or reaches
+    its own ``max_new_tokens``, so each resolves independently of its batchmates. A newcomer's prompt is
+    prefilled inside ``step`` (in chunks when it is long), so ``admit`` itself runs no forward.
+    """
+
+    #: Most sequences that may be active at once.
+    capacity: int
+    #: Longest sequence (prompt plus generated tokens) the engine accepts.
+    max_model_len: int
+
+    @abstractmethod
+    def num_active(self) -> int:
+        """Number of sequences admitted and not yet finished or aborted."""
+
+    @abstractmethod
+    def can_admit(self, request: GenerationRequest) -> bool:
+        """Whether ``request`` fits now, in sequence slots and in KV memory. False means: wait, try later."""
+
+    @abstractmethod
+    def admit(self, requests: list[GenerationRequest]) -> list[int]:
+        """Admit newcomers, returning one seq_id per request in order.
+
+        Atomic: if it raises (``ValueError`` for a request that can never run, such as one longer than
+        ``max_model_len``), the active set and KV state are untouched.
+        """
+
+    @abstractmethod
+    def step(self) -> list[StepOutput]:
+        """Advance every active sequence by one token (prefilling newcomers first) and evict finished ones."""
+
+    @abstractmethod
+    def abort(self, seq_id: int) -> None:
+        """Drop one sequence and free its KV memory. Unknown ids are ignored: it may have just finished."""
+
+    @abstractmethod
+    def reset(self) -> None:
+        """Drop all active sequences and KV state after a failure; the model survives."""
+
+
+def validate_request(request: GenerationRequest, max_model_len: int) -> None:
+    """The checks every engine makes before admitting anything, so that an impossible request fails alone."""
+    if not request.prompt_ids:
+        raise ValueError("the prompt is empty")
+    if request.max_new_tokens < 1:
+        raise ValueError("max_new_tokens must be at least 1")
+    total = len(request.prompt_ids) + request.max_new_tokens
+    if total > max_model_len:
+        raise ValueError(
+            f"{len(request.prompt_ids)} prompt tokens + {request.max_new_tokens} new tokens exceed the "
+            f"maximum context length of {max_model_len}"
+        )

@@ -1,0 +1,22 @@
+"""Engine limits and defaults, in one place. Torch-free."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+DEFAULT_MODEL = "SmolLM2-135M-Instruct"
+
+
+@dataclass(slots=True, frozen=True)
+class EngineConfig:
+    #: The default model's name, a ``.gguf`` file, a HF model directory, a cached hub id, or ``fake``.
+    model: str = DEFAULT_MODEL
+    #: Most sequences decoded together in one step.
+    max_batch_size: int = 32
+    #: Longest prompt + completion; ``None`` takes the model's own limit.
+    max_model_len: int | None = None
+    #: Memory the KV cache may grow to; admission waits while it is full.
+    kv_cache_gib: float = 4.0
+    #: Tokens one step's forward may carry (decode rows plus prefill chunks): bounds how long a newcomer's
+    #: prefill can stall the running decodes.
+    max_num_batched_tokens: int = 512

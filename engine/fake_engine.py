@@ -1,0 +1,84 @@
+"""A deterministic, torch-free engine with the real engine's lifecycle, for scheduler and HTTP tests."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from engine.base import InferenceEngine, validate_request
+from engine.tokenizer import ByteTokenizer
+from engine.types import FinishReason, GenerationRequest, StepOutput
+
+_ALPHABET = b"abcdefghijklmnopqrstuvwxyz"
+
+
+@dataclass(slots=True)
+class _FakeSeq:
+    request: GenerationRequest
+    num_generated: int = 0
+
+
+class FakeEngine(InferenceEngine):
+    """Generates the letters a, b, c, ... cyclically; one token per sequence per step.
+
+    Like HFEngine, ``admit`` runs nothing: a newcomer's first token comes from the next ``step`` (its
+    prefill), and a sequence leaves in the step that produces its last token. ``eos_after`` makes every
+    sequence emit the end-of-sequence token as its n-th token; ``fail_on_step`` makes the n-th step raise,
+    to test the scheduler's recovery.
+    """
+
+    def __init__(
+        self,
+        capacity: int = 8,
+        max_model_len: int = 256,
+        eos_after: int | None = None,
+    ) -> None:
+        self.capacity = capacity
+        self.max_model_len = max_model_len
+        self.eos_after = eos_after
+        self.fail_on_step: int | None = None
+        self.num_steps = 0
+        self._active: dict[int, _FakeSeq] = {}
+        self._next_seq_id = 0
+
+    def num_active(self) -> int:
+        return len(self._active)
+
+    def can_admit(self, request: GenerationRequest) -> bool:
+        return len(self._active) < self.capacity
+
+    def admit(self, requests: list[GenerationRequest]) -> list[int]:
+        if len(self._active) + len(requests) > self.capacity:
+            raise RuntimeError(f"admit of {len(requests)} would exceed capacity {self.capacity}")
+        for request in requests:
+            validate_request(request, self.max_model_len)
+        seq_ids = list(range(self._next_seq_id, self._next_seq_id + len(requests)))
+        self._next_seq_id += len(requests)
+        self._active.update((sid, _FakeSeq(req)) for sid, req in zip(seq_ids, requests, strict=True))
+        return seq_ids
+
+    def step(self) -> list[StepOutput]:
+        self.num_steps += 1
+        if self.fail_on_step == self.num_steps:
+            raise RuntimeError(f"injected engine fault at step {self.num_steps}")
+        outputs = [self._advance(seq_id, seq) for seq_id, seq in self._active.items()]
+        for out in outputs:
+            if out.finish_reason is not None:
+                del self._active[out.seq_id]
+        return outputs
+
+    def abort(self, seq_id: int) -> None:
+        self._active.pop(seq_id, None)
+
+    def reset(self) -> None:
+        self._active = {}
+
+    def _advance(self, seq_id: int, seq: _FakeSeq) -> StepOutput:
+        seq.num_generated += 1
+        n = seq.num_generated
+        token = ByteTokenizer.EOS if n == self.eos_after else _ALPHABET[(n - 1) % len(_ALPHABET)]
+        finish: FinishReason | None = None
+        if token == ByteTokenizer.EOS and not seq.request.ignore_eos:
+            finish = "stop"
+        elif n >= seq.request.max_new_tokens:
+            finish = "length"
+        return StepOutput(seq_id, [token], finish)

@@ -1,0 +1,242 @@
+"""The continuous batching engine over a HuggingFace causal LM. See kv_cache.py for the memory layout."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from transformers import AttentionInterface, PreTrainedModel
+
+from engine.base import InferenceEngine, validate_request
+from engine.kv_cache import ATTENTION_NAME, PrefillChunk, SlotKVCache, StepBatch, slot_attention
+from engine.types import FinishReason, GenerationRequest, StepOutput
+
+AttentionInterface.register(ATTENTION_NAME, slot_attention)
+
+
+@dataclass(slots=True, eq=False)
+class _Seq:
+    seq_id: int
+    request: GenerationRequest
+    output_ids: list[int] = field(default_factory=list)
+    num_prefilled: int = 0
+    staging: torch.Tensor | None = None  # prompt KV while prefilling
+    slot: int | None = None  # set once decoding
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.request.prompt_ids)
+
+    @property
+    def num_cached(self) -> int:
+        """Positions in the KV cache; the newest output token is not fed yet."""
+        return self.prompt_len + len(self.output_ids) - 1
+
+    @property
+    def reserved(self) -> int:
+        return self.prompt_len + self.request.max_new_tokens
+
+
+@dataclass(slots=True)
+class _Plan:
+    """Who runs in one step: every decoding slot, then prompt chunks of prefilling sequences."""
+
+    decoding: list[_Seq]
+    chunks: list[tuple[_Seq, PrefillChunk]]
+
+    @property
+    def completing(self) -> list[_Seq]:
+        """Sequences whose prompt ends in this step: their last row yields their first token."""
+        return [seq for seq, chunk in self.chunks if chunk.start + chunk.length == seq.prompt_len]
+
+
+class HFEngine(InferenceEngine):
+    """Greedy continuous batching: one packed forward per step over all decoding sequences and prefill chunks."""
+
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        *,
+        eos_token_ids: frozenset[int],
+        capacity: int,
+        max_model_len: int,
+        kv_cache_bytes: int,
+        max_num_batched_tokens: int,
+    ) -> None:
+        model.set_attn_implementation(ATTENTION_NAME)
+        model.eval()
+        config = model.config
+        self._decoder = model.get_decoder()
+        self._lm_head = model.get_output_embeddings()
+        self._device = model.device
+        self.eos_token_ids = eos_token_ids
+        self.capacity = capacity
+        self.max_model_len = max_model_len
+        self.max_num_batched_tokens = max_num_batched_tokens
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        num_kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+        self.cache = SlotKVCache(config.num_hidden_layers, num_kv_heads, head_dim, model.dtype, self._device)
+        self.max_kv_tokens = kv_cache_bytes // self.cache.bytes_per_token
+        if self.max_kv_tokens < max_model_len:
+            raise ValueError(
+                f"a KV cache of {kv_cache_bytes} bytes holds {self.max_kv_tokens} tokens, "
+                f"fewer than one sequence of max_model_len={max_model_len}"
+            )
+        self._slot_ids = torch.arange(capacity, device=self._device)
+        self._seqs: dict[int, _Seq] = {}
+        self._decoding: list[_Seq] = []  # index == slot
+        self._prefilling: list[_Seq] = []  # FIFO
+        self._next_seq_id = 0
+
+    # -- the seam -------------------------------------------------------------------------------------
+
+    def num_active(self) -> int:
+        return len(self._seqs)
+
+    def can_admit(self, request: GenerationRequest) -> bool:
+        if len(self._seqs) >= self.capacity:
+            return False
+        # Slots all span the longest sequence, so the storage bound is slots x longest reservation.
+        longest = max((seq.reserved for seq in self._seqs.values()), default=0)
+        reserved = max(longest, len(request.prompt_ids) + request.max_new_tokens)
+        return (len(self._seqs) + 1) * reserved <= self.max_kv_tokens
+
+    def admit(self, requests: list[GenerationRequest]) -> list[int]:
+        if len(self._seqs) + len(requests) > self.capacity:
+            raise RuntimeError(f"admit of {len(requests)} would exceed capacity {self.capacity}")
+        for request in requests:
+            validate_request(request, self.max_model_len)
+        seqs = [_Seq(self._next_seq_id + i, request) for i, request in enumerate(requests)]
+        self._next_seq_id += len(seqs)
+        self._seqs.update((seq.seq_id, seq) for seq in seqs)
+        self._prefilling.extend(seqs)
+        return [seq.seq_id for seq in seqs]
+
+    def step(self) -> list[StepOutput]:
+        plan = self._plan()
+        if not plan.decoding and not plan.chunks:
+            return []
+        next_tokens = self._forward(plan).argmax(dim=-1).tolist()
+        return self._commit(plan, next_tokens)
+
+    def abort(self, seq_id: int) -> None:
+        seq = self._seqs.pop(seq_id, None)
+        if seq is None:
+            return
+        if seq.slot is None:
+            self._prefilling.remove(seq)
+        else:
+            self._free_slot(seq.slot)
+        self._release_if_idle()
+
+    def reset(self) -> None:
+        self._seqs.clear()
+        self._decoding.clear()
+        self._prefilling.clear()
+        self.cache.release()
+
+    # -- one step -------------------------------------------------------------------------------------
+
+    def _plan(self) -> _Plan:
+        # Decode rows count against the step's token budget; prefill gets the rest, but always some, so a
+        # full batch of decodes cannot starve newcomers.
+        budget = max(self.max_num_batched_tokens - len(self._decoding), 16)
+        row = len(self._decoding)
+        chunks: list[tuple[_Seq, PrefillChunk]] = []
+        for seq in self._prefilling:
+            if budget <= 0:
+                break
+            length = min(seq.prompt_len - seq.num_prefilled, budget)
+            if seq.staging is None:
+                seq.staging = self.cache.new_staging(seq.prompt_len)
+            chunks.append((seq, PrefillChunk(row, seq.num_prefilled, length, seq.staging)))
+            row += length
+            budget -= length
+        return _Plan(list(self._decoding), chunks)
+
+    def _forward(self, plan: _Plan) -> torch.Tensor:
+        """Run the packed forward; return logits for the rows that yield a token, decode rows first."""
+        completing = plan.completing
+        longest = max([seq.num_cached + 1 for seq in plan.decoding] + [seq.prompt_len for seq in completing], default=0)
+        self.cache.reserve(len(plan.decoding) + len(completing), longest, self.capacity, self.max_model_len)
+        token_ids = [seq.output_ids[-1] for seq in plan.decoding]
+        positions = [seq.num_cached for seq in plan.decoding]
+        for seq, chunk in plan.chunks:
+            token_ids.extend(seq.request.prompt_ids[chunk.start : chunk.start + chunk.length])
+            positions.extend(range(chunk.start, chunk.start + chunk.length))
+        batch = self._step_batch(positions[: len(plan.decoding)], [chunk for _, chunk in plan.chunks])
+        with torch.inference_mode():
+            hidden = self._decoder(
+                input_ids=torch.tensor([token_ids], device=self._device),
+                position_ids=torch.tensor([positions], device=self._device),
+                use_cache=False,
+                step_batch=batch,
+            ).last_hidden_state[0]
+            rows = list(range(len(plan.decoding)))
+            rows += [chunk.row + chunk.length - 1 for seq, chunk in plan.chunks if seq in completing]
+            return self._lm_head(hidden[rows])
+
+    def _step_batch(self, decode_positions: list[int], chunks: list[PrefillChunk]) -> StepBatch:
+        n = len(decode_positions)
+        positions = torch.tensor(decode_positions, device=self._device)
+        decode_len = max(decode_positions, default=-1) + 1
+        mask = None
+        if n and min(decode_positions) != decode_len - 1:
+            mask = torch.arange(decode_len, device=self._device)[None, :] <= positions[:, None]
+            mask = mask[:, None, None, :]
+        return StepBatch(self.cache, n, self._slot_ids[:n], positions, decode_len, mask, chunks)
+
+    def _commit(self, plan: _Plan, next_tokens: list[int]) -> list[StepOutput]:
+        outputs: list[StepOutput] = []
+        finished_slots: list[int] = []
+        for seq, token in zip(plan.decoding, next_tokens, strict=False):
+            out = self._append(seq, token)
+            outputs.append(out)
+            if out.finish_reason is not None:
+                assert seq.slot is not None
+                finished_slots.append(seq.slot)
+        for slot in sorted(finished_slots, reverse=True):
+            self._free_slot(slot)
+        for seq, chunk in plan.chunks:
+            seq.num_prefilled += chunk.length
+        for seq, token in zip(plan.completing, next_tokens[len(plan.decoding) :], strict=True):
+            out = self._append(seq, token)
+            outputs.append(out)
+            self._prefilling.remove(seq)
+            if out.finish_reason is None:
+                self._start_decoding(seq)
+        for out in outputs:
+            if out.finish_reason is not None:
+                del self._seqs[out.seq_id]
+        self._release_if_idle()
+        return outputs
+
+    def _append(self, seq: _Seq, token: int) -> StepOutput:
+        seq.output_ids.append(token)
+        finish: FinishReason | None = None
+        if token in self.eos_token_ids and not seq.request.ignore_eos:
+            finish = "stop"
+        elif len(seq.output_ids) >= seq.request.max_new_tokens:
+            finish = "length"
+        return StepOutput(seq.seq_id, [token], finish)
+
+    # -- slots ----------------------------------------------------------------------------------------
+
+    def _start_decoding(self, seq: _Seq) -> None:
+        assert seq.staging is not None
+        seq.slot = len(self._decoding)
+        self.cache.insert(seq.slot, seq.staging)
+        seq.staging = None
+        self._decoding.append(seq)
+
+    def _free_slot(self, slot: int) -> None:
+        """Fill the hole with the last slot so decoding sequences stay packed in slots 0..n-1."""
+        last = self._decoding.pop()
+        if last.slot != slot:
+            self.cache.move(len(self._decoding), slot, last.num_cached)
+            last.slot = slot
+            self._decoding[slot] = last
+
+    def _release_if_idle(self) -> None:
+        if not self._decoding:
+            self.cache.release()

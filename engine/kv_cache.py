@@ -1,0 +1,191 @@
+"""KV memory for the continuous engine, and the attention function that reads and writes it in place.
+
+Layout. Every decoding sequence owns one *slot*: a row of one preallocated tensor per model,
+``[layers, 2 (key/value), slots, kv_heads, positions, head_dim]``. Decoding sequences always fill slots
+``0..n-1``, so a decode step attends over the plain view ``kv[layer, 0, :n, :, :L]`` with no gather and no
+copy; each step writes only the new token's K/V at its own position. When a sequence leaves, the last slot
+moves into its hole (one sequence's KV, once per departure). The tensor grows in slots and positions as
+needed, amortized, and is freed when no sequence is left, so memory follows what is held.
+
+A newcomer's prompt is prefilled into a *staging* tensor of its own (``[layers, 2, kv_heads, prompt, dim]``),
+possibly over several steps, and copied into a slot once its prompt is complete.
+
+Rows of one step's forward are packed into a single sequence: first one row per decoding slot, in slot
+order, then each prefill chunk. ``slot_attention`` receives a ``StepBatch`` through the model's kwargs and
+splits the rows back into their sequences.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+ATTENTION_NAME = "smolserve_slots"
+
+# Positions are allocated in multiples of this, so growth (a full copy) is rare.
+_POSITION_BLOCK = 256
+
+
+@dataclass(slots=True)
+class PrefillChunk:
+    """Rows ``row : row + length`` of the step's packed input are prompt positions ``start : start + length``."""
+
+    row: int
+    start: int
+    length: int
+    staging: torch.Tensor  # [layers, 2, kv_heads, prompt_len, head_dim]
+
+
+@dataclass(slots=True)
+class StepBatch:
+    """What the attention function needs to know about one step's packed rows."""
+
+    cache: SlotKVCache
+    num_decode: int
+    decode_slots: torch.Tensor  # [num_decode], 0..num_decode-1
+    decode_positions: torch.Tensor  # [num_decode], where each decoding row's new K/V lands
+    decode_len: int  # positions attended by the decode rows: max(decode_positions) + 1
+    decode_mask: torch.Tensor | None  # [num_decode, 1, 1, decode_len]; None when every row sees all of it
+    chunks: list[PrefillChunk] = field(default_factory=list)
+
+
+class SlotKVCache:
+    def __init__(
+        self, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device
+    ) -> None:
+        self.num_layers = num_layers
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.dtype = dtype
+        self.device = device
+        self.kv: torch.Tensor | None = None
+
+    @property
+    def bytes_per_token(self) -> int:
+        element = torch.empty((), dtype=self.dtype).element_size()
+        return self.num_layers * 2 * self.num_kv_heads * self.head_dim * element
+
+    @property
+    def num_slots(self) -> int:
+        return 0 if self.kv is None else self.kv.shape[2]
+
+    @property
+    def num_positions(self) -> int:
+        return 0 if self.kv is None else self.kv.shape[4]
+
+    def reserve(self, num_slots: int, num_positions: int, max_slots: int, max_positions: int) -> None:
+        """Make room for ``num_slots`` slots of ``num_positions`` positions, keeping what is stored."""
+        if num_slots <= self.num_slots and num_positions <= self.num_positions:
+            return
+        slots = self.num_slots if num_slots <= self.num_slots else min(_round_up(num_slots, 4), max_slots)
+        positions = self.num_positions
+        if num_positions > positions:
+            positions = min(_round_up(max(num_positions, positions * 5 // 4), _POSITION_BLOCK), max_positions)
+        grown = torch.zeros(
+            (self.num_layers, 2, slots, self.num_kv_heads, positions, self.head_dim),
+            dtype=self.dtype,
+            device=self.device,
+        )
+        if self.kv is not None:
+            grown[:, :, : self.num_slots, :, : self.num_positions] = self.kv
+        self.kv = grown
+
+    def new_staging(self, prompt_len: int) -> torch.Tensor:
+        shape = (self.num_layers, 2, self.num_kv_heads, prompt_len, self.head_dim)
+        return torch.empty(shape, dtype=self.dtype, device=self.device)
+
+    def insert(self, slot: int, staging: torch.Tensor) -> None:
+        assert self.kv is not None
+        self.kv[:, :, slot, :, : staging.shape[3]] = staging
+
+    def move(self, src: int, dst: int, length: int) -> None:
+        assert self.kv is not None
+        self.kv[:, :, dst, :, :length] = self.kv[:, :, src, :, :length]
+
+    def release(self) -> None:
+        self.kv = None
+
+
+def slot_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **kwargs: object,
+) -> tuple[torch.Tensor, None]:
+    """Attention over the packed rows of one step, registered with transformers as ``ATTENTION_NAME``.
+
+    ``query`` is ``[1, heads, rows, dim]`` and ``key``/``value`` ``[1, kv_heads, rows, dim]`` (after RoPE);
+    returns ``[1, rows, heads, dim]`` as transformers' attention functions do.
+    """
+    batch = kwargs["step_batch"]
+    assert isinstance(batch, StepBatch)
+    layer = module.layer_idx
+    out = query.new_empty(query.shape[2], query.shape[1], query.shape[3])
+    if batch.num_decode:
+        out[: batch.num_decode] = _decode_attention(batch, layer, query[0], key[0], value[0], scaling)
+    for chunk in batch.chunks:
+        out[chunk.row : chunk.row + chunk.length] = _prefill_attention(
+            chunk, layer, query[0], key[0], value[0], scaling
+        )
+    return out.unsqueeze(0), None
+
+
+def _decode_attention(
+    batch: StepBatch,
+    layer: int,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    scale: float | None,
+) -> torch.Tensor:
+    """One new token per slot, attending over its slot's positions ``0..position``."""
+    n = batch.num_decode
+    kv = batch.cache.kv
+    assert kv is not None
+    num_heads, num_kv_heads = query.shape[0], key.shape[0]
+    # [kv_heads, n, dim] -> [n, kv_heads, dim], written at each slot's own position.
+    kv[layer, 0][batch.decode_slots, :, batch.decode_positions] = key[:, :n].transpose(0, 1)
+    kv[layer, 1][batch.decode_slots, :, batch.decode_positions] = value[:, :n].transpose(0, 1)
+    # Grouped-query attention without repeating K/V: the query heads that share a KV head become that
+    # head's "query length", which is free for a single new token per row.
+    q = query[:, :n].transpose(0, 1).reshape(n, num_kv_heads, num_heads // num_kv_heads, -1)
+    keys = kv[layer, 0, :n, :, : batch.decode_len]
+    values = kv[layer, 1, :n, :, : batch.decode_len]
+    attended = F.scaled_dot_product_attention(q, keys, values, attn_mask=batch.decode_mask, scale=scale)
+    return attended.reshape(n, num_heads, -1)
+
+
+def _prefill_attention(
+    chunk: PrefillChunk,
+    layer: int,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    scale: float | None,
+) -> torch.Tensor:
+    """A chunk of prompt rows, attending causally over the prompt so far (its staging tensor)."""
+    rows = slice(chunk.row, chunk.row + chunk.length)
+    end = chunk.start + chunk.length
+    chunk.staging[layer, 0, :, chunk.start : end] = key[:, rows]
+    chunk.staging[layer, 1, :, chunk.start : end] = value[:, rows]
+    keys = chunk.staging[layer, 0, :, :end]
+    values = chunk.staging[layer, 1, :, :end]
+    q = query[:, rows]
+    if chunk.start == 0:
+        attended = F.scaled_dot_product_attention(q, keys, values, is_causal=True, scale=scale, enable_gqa=True)
+    else:
+        # Row i sits at prompt position start + i and sees positions 0..start + i.
+        positions = torch.arange(end, device=q.device)
+        mask = positions[None, :] <= positions[chunk.start :, None]
+        attended = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale, enable_gqa=True)
+    return attended.transpose(0, 1)
+
+
+def _round_up(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple

@@ -1,0 +1,210 @@
+"""The continuous batching scheduler: pure asyncio over the engine seam, torch-free.
+
+One loop task owns the engine. Each iteration it waits for work, hands the engine (on its own worker
+thread, so HTTP stays responsive during a forward) the pending aborts and the head of the FIFO waiting
+queue to admit, runs one step, and hands each request the tokens it produced. Requests resolve
+independently: a sequence leaves in the step that finishes it, and newcomers join between steps.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+from collections import deque
+from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+from engine.base import InferenceEngine
+from engine.detokenizer import IncrementalDetokenizer
+from engine.tokenizer import Tokenizer
+from engine.types import FinishReason, GenerationRequest, StepOutput
+
+log = logging.getLogger(__name__)
+
+
+class QueueFullError(Exception):
+    """The waiting queue is at its bound; the client should retry later."""
+
+
+class EngineError(Exception):
+    """The engine failed while this request was in its batch, or rejected it at admission."""
+
+
+@dataclass(slots=True)
+class Delta:
+    """New text for one request, with the tokens behind it; ``finish_reason`` is set on the last one."""
+
+    text: str
+    token_ids: list[int]
+    finish_reason: FinishReason | None = None
+
+
+class RequestStream:
+    """A submitted request as its caller sees it: ``async for delta in stream.deltas()``."""
+
+    def __init__(self, request: GenerationRequest, tokenizer: Tokenizer) -> None:
+        self.request = request
+        self.num_generated = 0
+        self.finished = False
+        self.seq_id: int | None = None
+        self._detokenizer = IncrementalDetokenizer(tokenizer)
+        self._queue: asyncio.Queue[Delta | EngineError] = asyncio.Queue()
+
+    async def deltas(self) -> AsyncIterator[Delta]:
+        while True:
+            item = await self._queue.get()
+            if isinstance(item, EngineError):
+                raise item
+            yield item
+            if item.finish_reason is not None:
+                return
+
+    def _push(self, output: StepOutput) -> None:
+        self.num_generated += len(output.token_ids)
+        text = self._detokenizer.add(output.token_ids)
+        if output.finish_reason is not None:
+            text += self._detokenizer.flush()
+            self.finished = True
+        self._queue.put_nowait(Delta(text, output.token_ids, output.finish_reason))
+
+    def _fail(self, error: EngineError) -> None:
+        self.finished = True
+        self._queue.put_nowait(error)
+
+
+@dataclass(slots=True)
+class _Iteration:
+    """What one trip to the engine thread did."""
+
+    admitted: list[tuple[RequestStream, int]] = field(default_factory=list)
+    rejected: list[tuple[RequestStream, Exception]] = field(default_factory=list)
+    outputs: list[StepOutput] = field(default_factory=list)
+    error: Exception | None = None
+
+
+class Scheduler:
+    def __init__(self, engine: InferenceEngine, tokenizer: Tokenizer, *, max_queue: int = 256) -> None:
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.max_queue = max_queue
+        self._waiting: deque[RequestStream] = deque()
+        self._running: dict[int, RequestStream] = {}
+        self._pending_aborts: list[int] = []
+        self._wakeup = asyncio.Event()
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
+        self._task: asyncio.Task[None] | None = None
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self._running)
+
+    async def start(self) -> None:
+        self._task = asyncio.create_task(self._run(), name="scheduler")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        self._executor.shutdown(wait=True)
+
+    def submit(self, request: GenerationRequest) -> RequestStream:
+        if len(self._waiting) >= self.max_queue:
+            raise QueueFullError(f"the waiting queue is full ({self.max_queue} requests)")
+        stream = RequestStream(request, self.tokenizer)
+        self._waiting.append(stream)
+        self._wakeup.set()
+        return stream
+
+    def abort(self, stream: RequestStream) -> None:
+        """Withdraw a request (its client left): it leaves the batch at the next step boundary."""
+        if stream.finished:
+            return
+        stream.finished = True
+        if stream.seq_id is None:
+            # Still waiting, or being admitted right now; the loop drops it either way.
+            with contextlib.suppress(ValueError):
+                self._waiting.remove(stream)
+            return
+        self._running.pop(stream.seq_id, None)
+        self._pending_aborts.append(stream.seq_id)
+        self._wakeup.set()
+
+    # -- the loop -------------------------------------------------------------------------------------
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            await self._wait_for_work()
+            candidates = list(itertools.islice(self._waiting, self.engine.capacity))
+            aborts, self._pending_aborts = self._pending_aborts, []
+            iteration = await loop.run_in_executor(self._executor, self._iterate, candidates, aborts)
+            self._settle_admissions(iteration)
+            if iteration.error is not None:
+                self._fail_running(iteration.error)
+            else:
+                self._hand_out(iteration.outputs)
+
+    async def _wait_for_work(self) -> None:
+        while not (self._waiting or self._running or self._pending_aborts):
+            self._wakeup.clear()
+            await self._wakeup.wait()
+
+    def _iterate(self, candidates: list[RequestStream], aborts: list[int]) -> _Iteration:
+        """On the engine thread: abort, admit what fits (FIFO), step once."""
+        iteration = _Iteration()
+        for seq_id in aborts:
+            self.engine.abort(seq_id)
+        for stream in candidates:
+            if not self.engine.can_admit(stream.request):
+                break
+            try:
+                iteration.admitted.append((stream, self.engine.admit([stream.request])[0]))
+            except Exception as exc:  # admit is atomic: only this request is affected
+                iteration.rejected.append((stream, exc))
+        try:
+            iteration.outputs = self.engine.step()
+        except Exception as exc:
+            log.exception("engine step failed; resetting the engine")
+            self.engine.reset()
+            iteration.error = exc
+        return iteration
+
+    def _settle_admissions(self, iteration: _Iteration) -> None:
+        for stream, exc in iteration.rejected:
+            self._remove_waiting(stream)
+            stream._fail(EngineError(f"the request was rejected: {exc}"))
+        for stream, seq_id in iteration.admitted:
+            self._remove_waiting(stream)
+            stream.seq_id = seq_id
+            if stream.finished:  # aborted while being admitted
+                self._pending_aborts.append(seq_id)
+            else:
+                self._running[seq_id] = stream
+
+    def _remove_waiting(self, stream: RequestStream) -> None:
+        with contextlib.suppress(ValueError):
+            self._waiting.remove(stream)
+
+    def _hand_out(self, outputs: list[StepOutput]) -> None:
+        for output in outputs:
+            stream = self._running.get(output.seq_id)
+            if stream is None:
+                continue  # aborted during the step; its abort is pending
+            stream._push(output)
+            if output.finish_reason is not None:
+                del self._running[output.seq_id]
+
+    def _fail_running(self, error: Exception) -> None:
+        message = f"the engine failed while running this request ({type(error).__name__}: {error})"
+        for stream in self._running.values():
+            stream._fail(EngineError(message))
+        self._running.clear()
+        self._pending_aborts.clear()  # the reset dropped every sequence

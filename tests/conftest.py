@@ -1,0 +1,42 @@
+"""Shared fixtures: engines for the contract tests, the real default model, a tiny random llama."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A randomly initialised 2-layer llama with grouped-query attention, saved like a hub checkout."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=300,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        eos_token_id=7,
+        bos_token_id=1,
+        pad_token_id=0,
+    )
+    model = LlamaForCausalLM(config)
+    path = tmp_path_factory.mktemp("tiny-llama")
+    model.save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture(scope="session")
+def real_model():
+    """The default model, loaded once per test session (converted from GGUF on first use)."""
+    from engine import loader
+
+    return loader.load(loader.DEFAULT_MODEL)

@@ -1,0 +1,144 @@
+"""HFEngine: greedy outputs token-identical to `generate`, however sequences share, join and leave the batch."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, PreTrainedModel
+
+from engine.hf_engine import HFEngine
+from engine.scheduler import Scheduler
+from engine.tokenizer import HFTokenizer
+from engine.types import GenerationRequest
+
+
+def make_engine(model: PreTrainedModel, eos: frozenset[int], **overrides: int) -> HFEngine:
+    options = {"capacity": 8, "max_model_len": 512, "kv_cache_bytes": 1 << 28, "max_num_batched_tokens": 512}
+    options.update(overrides)
+    return HFEngine(model, eos_token_ids=eos, **options)
+
+
+def reference(model: PreTrainedModel, request: GenerationRequest) -> list[int]:
+    """What plain `generate` produces for this prompt alone, greedy."""
+    prompt = torch.tensor([request.prompt_ids])
+    with torch.inference_mode():
+        out = model.generate(
+            prompt,
+            attention_mask=torch.ones_like(prompt),
+            max_new_tokens=request.max_new_tokens,
+            do_sample=False,
+            # ignore_eos means: emit EOS like any token, but do not stop on it.
+            **({"eos_token_id": []} if request.ignore_eos else {}),
+        )
+    return out[0, len(request.prompt_ids) :].tolist()
+
+
+def run_staggered(engine: HFEngine, arrivals: list[tuple[int, GenerationRequest]]) -> dict[int, list[int]]:
+    """Admit each request at its step number; return each request's tokens, by its index in `arrivals`."""
+    tokens: dict[int, list[int]] = {}
+    seq_to_index: dict[int, int] = {}
+    step = 0
+    while len(tokens) < len(arrivals) or engine.num_active():
+        for index, (at, request) in enumerate(arrivals):
+            if at == step:
+                seq_to_index[engine.admit([request])[0]] = index
+                tokens[index] = []
+        for out in engine.step():
+            tokens[seq_to_index[out.seq_id]].extend(out.token_ids)
+        step += 1
+        assert step < 500
+    return tokens
+
+
+@pytest.fixture(scope="module")
+def tiny_pair(tiny_llama_dir: str) -> tuple[PreTrainedModel, PreTrainedModel]:
+    """The engine's copy of the tiny model and an untouched copy for `generate`."""
+    return AutoModelForCausalLM.from_pretrained(tiny_llama_dir), AutoModelForCausalLM.from_pretrained(tiny_llama_dir)
+
+
+def _prompt(seed: int, length: int) -> tuple[int, ...]:
+    return tuple((seed * 31 + i * 17) % 290 + 8 for i in range(length))
+
+
+@pytest.mark.parametrize("chunk_budget", [512, 24], ids=["whole-prompts", "chunked-prefill"])
+def test_tiny_model_parity_with_staggered_arrivals(tiny_pair, chunk_budget: int) -> None:
+    model, ref_model = tiny_pair
+    engine = make_engine(model, frozenset({7}), max_num_batched_tokens=chunk_budget)
+    arrivals = [
+        (0, GenerationRequest(_prompt(1, 5), 20, ignore_eos=True)),
+        (0, GenerationRequest(_prompt(2, 70), 9, ignore_eos=True)),  # spans several chunks at budget 24
+        (2, GenerationRequest(_prompt(3, 1), 15, ignore_eos=True)),
+        (3, GenerationRequest(_prompt(4, 33), 1, ignore_eos=True)),
+        (3, GenerationRequest(_prompt(5, 120), 12, ignore_eos=True)),
+        (7, GenerationRequest(_prompt(6, 9), 30, ignore_eos=True)),
+        (8, GenerationRequest(_prompt(7, 13), 25)),  # may stop early on EOS, like generate
+    ]
+    got = run_staggered(engine, arrivals)
+    for index, (_, request) in enumerate(arrivals):
+        assert got[index] == reference(ref_model, request), f"request {index}"
+    assert engine.cache.kv is None  # idle: KV memory released
+
+
+def test_kv_budget_makes_admission_wait(tiny_pair) -> None:
+    model, _ = tiny_pair
+    engine = make_engine(model, frozenset({7}), max_model_len=100, kv_cache_bytes=100 * engine_bytes_per_token(model))
+    first = GenerationRequest(_prompt(1, 30), 10)  # reserves 40 of the 100 tokens
+    assert engine.can_admit(first)
+    engine.admit([first])
+    assert engine.can_admit(first)  # two of 40 fit in 100
+    engine.admit([first])
+    assert not engine.can_admit(first)  # a third would need 3 x 40 = 120
+    assert not engine.can_admit(GenerationRequest(_prompt(1, 2), 2))  # slots span the longest: 3 x 40
+    while engine.num_active():
+        engine.step()
+    assert engine.can_admit(first)
+
+
+def engine_bytes_per_token(model: PreTrainedModel) -> int:
+    config = model.config
+    head_dim = config.hidden_size // config.num_attention_heads
+    return config.num_hidden_layers * 2 * config.num_key_value_heads * head_dim * 4
+
+
+@pytest.mark.real_model
+def test_real_model_greedy_parity_through_the_scheduler(real_model) -> None:
+    """12 prompts of different lengths and budgets, submitted together: they join and leave at different
+    steps, and each output is token-identical to `generate` on that prompt alone."""
+    tokenizer = HFTokenizer(real_model.tokenizer, real_model.eos_token_ids)
+    texts = [
+        "The capital of France is",
+        "Once upon a time",
+        "def fibonacci(n):",
+        "Hi",
+        "List three colors:",
+        "In 1969, astronauts",
+        "The quick brown fox jumps over the lazy dog. " * 6,
+        "Translate to French: cheese",
+        "import numpy as np\nx = np.",
+        "Water boils at",
+        "My favourite book is",
+        "Q: What is 2 + 2?\nA:",
+    ]
+    requests = [GenerationRequest(tuple(tokenizer.encode(t)), 4 + 3 * i) for i, t in enumerate(texts)]
+    # A small step budget so the long prompt's prefill is chunked between other sequences' decode steps.
+    engine = make_engine(real_model.model, real_model.eos_token_ids, max_num_batched_tokens=24, capacity=16)
+
+    async def run_all() -> list[list[int]]:
+        scheduler = Scheduler(engine, tokenizer)
+        await scheduler.start()
+        try:
+            streams = [scheduler.submit(r) for r in requests]
+
+            async def collect(stream) -> list[int]:
+                return [t async for d in stream.deltas() for t in d.token_ids]
+
+            return await asyncio.gather(*(collect(s) for s in streams))
+        finally:
+            await scheduler.stop()
+
+    got = asyncio.run(run_all())
+    ref_model = AutoModelForCausalLM.from_pretrained(real_model.model.name_or_path)
+    for text, request, tokens in zip(texts, requests, got, strict=True):
+        assert tokens == reference(ref_model, request), text
