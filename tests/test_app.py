@@ -1,0 +1,180 @@
+"""The HTTP layer over the fake engine: the wire format a client sees, and every error as an envelope."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from starlette.testclient import TestClient
+
+from app.server import ServerConfig, create_app
+from engine.chooser import ServedModel
+from engine.fake_engine import FakeEngine
+from engine.tokenizer import ByteTokenizer
+
+MODEL = "fake-model"
+
+
+def make_client(engine: FakeEngine | None = None, **config: Any) -> TestClient:
+    served = ServedModel("fake", engine or FakeEngine(max_model_len=64), ByteTokenizer())
+    return TestClient(create_app(served, ServerConfig(served_model_name=MODEL, **config)))
+
+
+@pytest.fixture
+def client() -> Iterator[TestClient]:
+    with make_client() as c:
+        yield c
+
+
+def sse_events(client: TestClient, body: dict[str, Any]) -> list[str]:
+    with client.stream("POST", "/v1/completions", json=body) as response:
+        assert response.status_code == 200
+        assert response.headers["content-type"].startswith("text/event-stream")
+        lines = [line for line in response.iter_lines() if line]
+    assert all(line.startswith("data: ") for line in lines), lines
+    return [line.removeprefix("data: ") for line in lines]
+
+
+def assert_envelope(response: Any, status: int, param: str | None = None) -> dict[str, Any]:
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["message"]
+    if param is not None:
+        assert error["param"] == param
+    return error
+
+
+def test_completion_wire_format(client: TestClient) -> None:
+    response = client.post("/v1/completions", json={"model": MODEL, "prompt": "hello", "max_tokens": 5})
+    assert response.status_code == 200
+    body = response.json()
+    assert body["id"].startswith("cmpl-")
+    assert body["object"] == "text_completion"
+    assert isinstance(body["created"], int)
+    assert body["model"] == MODEL
+    assert body["choices"] == [{"index": 0, "text": "abcde", "logprobs": None, "finish_reason": "length"}]
+    assert body["usage"] == {"prompt_tokens": 5, "completion_tokens": 5, "total_tokens": 10}
+
+
+def test_max_tokens_defaults_to_16(client: TestClient) -> None:
+    body = client.post("/v1/completions", json={"model": MODEL, "prompt": "x"}).json()
+    assert body["usage"]["completion_tokens"] == 16
+
+
+def test_stop_token_gives_finish_reason_stop_and_ignore_eos_runs_on() -> None:
+    with make_client(FakeEngine(max_model_len=64, eos_after=3)) as client:
+        stopped = client.post("/v1/completions", json={"prompt": "x", "max_tokens": 10}).json()
+        assert stopped["choices"][0]["text"] == "ab"
+        assert stopped["choices"][0]["finish_reason"] == "stop"
+        assert stopped["usage"]["completion_tokens"] == 3  # the stop token counts, as in vLLM
+        ignored = client.post("/v1/completions", json={"prompt": "x", "max_tokens": 10, "ignore_eos": True}).json()
+        assert ignored["choices"][0]["finish_reason"] == "length"
+        assert ignored["usage"]["completion_tokens"] == 10
+
+
+def test_stream_format(client: TestClient) -> None:
+    events = sse_events(client, {"model": MODEL, "prompt": "hi", "max_tokens": 4, "stream": True})
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert len({c["id"] for c in chunks}) == 1 and chunks[0]["id"].startswith("cmpl-")
+    assert all(c["object"] == "text_completion" and len(c["choices"]) == 1 for c in chunks)
+    assert all("usage" not in c for c in chunks)
+    assert "".join(c["choices"][0]["text"] for c in chunks) == "abcd"
+    finishes = [c["choices"][0]["finish_reason"] for c in chunks]
+    assert finishes == [None] * (len(chunks) - 1) + ["length"]
+    assert all("finish_reason" in c["choices"][0] for c in chunks)
+
+
+def test_stream_include_usage_adds_a_final_usage_chunk(client: TestClient) -> None:
+    body = {"prompt": "hi", "max_tokens": 3, "stream": True, "stream_options": {"include_usage": True}}
+    chunks = [json.loads(e) for e in sse_events(client, body)[:-1]]
+    assert chunks[-1]["choices"] == []
+    assert chunks[-1]["usage"] == {"prompt_tokens": 2, "completion_tokens": 3, "total_tokens": 5}
+    assert all(c["usage"] is None for c in chunks[:-1])
+
+
+def test_models_and_health(client: TestClient) -> None:
+    models = client.get("/v1/models").json()
+    assert models["object"] == "list"
+    assert [m["id"] for m in models["data"]] == [MODEL]
+    assert client.get("/health").status_code == 200
+
+
+def test_unknown_model_is_404(client: TestClient) -> None:
+    response = client.post("/v1/completions", json={"model": "gpt-4", "prompt": "x"})
+    error = assert_envelope(response, 404, "model")
+    assert error["code"] == "model_not_found"
+
+
+def test_context_overflow_is_400(client: TestClient) -> None:
+    response = client.post("/v1/completions", json={"prompt": "x" * 60, "max_tokens": 10})
+    error = assert_envelope(response, 400)
+    assert "context length" in error["message"]
+
+
+def test_unknown_route_and_method_are_enveloped(client: TestClient) -> None:
+    assert_envelope(client.get("/v1/nothing"), 404)
+    assert_envelope(client.get("/v1/completions"), 405)
+
+
+def test_unknown_fields_are_ignored(client: TestClient) -> None:
+    response = client.post("/v1/completions", json={"prompt": "x", "max_tokens": 1, "frobnicate": [1, {"a": 2}]})
+    assert response.status_code == 200
+
+
+@pytest.mark.parametrize(
+    ("raw", "param"),
+    [
+        (b"{not json", None),
+        (b"", None),
+        (b"\xff\xfe", None),
+        (b"[1, 2]", None),
+        (b'"a string"', None),
+        (b"{}", "prompt"),
+        (b'{"prompt": null}', "prompt"),
+        (b'{"prompt": ""}', "prompt"),
+        (b'{"prompt": []}', "prompt"),
+        (b'{"prompt": 5}', "prompt"),
+        (b'{"prompt": [1, "a"]}', "prompt"),
+        (b'{"prompt": [-1]}', "prompt"),
+        (b'{"prompt": [999999]}', "prompt"),
+        (b'{"prompt": "x", "max_tokens": 0}', "max_tokens"),
+        (b'{"prompt": "x", "max_tokens": -3}', "max_tokens"),
+        (b'{"prompt": "x", "max_tokens": "5"}', "max_tokens"),
+        (b'{"prompt": "x", "max_tokens": 2.5}', "max_tokens"),
+        (b'{"prompt": "x", "max_tokens": true}', "max_tokens"),
+        (b'{"prompt": "x", "model": 3}', "model"),
+        (b'{"prompt": "x", "stream": "yes"}', "stream"),
+        (b'{"prompt": "x", "stream": true, "stream_options": 1}', "stream_options"),
+        (b'{"prompt": "x", "stream": true, "stream_options": {"include_usage": 1}}', "stream_options"),
+        (b'{"prompt": "x", "ignore_eos": "no"}', "ignore_eos"),
+    ],
+)
+def test_malformed_requests_are_400_envelopes(client: TestClient, raw: bytes, param: str | None) -> None:
+    response = client.post("/v1/completions", content=raw, headers={"content-type": "application/json"})
+    assert_envelope(response, 400, param)
+
+
+def test_engine_fault_is_a_500_envelope_then_the_server_serves_again() -> None:
+    engine = FakeEngine(max_model_len=64)
+    engine.fail_on_step = 1
+    with make_client(engine) as client:
+        error = assert_envelope(client.post("/v1/completions", json={"prompt": "x"}), 500)
+        assert "injected engine fault" in error["message"]
+        assert (
+            client.post("/v1/completions", json={"prompt": "x", "max_tokens": 2}).json()["choices"][0]["text"] == "ab"
+        )
+
+
+def test_engine_fault_mid_stream_sends_an_error_event_then_done() -> None:
+    engine = FakeEngine(max_model_len=64)
+    engine.fail_on_step = 3
+    with make_client(engine) as client:
+        events = sse_events(client, {"prompt": "x", "max_tokens": 10, "stream": True})
+        assert events[-1] == "[DONE]"
+        assert [json.loads(e)["choices"][0]["text"] for e in events[:2]] == ["a", "b"]
+        error = json.loads(events[-2])["error"]
+        assert "injected engine fault" in error["message"]

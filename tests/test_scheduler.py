@@ -1,0 +1,166 @@
+"""The scheduler over FakeEngine: joining, independent resolution, capacity, admission errors, engine faults."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+import pytest
+
+from engine.fake_engine import FakeEngine
+from engine.scheduler import Delta, EngineError, QueueFullError, RequestStream, Scheduler
+from engine.tokenizer import ByteTokenizer
+from engine.types import GenerationRequest, StepOutput
+
+
+class RecordingEngine(FakeEngine):
+    """Records the active count at every step, to prove capacity is never exceeded."""
+
+    def __init__(self, **kwargs: int) -> None:
+        super().__init__(**kwargs)
+        self.active_per_step: list[int] = []
+
+    def step(self) -> list[StepOutput]:
+        self.active_per_step.append(self.num_active())
+        return super().step()
+
+
+def req(max_new: int = 4, prompt: str = "hi") -> GenerationRequest:
+    return GenerationRequest(tuple(prompt.encode()), max_new)
+
+
+async def collect(stream: RequestStream) -> list[Delta]:
+    return [d async for d in stream.deltas()]
+
+
+def text_of(deltas: list[Delta]) -> str:
+    return "".join(d.text for d in deltas)
+
+
+def run(engine: FakeEngine, body: Callable[[Scheduler], Awaitable[None]], **kwargs: int) -> None:
+    async def main() -> None:
+        scheduler = Scheduler(engine, ByteTokenizer(), **kwargs)
+        await scheduler.start()
+        try:
+            await asyncio.wait_for(body(scheduler), timeout=10)
+        finally:
+            await scheduler.stop()
+
+    asyncio.run(main())
+
+
+def test_each_request_gets_its_own_tokens_and_finish() -> None:
+    async def body(s: Scheduler) -> None:
+        deltas = await asyncio.gather(collect(s.submit(req(3))), collect(s.submit(req(7))))
+        assert [text_of(d) for d in deltas] == ["abc", "abcdefg"]
+        assert [d[-1].finish_reason for d in deltas] == ["length", "length"]
+        assert all(x.finish_reason is None for d in deltas for x in d[:-1])
+
+    run(FakeEngine(), body)
+
+
+def test_short_request_resolves_before_its_long_batchmate() -> None:
+    async def body(s: Scheduler) -> None:
+        long = asyncio.create_task(collect(s.submit(req(50))))
+        short = await collect(s.submit(req(2)))
+        assert text_of(short) == "ab"
+        assert not long.done()  # resolved independently, while the long one still runs
+        assert len(await long) == 50
+
+    run(FakeEngine(), body)
+
+
+def test_newcomer_joins_a_running_batch() -> None:
+    engine = RecordingEngine()
+
+    async def body(s: Scheduler) -> None:
+        first = s.submit(req(30))
+        it = first.deltas()
+        for _ in range(5):  # the first request is well under way
+            await anext(it)
+        late = await collect(s.submit(req(3)))
+        assert text_of(late) == "abc"
+        assert s.num_running == 1  # the first is still going: the newcomer joined it mid-flight
+        assert len([d async for d in it]) == 25
+
+    run(engine, body)
+    assert 2 in engine.active_per_step
+
+
+def test_capacity_is_never_exceeded_and_the_queue_drains() -> None:
+    engine = RecordingEngine(capacity=3)
+
+    async def body(s: Scheduler) -> None:
+        results = await asyncio.gather(*(collect(s.submit(req(2 + i % 5))) for i in range(20)))
+        assert [len(r) for r in results] == [2 + i % 5 for i in range(20)]
+
+    run(engine, body)
+    assert max(engine.active_per_step) == 3
+
+
+def test_rejected_admission_fails_only_that_request() -> None:
+    async def body(s: Scheduler) -> None:
+        good = s.submit(req(4))
+        bad = s.submit(GenerationRequest((), 4))  # an empty prompt: admit raises, atomically
+        also_good = s.submit(req(2))
+        with pytest.raises(EngineError, match="empty"):
+            await collect(bad)
+        assert text_of(await collect(good)) == "abcd"
+        assert text_of(await collect(also_good)) == "ab"
+
+    run(FakeEngine(), body)
+
+
+def test_engine_fault_fails_its_batch_resets_and_serves_later_requests() -> None:
+    engine = FakeEngine()
+    engine.fail_on_step = 3
+
+    async def body(s: Scheduler) -> None:
+        batch = [s.submit(req(10)), s.submit(req(10))]
+        for stream in batch:
+            with pytest.raises(EngineError, match="injected engine fault"):
+                await collect(stream)
+        assert engine.num_active() == 0  # reset
+        assert text_of(await collect(s.submit(req(3)))) == "abc"
+
+    run(engine, body)
+
+
+def test_abort_leaves_the_batch_at_the_next_step() -> None:
+    engine = FakeEngine()
+
+    async def body(s: Scheduler) -> None:
+        stream = s.submit(req(200))
+        it: AsyncIterator[Delta] = stream.deltas()
+        await anext(it)
+        s.abort(stream)
+        other = await collect(s.submit(req(3)))  # a step runs after the abort
+        assert text_of(other) == "abc"
+        assert engine.num_active() == 0
+        assert s.num_running == 0
+
+    run(engine, body)
+
+
+def test_abort_of_a_waiting_request_drops_it_before_admission() -> None:
+    engine = RecordingEngine(capacity=1)
+
+    async def body(s: Scheduler) -> None:
+        running = s.submit(req(5))
+        waiting = s.submit(req(5))
+        s.abort(waiting)
+        assert s.num_waiting == 1  # only the first is left to admit
+        assert len(await collect(running)) == 5
+
+    run(engine, body)
+    assert max(engine.active_per_step) == 1
+
+
+def test_full_queue_raises() -> None:
+    async def body(s: Scheduler) -> None:
+        s.submit(req(3))
+        s.submit(req(3))
+        with pytest.raises(QueueFullError):
+            s.submit(req(3))
+
+    run(FakeEngine(), body, max_queue=2)
