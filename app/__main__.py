@@ -23,6 +23,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--served-model-name", default=None, help="name clients send as `model` (default: the model's)")
+    parser.add_argument(
+        "--dtype",
+        choices=["auto", "float32", "bfloat16"],
+        default=defaults.dtype,
+        help="weights and activations; auto picks whichever runs decode matmuls faster here",
+    )
     parser.add_argument("--max-batch-size", type=int, default=defaults.max_batch_size, help="sequences per step")
     parser.add_argument("--max-model-len", type=int, default=None, help="longest prompt + completion")
     parser.add_argument("--kv-cache-gib", type=float, default=defaults.kv_cache_gib, help="KV cache memory bound")
@@ -42,6 +48,7 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     engine_config = EngineConfig(
         model=args.model,
+        dtype=args.dtype,
         max_batch_size=args.max_batch_size,
         max_model_len=args.max_model_len,
         kv_cache_gib=args.kv_cache_gib,

@@ -28,7 +28,7 @@ def build(config: EngineConfig) -> ServedModel:
     from engine import loader
     from engine.hf_engine import HFEngine
 
-    loaded = loader.load(config.model)
+    loaded = loader.load(config.model, config.dtype)
     max_model_len = min(config.max_model_len or loaded.max_position_embeddings, loaded.max_position_embeddings)
     hf_engine = HFEngine(
         loaded.model,

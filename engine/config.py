@@ -11,6 +11,9 @@ DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 class EngineConfig:
     #: The default model's name, a ``.gguf`` file, a HF model directory, a cached hub id, or ``fake``.
     model: str = DEFAULT_MODEL
+    #: ``float32`` (token-identical to ``generate`` in float32), ``bfloat16``, or ``auto``: whichever runs
+    #: decode matmuls faster on this machine.
+    dtype: str = "auto"
     #: Most sequences decoded together in one step.
     max_batch_size: int = 32
     #: Longest prompt + completion; ``None`` takes the model's own limit.

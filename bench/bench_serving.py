@@ -1,0 +1,225 @@
+"""Serving benchmark: the server over HTTP against plain `model.generate`, on the same prompts and token counts.
+
+    .venv/bin/python bench/bench_serving.py                  # HTTP at 1, 8, 32, 64 streams + generate baseline
+    .venv/bin/python bench/bench_serving.py --concurrency 1 8
+    .venv/bin/python bench/bench_serving.py --step-context    # decode step time at context 128 vs 2048, batch 8
+
+The server is started as a user would start it (`python -m app`). Each client streams one request of
+`--new-tokens` tokens with `ignore_eos`. Reported: aggregate tokens/s, time to first token and inter-token
+latency (p50/p99), and the server's peak RSS during that concurrency level; then the offline baseline, a
+static batch of the same size through `model.generate`, and the ratio.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from compat.conftest import start_server, stop_server  # noqa: E402
+
+MODEL = "SmolLM2-135M-Instruct"
+TOPICS = ["a lighthouse", "the moon", "a small robot", "an old map", "the ocean", "a mountain town", "a violin", "rain"]
+
+
+def prompts(n: int) -> list[str]:
+    return [f"Write a short story about {TOPICS[i % len(TOPICS)]} (story {i}):" for i in range(n)]
+
+
+@dataclass
+class StreamTiming:
+    start: float
+    chunks: list[float] = field(default_factory=list)
+    tokens: int = 0
+
+
+async def one_stream(client: httpx.AsyncClient, base: str, prompt: str, new_tokens: int) -> StreamTiming:
+    body = {
+        "model": MODEL,
+        "prompt": prompt,
+        "max_tokens": new_tokens,
+        "stream": True,
+        "ignore_eos": True,
+        "stream_options": {"include_usage": True},
+    }
+    timing = StreamTiming(time.perf_counter())
+    async with client.stream("POST", f"{base}/v1/completions", json=body) as response:
+        response.raise_for_status()
+        async for line in response.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if chunk["choices"]:
+                timing.chunks.append(time.perf_counter())
+            elif chunk.get("usage"):
+                timing.tokens = chunk["usage"]["completion_tokens"]
+    return timing
+
+
+class RssSampler:
+    """Samples a process's resident memory from /proc while a run goes on."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.peak_kib = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def rss_kib(self) -> int:
+        for line in Path(f"/proc/{self.pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1])
+        return 0
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.peak_kib = max(self.peak_kib, self.rss_kib())
+            time.sleep(0.05)
+
+    def __enter__(self) -> RssSampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def pct(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+
+async def run_level(base: str, n: int, new_tokens: int) -> dict[str, float]:
+    limits = httpx.Limits(max_connections=n + 4)
+    async with httpx.AsyncClient(timeout=600, limits=limits) as client:
+        started = time.perf_counter()
+        timings = await asyncio.gather(*(one_stream(client, base, p, new_tokens) for p in prompts(n)))
+        wall = time.perf_counter() - started
+    assert all(t.tokens == new_tokens for t in timings), [t.tokens for t in timings]
+    ttft = [t.chunks[0] - t.start for t in timings]
+    itl = [b - a for t in timings for a, b in zip(t.chunks, t.chunks[1:], strict=False)]
+    return {
+        "tok_s": n * new_tokens / wall,
+        "ttft_p50": pct(ttft, 0.5),
+        "ttft_p99": pct(ttft, 0.99),
+        "itl_p50": pct(itl, 0.5),
+        "itl_p99": pct(itl, 0.99),
+    }
+
+
+def serving(levels: list[int], new_tokens: int, server_args: list[str]) -> dict[int, dict[str, float]]:
+    flags = ["--model", MODEL, "--max-batch-size", str(max(levels)), "--log-level", "warning", *server_args]
+    proc, base = start_server(*flags)
+    results = {}
+    try:
+        asyncio.run(run_level(base, 2, 8))  # warm-up
+        for n in levels:
+            with RssSampler(proc.pid) as rss:
+                results[n] = asyncio.run(run_level(base, n, new_tokens))
+            results[n]["peak_rss_mib"] = rss.peak_kib / 1024
+            print(f"  http n={n}: {results[n]['tok_s']:.1f} tok/s", flush=True)
+    finally:
+        stop_server(proc)
+    return results
+
+
+def generate_baseline(levels: list[int], new_tokens: int, dtype: str) -> dict[int, float]:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from engine import loader
+
+    source = str(loader._converted(loader._default_gguf()))
+    tokenizer = AutoTokenizer.from_pretrained(source)
+    tokenizer.padding_side = "left"
+    model = AutoModelForCausalLM.from_pretrained(source, dtype=getattr(torch, dtype)).eval()
+    results = {}
+    for n in levels:
+        batch = tokenizer(prompts(n), return_tensors="pt", padding=True)
+        with torch.inference_mode():
+            model.generate(**batch, max_new_tokens=2, do_sample=False)  # warm-up
+            started = time.perf_counter()
+            out = model.generate(**batch, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
+            wall = time.perf_counter() - started
+        assert out.shape[1] - batch["input_ids"].shape[1] == new_tokens
+        results[n] = n * new_tokens / wall
+        print(f"  generate ({dtype}) n={n}: {results[n]:.1f} tok/s", flush=True)
+    return results
+
+
+def step_context(batch: int = 8, contexts: tuple[int, ...] = (128, 2048), steps: int = 20) -> None:
+    """Decode step time for `batch` sequences whose contexts hold `context` tokens."""
+    import torch
+
+    from engine import chooser
+    from engine.config import EngineConfig
+    from engine.types import GenerationRequest
+
+    engine = chooser.build(EngineConfig(max_batch_size=batch, max_num_batched_tokens=4096)).engine
+    times = {}
+    for context in contexts:
+        requests = [
+            GenerationRequest(tuple((i * 7919 + j * 31) % 40000 + 100 for j in range(context)), steps + 5, True)
+            for i in range(batch)
+        ]
+        engine.admit(requests)
+        while engine.num_active() and any(seq.slot is None for seq in engine._seqs.values()):
+            engine.step()  # prefill
+        engine.step()
+        started = time.perf_counter()
+        for _ in range(steps):
+            engine.step()
+        times[context] = (time.perf_counter() - started) / steps * 1000
+        engine.reset()
+        print(f"  batch {batch}, context {context}: {times[context]:.1f} ms/step", flush=True)
+    first, last = contexts[0], contexts[-1]
+    print(
+        f"step time ratio context {last} / {first}: {times[last] / times[first]:.2f}x (torch threads: "
+        f"{torch.get_num_threads()})"
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32, 64])
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--baseline-dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--server-args", nargs=argparse.REMAINDER, default=[], help="extra flags for python -m app")
+    parser.add_argument("--step-context", action="store_true", help="only the decode-step-vs-context measurement")
+    args = parser.parse_args()
+    if args.step_context:
+        step_context()
+        return
+    print("serving over HTTP:", flush=True)
+    http = serving(args.concurrency, args.new_tokens, args.server_args)
+    print("plain generate, static batches:", flush=True)
+    base = generate_baseline(args.concurrency, args.new_tokens, args.baseline_dtype)
+    print()
+    print(
+        "| streams | HTTP tok/s | generate tok/s | ratio | TTFT p50 / p99 (s) | ITL p50 / p99 (ms) | peak RSS (MiB) |"
+    )
+    print("|---|---|---|---|---|---|---|")
+    for n in args.concurrency:
+        r = http[n]
+        print(
+            f"| {n} | {r['tok_s']:.1f} | {base[n]:.1f} | {r['tok_s'] / base[n]:.2f}x | "
+            f"{r['ttft_p50']:.2f} / {r['ttft_p99']:.2f} | {r['itl_p50'] * 1000:.0f} / {r['itl_p99'] * 1000:.0f} | "
+            f"{r['peak_rss_mib']:.0f} |"
+        )
+
+
+if __name__ == "__main__":
+    main()

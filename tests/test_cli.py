@@ -1,0 +1,23 @@
+from __future__ import annotations
+
+import pytest
+
+from app.__main__ import parse_args
+
+
+def test_defaults_serve_the_default_model_on_localhost_8000() -> None:
+    args = parse_args([])
+    assert (args.model, args.host, args.port) == ("SmolLM2-135M-Instruct", "127.0.0.1", 8000)
+    assert args.max_batch_size >= 16
+    assert args.dtype == "auto"
+    assert args.served_model_name is None
+
+
+def test_flags_are_parsed() -> None:
+    args = parse_args(["--model", "fake", "--port", "9001", "--served-model-name", "m", "--max-batch-size", "4"])
+    assert (args.model, args.port, args.served_model_name, args.max_batch_size) == ("fake", 9001, "m", 4)
+
+
+def test_unknown_dtype_is_refused() -> None:
+    with pytest.raises(SystemExit):
+        parse_args(["--dtype", "int4"])
