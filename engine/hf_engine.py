@@ -5,13 +5,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
-from transformers import AttentionInterface, PreTrainedModel
+from transformers import PreTrainedModel
 
 from engine.base import InferenceEngine, validate_request
-from engine.kv_cache import ATTENTION_NAME, PrefillChunk, SlotKVCache, StepBatch, slot_attention
+from engine.kv_cache import PrefillChunk, SlotKVCache, StepBatch
+from engine.model_runner import make_runner
 from engine.types import FinishReason, GenerationRequest, StepOutput
-
-AttentionInterface.register(ATTENTION_NAME, slot_attention)
 
 
 @dataclass(slots=True, eq=False)
@@ -63,11 +62,8 @@ class HFEngine(InferenceEngine):
         kv_cache_bytes: int,
         max_num_batched_tokens: int,
     ) -> None:
-        model.set_attn_implementation(ATTENTION_NAME)
-        model.eval()
         config = model.config
-        self._decoder = model.get_decoder()
-        self._lm_head = model.get_output_embeddings()
+        self._runner = make_runner(model)
         self._device = model.device
         self.eos_token_ids = eos_token_ids
         self.capacity = capacity
@@ -165,16 +161,17 @@ class HFEngine(InferenceEngine):
             token_ids.extend(seq.request.prompt_ids[chunk.start : chunk.start + chunk.length])
             positions.extend(range(chunk.start, chunk.start + chunk.length))
         batch = self._step_batch(positions[: len(plan.decoding)], [chunk for _, chunk in plan.chunks])
-        with torch.inference_mode():
-            hidden = self._decoder(
-                input_ids=torch.tensor([token_ids], device=self._device),
-                position_ids=torch.tensor([positions], device=self._device),
-                use_cache=False,
-                step_batch=batch,
-            ).last_hidden_state[0]
+        rows = None
+        if plan.chunks:
             rows = list(range(len(plan.decoding)))
             rows += [chunk.row + chunk.length - 1 for seq, chunk in plan.chunks if seq in completing]
-            return self._lm_head(hidden[rows])
+        with torch.inference_mode():
+            return self._runner.forward(
+                torch.tensor(token_ids, device=self._device),
+                torch.tensor(positions, device=self._device),
+                batch,
+                None if rows is None else torch.tensor(rows, device=self._device),
+            )
 
     def _step_batch(self, decode_positions: list[int], chunks: list[PrefillChunk]) -> StepBatch:
         n = len(decode_positions)

@@ -108,6 +108,23 @@ class SlotKVCache:
         self.kv = None
 
 
+def attend(
+    batch: StepBatch, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float | None
+) -> torch.Tensor:
+    """Attention over one step's packed rows: ``query`` ``[rows, heads, dim]``, ``key``/``value``
+    ``[rows, kv_heads, dim]`` (after RoPE). Writes the rows' K/V into the cache; returns ``[rows, heads, dim]``."""
+    if not batch.chunks:
+        return _decode_attention(batch, layer, query, key, value, scale)
+    out = torch.empty_like(query)
+    n = batch.num_decode
+    if n:
+        out[:n] = _decode_attention(batch, layer, query[:n], key[:n], value[:n], scale)
+    for chunk in batch.chunks:
+        rows = slice(chunk.row, chunk.row + chunk.length)
+        out[rows] = _prefill_attention(chunk, layer, query[rows], key[rows], value[rows], scale)
+    return out
+
+
 def slot_attention(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -118,43 +135,29 @@ def slot_attention(
     dropout: float = 0.0,
     **kwargs: object,
 ) -> tuple[torch.Tensor, None]:
-    """Attention over the packed rows of one step, registered with transformers as ``ATTENTION_NAME``.
+    """``attend`` as a transformers attention function, registered as ``ATTENTION_NAME``.
 
-    ``query`` is ``[1, heads, rows, dim]`` and ``key``/``value`` ``[1, kv_heads, rows, dim]`` (after RoPE);
-    returns ``[1, rows, heads, dim]`` as transformers' attention functions do.
+    transformers passes ``[1, heads, rows, dim]`` and expects ``[1, rows, heads, dim]`` back.
     """
     batch = kwargs["step_batch"]
     assert isinstance(batch, StepBatch)
-    layer = module.layer_idx
-    out = query.new_empty(query.shape[2], query.shape[1], query.shape[3])
-    if batch.num_decode:
-        out[: batch.num_decode] = _decode_attention(batch, layer, query[0], key[0], value[0], scaling)
-    for chunk in batch.chunks:
-        out[chunk.row : chunk.row + chunk.length] = _prefill_attention(
-            chunk, layer, query[0], key[0], value[0], scaling
-        )
-    return out.unsqueeze(0), None
+    rows_first = (t[0].transpose(0, 1) for t in (query, key, value))
+    return attend(batch, module.layer_idx, *rows_first, scaling).unsqueeze(0), None
 
 
 def _decode_attention(
-    batch: StepBatch,
-    layer: int,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    scale: float | None,
+    batch: StepBatch, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float | None
 ) -> torch.Tensor:
     """One new token per slot, attending over its slot's positions ``0..position``."""
     n = batch.num_decode
     kv = batch.cache.kv
     assert kv is not None
-    num_heads, num_kv_heads = query.shape[0], key.shape[0]
-    # [kv_heads, n, dim] -> [n, kv_heads, dim], written at each slot's own position.
-    kv[layer, 0][batch.decode_slots, :, batch.decode_positions] = key[:, :n].transpose(0, 1)
-    kv[layer, 1][batch.decode_slots, :, batch.decode_positions] = value[:, :n].transpose(0, 1)
+    num_heads, num_kv_heads = query.shape[1], key.shape[1]
+    kv[layer, 0][batch.decode_slots, :, batch.decode_positions] = key
+    kv[layer, 1][batch.decode_slots, :, batch.decode_positions] = value
     # Grouped-query attention without repeating K/V: the query heads that share a KV head become that
     # head's "query length", which is free for a single new token per row.
-    q = query[:, :n].transpose(0, 1).reshape(n, num_kv_heads, num_heads // num_kv_heads, -1)
+    q = query.reshape(n, num_kv_heads, num_heads // num_kv_heads, -1)
     keys = kv[layer, 0, :n, :, : batch.decode_len]
     values = kv[layer, 1, :n, :, : batch.decode_len]
     attended = F.scaled_dot_product_attention(q, keys, values, attn_mask=batch.decode_mask, scale=scale)
@@ -162,21 +165,15 @@ def _decode_attention(
 
 
 def _prefill_attention(
-    chunk: PrefillChunk,
-    layer: int,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    scale: float | None,
+    chunk: PrefillChunk, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float | None
 ) -> torch.Tensor:
     """A chunk of prompt rows, attending causally over the prompt so far (its staging tensor)."""
-    rows = slice(chunk.row, chunk.row + chunk.length)
     end = chunk.start + chunk.length
-    chunk.staging[layer, 0, :, chunk.start : end] = key[:, rows]
-    chunk.staging[layer, 1, :, chunk.start : end] = value[:, rows]
+    chunk.staging[layer, 0, :, chunk.start : end] = key.transpose(0, 1)
+    chunk.staging[layer, 1, :, chunk.start : end] = value.transpose(0, 1)
     keys = chunk.staging[layer, 0, :, :end]
     values = chunk.staging[layer, 1, :, :end]
-    q = query[:, rows]
+    q = query.transpose(0, 1)
     if chunk.start == 0:
         attended = F.scaled_dot_product_attention(q, keys, values, is_causal=True, scale=scale, enable_gqa=True)
     else:

@@ -40,3 +40,16 @@ def real_model():
     from engine import loader
 
     return loader.load(loader.DEFAULT_MODEL)
+
+
+@pytest.fixture(scope="session")
+def tiny_gpt2_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A randomly initialised 2-layer GPT-2: an architecture the lean llama runner does not cover."""
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    config = GPT2Config(vocab_size=300, n_embd=64, n_layer=2, n_head=4, n_positions=512, eos_token_id=7, bos_token_id=1)
+    path = tmp_path_factory.mktemp("tiny-gpt2")
+    GPT2LMHeadModel(config).save_pretrained(path)
+    return str(path)

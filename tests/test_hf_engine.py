@@ -29,6 +29,7 @@ def reference(model: PreTrainedModel, request: GenerationRequest) -> list[int]:
             attention_mask=torch.ones_like(prompt),
             max_new_tokens=request.max_new_tokens,
             do_sample=False,
+            pad_token_id=0,
             # ignore_eos means: emit EOS like any token, but do not stop on it.
             **({"eos_token_id": []} if request.ignore_eos else {}),
         )
@@ -52,10 +53,12 @@ def run_staggered(engine: HFEngine, arrivals: list[tuple[int, GenerationRequest]
     return tokens
 
 
-@pytest.fixture(scope="module")
-def tiny_pair(tiny_llama_dir: str) -> tuple[PreTrainedModel, PreTrainedModel]:
-    """The engine's copy of the tiny model and an untouched copy for `generate`."""
-    return AutoModelForCausalLM.from_pretrained(tiny_llama_dir), AutoModelForCausalLM.from_pretrained(tiny_llama_dir)
+@pytest.fixture(scope="module", params=["llama", "gpt2"])
+def tiny_pair(request: pytest.FixtureRequest) -> tuple[PreTrainedModel, PreTrainedModel]:
+    """The engine's copy of a tiny model and an untouched copy for `generate`. llama runs through the lean
+    LlamaRunner, gpt2 through transformers' own forward (HFRunner)."""
+    path = request.getfixturevalue(f"tiny_{request.param}_dir")
+    return AutoModelForCausalLM.from_pretrained(path), AutoModelForCausalLM.from_pretrained(path)
 
 
 def _prompt(seed: int, length: int) -> tuple[int, ...]:
@@ -99,7 +102,8 @@ def test_kv_budget_makes_admission_wait(tiny_pair) -> None:
 def engine_bytes_per_token(model: PreTrainedModel) -> int:
     config = model.config
     head_dim = config.hidden_size // config.num_attention_heads
-    return config.num_hidden_layers * 2 * config.num_key_value_heads * head_dim * 4
+    kv_heads = getattr(config, "num_key_value_heads", config.num_attention_heads)
+    return config.num_hidden_layers * 2 * kv_heads * head_dim * 4
 
 
 @pytest.mark.real_model
