@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 
-import uvicorn
-
+from app.serve import serve
 from app.server import ServerConfig, create_app
 from engine import chooser
 from engine.config import DEFAULT_MODEL, EngineConfig
@@ -39,6 +39,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="tokens per forward step; long prompts are prefilled in chunks of this size",
     )
     parser.add_argument("--max-queue", type=int, default=ServerConfig().max_queue, help="waiting requests before 429")
+    parser.add_argument(
+        "--api-key",
+        default=os.environ.get("SMOLSERVE_API_KEY"),
+        help="require `Authorization: Bearer <key>` on /v1/* (default: $SMOLSERVE_API_KEY)",
+    )
+    parser.add_argument("--cors-origins", nargs="*", default=[], help="origins allowed by CORS, e.g. '*'")
+    parser.add_argument(
+        "--shutdown-timeout", type=float, default=30.0, help="seconds in-flight requests get to finish on SIGTERM"
+    )
     parser.add_argument("--log-level", default="info")
     return parser.parse_args(argv)
 
@@ -55,8 +64,14 @@ def main(argv: list[str] | None = None) -> None:
         max_num_batched_tokens=args.max_num_batched_tokens,
     )
     served = chooser.build(engine_config)
-    app = create_app(served, ServerConfig(served_model_name=args.served_model_name, max_queue=args.max_queue))
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    server_config = ServerConfig(
+        served_model_name=args.served_model_name,
+        max_queue=args.max_queue,
+        api_key=args.api_key,
+        cors_origins=tuple(args.cors_origins),
+    )
+    app = create_app(served, server_config)
+    serve(app, args.host, args.port, shutdown_timeout=args.shutdown_timeout, log_level=args.log_level)
 
 
 if __name__ == "__main__":

@@ -39,6 +39,11 @@ class APIError(Exception):
         self.code = code
         self.headers = headers
 
+    @property
+    def reason(self) -> str:
+        """A short label for metrics: the code when there is one, else the error type."""
+        return self.code or _TYPES.get(self.status, "server_error")
+
     def body(self) -> dict[str, Any]:
         return error_body(self.status, self.message, param=self.param, code=self.code)
 
@@ -54,6 +59,7 @@ def bad_request(message: str, param: str | None = None) -> APIError:
 
 async def handle_api_error(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, APIError)
+    request.app.state.server.metrics.requests_rejected.labels(exc.reason).inc()
     return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
 
 

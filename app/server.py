@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import time
@@ -10,8 +11,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from sse_starlette import EventSourceResponse
+from sse_starlette.sse import AppStatus
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
@@ -25,9 +29,14 @@ from app.errors import (
     handle_http_exception,
     handle_unexpected,
 )
+from app.metrics import Metrics
+from app.middleware import APIKeyMiddleware, RequestIdMiddleware
 from engine.chooser import ServedModel
-from engine.scheduler import EngineError, QueueFullError, RequestStream, Scheduler
+from engine.scheduler import Delta, EngineError, QueueFullError, RequestStream, Scheduler
 from engine.types import GenerationRequest
+
+# Streams end when their generation ends, also at shutdown: app/serve.py drains them before the server stops.
+AppStatus.disable_automatic_graceful_drain()
 
 
 @dataclass(slots=True, frozen=True)
@@ -36,6 +45,10 @@ class ServerConfig:
     served_model_name: str | None = None
     #: Requests allowed to wait for a batch slot before new ones get 429.
     max_queue: int = 256
+    #: When set, ``Authorization: Bearer <key>`` is required on /v1/* and /tokenize, /detokenize.
+    api_key: str | None = None
+    #: Origins allowed by CORS; empty means no CORS headers.
+    cors_origins: tuple[str, ...] = ()
 
 
 class _State:
@@ -46,7 +59,10 @@ class _State:
         self.tokenizer = served.tokenizer
         self.max_model_len = served.max_model_len
         self.scheduler = Scheduler(served.engine, served.tokenizer, max_queue=config.max_queue)
+        self.metrics = Metrics(lambda: self.scheduler.num_running, lambda: self.scheduler.num_waiting)
         self.created = int(time.time())
+        #: Set when shutdown begins: new requests get 503 while in-flight ones finish.
+        self.draining = False
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
@@ -76,14 +92,19 @@ class _State:
             )
 
     def submit(self, request: GenerationRequest) -> RequestStream:
+        if self.draining:
+            raise APIError(503, "The server is shutting down; retry on another instance.", code="shutting_down")
         try:
-            return self.scheduler.submit(request)
+            stream = self.scheduler.submit(request)
         except QueueFullError as exc:
             raise APIError(429, str(exc), code="queue_full", headers={"Retry-After": "1"}) from None
+        self.metrics.prompt_tokens.inc(len(request.prompt_ids))
+        return stream
 
 
 def create_app(served: ServedModel, config: ServerConfig | None = None) -> Starlette:
-    state = _State(served, config or ServerConfig())
+    config = config or ServerConfig()
+    state = _State(served, config)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -94,7 +115,10 @@ def create_app(served: ServedModel, config: ServerConfig | None = None) -> Starl
             await state.scheduler.stop()
 
     async def health(request: Request) -> Response:
-        return JSONResponse({"status": "ok"})
+        return JSONResponse({"status": "draining" if state.draining else "ok"})
+
+    async def metrics(request: Request) -> Response:
+        return Response(state.metrics.render(), media_type=state.metrics.content_type)
 
     async def models(request: Request) -> Response:
         card = {
@@ -107,18 +131,21 @@ def create_app(served: ServedModel, config: ServerConfig | None = None) -> Starl
         return JSONResponse({"object": "list", "data": [card]})
 
     async def completions(request: Request) -> Response:
+        arrived = time.perf_counter()
         req = protocol.parse_completion_request(protocol.parse_json_object(await request.body()))
         state.check_model(req.model)
         prompt_ids = state.prompt_ids(req.prompt)
         state.check_context(len(prompt_ids), req.max_tokens)
         stream = state.submit(GenerationRequest(tuple(prompt_ids), req.max_tokens, req.ignore_eos))
+        call = _Call(state, request, stream, req, len(prompt_ids), arrived)
         if req.stream:
-            events = _stream_completion(state, stream, req, len(prompt_ids))
-            return EventSourceResponse(events, sep="\n")
-        return JSONResponse(await _complete(state, stream, len(prompt_ids)))
+            # No shutdown handling by sse-starlette: the server drains streams itself (app/serve.py).
+            return EventSourceResponse(call.events(), sep="\n")
+        return await call.respond()
 
     routes = [
         Route("/health", health, methods=["GET"]),
+        Route("/metrics", metrics, methods=["GET"]),
         Route("/v1/models", models, methods=["GET"]),
         Route("/v1/completions", completions, methods=["POST"]),
     ]
@@ -127,43 +154,92 @@ def create_app(served: ServedModel, config: ServerConfig | None = None) -> Starl
         HTTPException: handle_http_exception,
         Exception: handle_unexpected,
     }
-    app = Starlette(routes=routes, exception_handlers=handlers, lifespan=lifespan)
-    app.state.scheduler = state.scheduler
+    middleware = [Middleware(RequestIdMiddleware)]
+    if config.cors_origins:
+        middleware.append(
+            Middleware(
+                CORSMiddleware, allow_origins=list(config.cors_origins), allow_methods=["*"], allow_headers=["*"]
+            )
+        )
+    if config.api_key:
+        rejected = state.metrics.requests_rejected.labels("invalid_api_key")
+        middleware.append(Middleware(APIKeyMiddleware, api_key=config.api_key, on_reject=rejected.inc))
+    app = Starlette(routes=routes, exception_handlers=handlers, middleware=middleware, lifespan=lifespan)
+    app.state.server = state
     return app
 
 
-async def _complete(state: _State, stream: RequestStream, num_prompt: int) -> dict[str, Any]:
-    parts: list[str] = []
-    finish_reason = None
-    try:
-        async for delta in stream.deltas():
-            parts.append(delta.text)
-            finish_reason = delta.finish_reason
-    except EngineError as exc:
-        raise APIError(500, str(exc), code="engine_error") from None
-    finally:
-        state.scheduler.abort(stream)
-    usage = protocol.usage(num_prompt, stream.num_generated)
-    return protocol.completion_response(
-        protocol.completion_id(), state.model_name, "".join(parts), finish_reason, usage
-    )
+class _Call:
+    """One admitted completion request, answered as JSON or as a stream of events."""
+
+    def __init__(
+        self,
+        state: _State,
+        request: Request,
+        stream: RequestStream,
+        req: protocol.CompletionRequest,
+        num_prompt: int,
+        arrived: float,
+    ) -> None:
+        self.state = state
+        self.request = request
+        self.stream = stream
+        self.req = req
+        self.num_prompt = num_prompt
+        self.arrived = arrived
+        self.id = protocol.completion_id()
+
+    def usage(self) -> dict[str, int]:
+        self.request.state.usage = (self.num_prompt, self.stream.num_generated)
+        return protocol.usage(self.num_prompt, self.stream.num_generated)
+
+    def deltas(self) -> AsyncIterator[Delta]:
+        return self.state.metrics.observe(self.stream.deltas(), self.arrived)
+
+    async def respond(self) -> Response:
+        """The whole completion as JSON; if the client hangs up first, its sequence leaves the batch."""
+        collect = asyncio.ensure_future(self._collect())
+        hangup = asyncio.ensure_future(_wait_for_disconnect(self.request))
+        try:
+            await asyncio.wait({collect, hangup}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            hangup.cancel()
+            if not collect.done():
+                collect.cancel()
+            self.state.scheduler.abort(self.stream)
+        if not collect.done() or collect.cancelled():
+            return Response(status_code=499)  # nobody is listening any more
+        return JSONResponse(collect.result())
+
+    async def _collect(self) -> dict[str, Any]:
+        parts: list[str] = []
+        finish_reason = None
+        try:
+            async for delta in self.deltas():
+                parts.append(delta.text)
+                finish_reason = delta.finish_reason
+        except EngineError as exc:
+            raise APIError(500, str(exc), code="engine_error") from None
+        return protocol.completion_response(self.id, self.state.model_name, "".join(parts), finish_reason, self.usage())
+
+    async def events(self) -> AsyncIterator[str]:
+        model, include_usage = self.state.model_name, self.req.include_usage
+        try:
+            async for delta in self.deltas():
+                if delta.text or delta.finish_reason is not None:
+                    choice = protocol.chunk_choice(delta.text, delta.finish_reason)
+                    yield protocol.completion_chunk(self.id, model, [choice], include_usage=include_usage)
+            usage = self.usage()
+            if include_usage:
+                yield protocol.completion_chunk(self.id, model, [], include_usage=True, usage_=usage)
+        except EngineError as exc:
+            yield json.dumps(error_body(500, str(exc), code="engine_error"))
+        finally:
+            # The client may have left mid-stream: the sequence leaves the batch at the next step.
+            self.state.scheduler.abort(self.stream)
+        yield "[DONE]"
 
 
-async def _stream_completion(
-    state: _State, stream: RequestStream, req: protocol.CompletionRequest, num_prompt: int
-) -> AsyncIterator[str]:
-    request_id = protocol.completion_id()
-    try:
-        async for delta in stream.deltas():
-            if delta.text or delta.finish_reason is not None:
-                choice = protocol.chunk_choice(delta.text, delta.finish_reason)
-                yield protocol.completion_chunk(request_id, state.model_name, [choice], include_usage=req.include_usage)
-        if req.include_usage:
-            usage = protocol.usage(num_prompt, stream.num_generated)
-            yield protocol.completion_chunk(request_id, state.model_name, [], include_usage=True, usage_=usage)
-    except EngineError as exc:
-        yield json.dumps(error_body(500, str(exc), code="engine_error"))
-    finally:
-        # The client may have left mid-stream: the sequence leaves the batch at the next step.
-        state.scheduler.abort(stream)
-    yield "[DONE]"
+async def _wait_for_disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass

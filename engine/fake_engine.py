@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 from engine.base import InferenceEngine, validate_request
@@ -23,7 +24,7 @@ class FakeEngine(InferenceEngine):
     Like HFEngine, ``admit`` runs nothing: a newcomer's first token comes from the next ``step`` (its
     prefill), and a sequence leaves in the step that produces its last token. ``eos_after`` makes every
     sequence emit the end-of-sequence token as its n-th token; ``fail_on_step`` makes the n-th step raise,
-    to test the scheduler's recovery.
+    to test the scheduler's recovery; ``step_delay`` makes each step take that long, like a real forward.
     """
 
     def __init__(
@@ -31,10 +32,13 @@ class FakeEngine(InferenceEngine):
         capacity: int = 8,
         max_model_len: int = 256,
         eos_after: int | None = None,
+        step_delay: float = 0.0,
     ) -> None:
         self.capacity = capacity
         self.max_model_len = max_model_len
         self.eos_after = eos_after
+        self.step_delay = step_delay
+        self.num_tokens = 0
         self.fail_on_step: int | None = None
         self.num_steps = 0
         self._active: dict[int, _FakeSeq] = {}
@@ -60,7 +64,10 @@ class FakeEngine(InferenceEngine):
         self.num_steps += 1
         if self.fail_on_step == self.num_steps:
             raise RuntimeError(f"injected engine fault at step {self.num_steps}")
+        if self.step_delay and self._active:
+            time.sleep(self.step_delay)
         outputs = [self._advance(seq_id, seq) for seq_id, seq in self._active.items()]
+        self.num_tokens += len(outputs)
         for out in outputs:
             if out.finish_reason is not None:
                 del self._active[out.seq_id]

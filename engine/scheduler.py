@@ -1,8 +1,8 @@
 """The continuous batching scheduler: pure asyncio over the engine seam, torch-free.
 
-One loop task owns the engine. Each iteration it waits for work, hands the engine (on its own worker
-thread, so HTTP stays responsive during a forward) the pending aborts and the head of the FIFO waiting
-queue to admit, runs one step, and hands each request the tokens it produced. Requests resolve
+One loop task owns the engine. Each iteration it waits for work, admits from the head of the FIFO waiting
+queue while the engine has room, runs one step on the engine's own worker thread (so HTTP stays responsive
+during a forward) after dropping aborted sequences, and hands each request the tokens it produced. Requests resolve
 independently: a sequence leaves in the step that finishes it, and newcomers join between steps.
 """
 
@@ -10,12 +10,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
 import logging
 from collections import deque
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from engine.base import InferenceEngine
 from engine.detokenizer import IncrementalDetokenizer
@@ -75,16 +74,6 @@ class RequestStream:
         self._queue.put_nowait(error)
 
 
-@dataclass(slots=True)
-class _Iteration:
-    """What one trip to the engine thread did."""
-
-    admitted: list[tuple[RequestStream, int]] = field(default_factory=list)
-    rejected: list[tuple[RequestStream, Exception]] = field(default_factory=list)
-    outputs: list[StepOutput] = field(default_factory=list)
-    error: Exception | None = None
-
-
 class Scheduler:
     def __init__(self, engine: InferenceEngine, tokenizer: Tokenizer, *, max_queue: int = 256) -> None:
         self.engine = engine
@@ -104,6 +93,10 @@ class Scheduler:
     @property
     def num_running(self) -> int:
         return len(self._running)
+
+    @property
+    def is_idle(self) -> bool:
+        return not (self._waiting or self._running)
 
     async def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name="scheduler")
@@ -129,13 +122,18 @@ class Scheduler:
             return
         stream.finished = True
         if stream.seq_id is None:
-            # Still waiting, or being admitted right now; the loop drops it either way.
-            with contextlib.suppress(ValueError):
-                self._waiting.remove(stream)
+            self._waiting.remove(stream)
             return
         self._running.pop(stream.seq_id, None)
         self._pending_aborts.append(stream.seq_id)
         self._wakeup.set()
+
+    def fail_all(self, message: str) -> None:
+        """End every waiting and running request with an error (shutdown ran out of time)."""
+        error = EngineError(message)
+        for stream in [*self._waiting, *self._running.values()]:
+            self.abort(stream)
+            stream._fail(error)
 
     # -- the loop -------------------------------------------------------------------------------------
 
@@ -143,55 +141,42 @@ class Scheduler:
         loop = asyncio.get_running_loop()
         while True:
             await self._wait_for_work()
-            candidates = list(itertools.islice(self._waiting, self.engine.capacity))
+            # Admission runs here, between steps: it is cheap (no forward), and a request is never both
+            # in the waiting queue and in the engine, so the queue bound counts only those truly waiting.
+            self._admit_waiting()
             aborts, self._pending_aborts = self._pending_aborts, []
-            iteration = await loop.run_in_executor(self._executor, self._iterate, candidates, aborts)
-            self._settle_admissions(iteration)
-            if iteration.error is not None:
-                self._fail_running(iteration.error)
+            outputs, error = await loop.run_in_executor(self._executor, self._step, aborts)
+            if error is not None:
+                self._fail_running(error)
             else:
-                self._hand_out(iteration.outputs)
+                self._hand_out(outputs)
 
     async def _wait_for_work(self) -> None:
         while not (self._waiting or self._running or self._pending_aborts):
             self._wakeup.clear()
             await self._wakeup.wait()
 
-    def _iterate(self, candidates: list[RequestStream], aborts: list[int]) -> _Iteration:
-        """On the engine thread: abort, admit what fits (FIFO), step once."""
-        iteration = _Iteration()
-        for seq_id in aborts:
-            self.engine.abort(seq_id)
-        for stream in candidates:
-            if not self.engine.can_admit(stream.request):
-                break
+    def _admit_waiting(self) -> None:
+        """Admit from the head of the queue while the engine has room (FIFO: no overtaking)."""
+        while self._waiting and self.engine.can_admit(self._waiting[0].request):
+            stream = self._waiting.popleft()
             try:
-                iteration.admitted.append((stream, self.engine.admit([stream.request])[0]))
+                stream.seq_id = self.engine.admit([stream.request])[0]
             except Exception as exc:  # admit is atomic: only this request is affected
-                iteration.rejected.append((stream, exc))
+                stream._fail(EngineError(f"the request was rejected: {exc}"))
+                continue
+            self._running[stream.seq_id] = stream
+
+    def _step(self, aborts: list[int]) -> tuple[list[StepOutput], Exception | None]:
+        """On the engine thread: drop aborted sequences, then step once."""
         try:
-            iteration.outputs = self.engine.step()
+            for seq_id in aborts:
+                self.engine.abort(seq_id)
+            return self.engine.step(), None
         except Exception as exc:
             log.exception("engine step failed; resetting the engine")
             self.engine.reset()
-            iteration.error = exc
-        return iteration
-
-    def _settle_admissions(self, iteration: _Iteration) -> None:
-        for stream, exc in iteration.rejected:
-            self._remove_waiting(stream)
-            stream._fail(EngineError(f"the request was rejected: {exc}"))
-        for stream, seq_id in iteration.admitted:
-            self._remove_waiting(stream)
-            stream.seq_id = seq_id
-            if stream.finished:  # aborted while being admitted
-                self._pending_aborts.append(seq_id)
-            else:
-                self._running[seq_id] = stream
-
-    def _remove_waiting(self, stream: RequestStream) -> None:
-        with contextlib.suppress(ValueError):
-            self._waiting.remove(stream)
+            return [], exc
 
     def _hand_out(self, outputs: list[StepOutput]) -> None:
         for output in outputs:

@@ -1,0 +1,64 @@
+"""Prometheus metrics, one registry per app (so several apps in one process, as in tests, do not collide)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator, Callable
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from engine.scheduler import Delta
+
+PREFIX = "smolserve:"
+_LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+
+
+class Metrics:
+    content_type = CONTENT_TYPE_LATEST
+
+    def __init__(self, num_running: Callable[[], int], num_waiting: Callable[[], int]) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        Gauge(f"{PREFIX}num_requests_running", "Requests in the engine's batch", registry=r).set_function(num_running)
+        Gauge(f"{PREFIX}num_requests_waiting", "Requests waiting for a batch slot", registry=r).set_function(
+            num_waiting
+        )
+        self.prompt_tokens = Counter(f"{PREFIX}prompt_tokens", "Prompt tokens of admitted requests", registry=r)
+        self.generation_tokens = Counter(f"{PREFIX}generation_tokens", "Tokens generated", registry=r)
+        self.request_success = Counter(
+            f"{PREFIX}request_success", "Requests that finished", ["finish_reason"], registry=r
+        )
+        self.requests_rejected = Counter(
+            f"{PREFIX}requests_rejected", "Requests answered with an error", ["reason"], registry=r
+        )
+        self.time_to_first_token = Histogram(
+            f"{PREFIX}time_to_first_token_seconds", "Arrival to first token", buckets=_LATENCY_BUCKETS, registry=r
+        )
+        self.inter_token_latency = Histogram(
+            f"{PREFIX}inter_token_latency_seconds",
+            "Gap between a request's tokens",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.e2e_latency = Histogram(
+            f"{PREFIX}e2e_request_latency_seconds", "Arrival to last token", buckets=_LATENCY_BUCKETS, registry=r
+        )
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+    async def observe(self, deltas: AsyncIterator[Delta], arrived: float) -> AsyncIterator[Delta]:
+        """Pass ``deltas`` through, timing them; count the request when it finishes."""
+        last = None
+        async for delta in deltas:
+            now = time.perf_counter()
+            if last is None:
+                self.time_to_first_token.observe(now - arrived)
+            else:
+                self.inter_token_latency.observe(now - last)
+            last = now
+            self.generation_tokens.inc(len(delta.token_ids))
+            if delta.finish_reason is not None:
+                self.e2e_latency.observe(now - arrived)
+                self.request_success.labels(delta.finish_reason).inc()
+            yield delta

@@ -1,0 +1,79 @@
+"""ASGI middleware: request ids with a one-line access log, and API-key authentication."""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import time
+import uuid
+from collections.abc import Callable
+
+from starlette.datastructures import Headers, MutableHeaders
+from starlette.responses import JSONResponse
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from app.errors import error_body
+
+access_log = logging.getLogger("smolserve.access")
+
+#: Routes that need the API key when one is set; /health and /metrics stay open for probes and scrapers.
+PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize")
+
+
+class RequestIdMiddleware:
+    """Echoes ``X-Request-Id`` (or makes one up) and logs one line per request when its response ends.
+
+    Routes put token counts in ``scope["state"]["usage"]`` (prompt, completion) for the log line.
+    """
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        request_id = Headers(scope=scope).get("x-request-id") or uuid.uuid4().hex
+        scope.setdefault("state", {})["request_id"] = request_id
+        started = time.perf_counter()
+        status = 500
+
+        async def send_with_id(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+                MutableHeaders(scope=message)["X-Request-Id"] = request_id
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_with_id)
+        finally:
+            prompt, completion = scope["state"].get("usage", (0, 0))
+            access_log.info(
+                '%s "%s %s" %d prompt_tokens=%d completion_tokens=%d latency=%.3fs',
+                request_id,
+                scope["method"],
+                scope["path"],
+                status,
+                prompt,
+                completion,
+                time.perf_counter() - started,
+            )
+
+
+class APIKeyMiddleware:
+    def __init__(self, app: ASGIApp, api_key: str, on_reject: Callable[[], None]) -> None:
+        self.app = app
+        self._expected = f"Bearer {api_key}".encode()
+        self._on_reject = on_reject
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"].startswith(PROTECTED_PREFIXES):
+            given = Headers(scope=scope).get("authorization", "").encode()
+            if not hmac.compare_digest(given, self._expected):
+                body = error_body(401, "Incorrect or missing API key. Send `Authorization: Bearer <key>`.")
+                body["error"]["code"] = "invalid_api_key"
+                self._on_reject()
+                await JSONResponse(body, status_code=401)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
