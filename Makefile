@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install serve test lint bench clean
+.PHONY: install serve test soak lint bench clean
 
 install: $(STAMP)
 
@@ -22,6 +22,9 @@ serve: install
 test: install
 	HF_HUB_OFFLINE=1 $(PY) -m pytest -q
 	$(VENV)/bin/ruff check .
+
+soak: install
+	HF_HUB_OFFLINE=1 $(PY) -m pytest -q -s -m soak compat/test_soak.py
 
 lint: install
 	$(VENV)/bin/ruff check .

@@ -178,3 +178,71 @@ def test_engine_fault_mid_stream_sends_an_error_event_then_done() -> None:
         assert [json.loads(e)["choices"][0]["text"] for e in events[:2]] == ["a", "b"]
         error = json.loads(events[-2])["error"]
         assert "injected engine fault" in error["message"]
+
+
+def test_api_key_guards_v1_but_not_health() -> None:
+    with make_client(api_key="sekret") as client:
+        body = {"prompt": "x", "max_tokens": 1}
+        missing = client.post("/v1/completions", json=body)
+        assert assert_envelope(missing, 401)["code"] == "invalid_api_key"
+        assert_envelope(client.post("/v1/completions", json=body, headers={"Authorization": "Bearer nope"}), 401)
+        assert_envelope(client.get("/v1/models", headers={"Authorization": "sekret"}), 401)
+        ok = client.post("/v1/completions", json=body, headers={"Authorization": "Bearer sekret"})
+        assert ok.status_code == 200
+        assert client.get("/health").status_code == 200
+        assert 'requests_rejected_total{reason="invalid_api_key"} 3.0' in client.get("/metrics").text
+
+
+def test_request_id_is_echoed_or_generated(client: TestClient) -> None:
+    given = client.post("/v1/completions", json={"prompt": "x", "max_tokens": 1}, headers={"X-Request-Id": "req-42"})
+    assert given.headers["x-request-id"] == "req-42"
+    made_up = client.get("/health").headers["x-request-id"]
+    assert len(made_up) >= 16 and made_up != client.get("/health").headers["x-request-id"]
+
+
+def test_access_log_has_one_line_with_token_counts(client: TestClient, caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level("INFO", logger="smolserve.access"):
+        client.post("/v1/completions", json={"prompt": "hey", "max_tokens": 4}, headers={"X-Request-Id": "r1"})
+    lines = [r.getMessage() for r in caplog.records if r.name == "smolserve.access"]
+    assert len(lines) == 1
+    assert lines[0].startswith('r1 "POST /v1/completions" 200 prompt_tokens=3 completion_tokens=4 latency=')
+
+
+def test_cors_when_enabled() -> None:
+    with make_client(cors_origins=("https://example.com",)) as client:
+        preflight = client.options(
+            "/v1/completions",
+            headers={"Origin": "https://example.com", "Access-Control-Request-Method": "POST"},
+        )
+        assert preflight.headers["access-control-allow-origin"] == "https://example.com"
+    with make_client() as client:
+        response = client.get("/health", headers={"Origin": "https://example.com"})
+        assert "access-control-allow-origin" not in response.headers
+
+
+def test_metrics_count_tokens_outcomes_and_latencies(client: TestClient) -> None:
+    client.post("/v1/completions", json={"prompt": "hello", "max_tokens": 3})
+    sse_events(client, {"prompt": "hi", "max_tokens": 2, "stream": True})
+    client.post("/v1/completions", json={"prompt": ""})
+    client.post("/v1/completions", json={"model": "nope", "prompt": "x"})
+    text = client.get("/metrics").text
+    for line in [
+        "smolserve:num_requests_running 0.0",
+        "smolserve:num_requests_waiting 0.0",
+        "smolserve:prompt_tokens_total 7.0",
+        "smolserve:generation_tokens_total 5.0",
+        'smolserve:request_success_total{finish_reason="length"} 2.0',
+        'smolserve:requests_rejected_total{reason="invalid_request_error"} 1.0',
+        'smolserve:requests_rejected_total{reason="model_not_found"} 1.0',
+        "smolserve:time_to_first_token_seconds_count 2.0",
+        "smolserve:inter_token_latency_seconds_count 3.0",
+        "smolserve:e2e_request_latency_seconds_count 2.0",
+    ]:
+        assert line in text, line
+
+
+def test_draining_server_answers_503(client: TestClient) -> None:
+    client.app.state.server.draining = True
+    error = assert_envelope(client.post("/v1/completions", json={"prompt": "x"}), 503)
+    assert error["code"] == "shutting_down"
+    assert client.get("/health").json() == {"status": "draining"}
