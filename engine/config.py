@@ -22,4 +22,4 @@ class EngineConfig:
     kv_cache_gib: float = 4.0
     #: Tokens one step's forward may carry (decode rows plus prefill chunks): bounds how long a newcomer's
     #: prefill can stall the running decodes.
-    max_num_batched_tokens: int = 512
+    max_num_batched_tokens: int = 256
