@@ -157,8 +157,12 @@ class Scheduler:
             await self._wakeup.wait()
 
     def _admit_waiting(self) -> None:
-        """Admit from the head of the queue while the engine has room (FIFO: no overtaking)."""
-        while self._waiting and self.engine.can_admit(self._waiting[0].request):
+        """Admit from the head of the queue while the engine has room (FIFO: no overtaking).
+
+        An idle engine takes the head regardless: a request that cannot fit even then is rejected by
+        ``admit`` instead of blocking the queue forever.
+        """
+        while self._waiting and (self.engine.can_admit(self._waiting[0].request) or not self.engine.num_active()):
             stream = self._waiting.popleft()
             try:
                 stream.seq_id = self.engine.admit([stream.request])[0]

@@ -164,3 +164,21 @@ def test_full_queue_raises() -> None:
             s.submit(req(3))
 
     run(FakeEngine(), body, max_queue=2)
+
+
+class BudgetEngine(FakeEngine):
+    """Like HFEngine, refuses (for now) what does not fit its KV budget, even when nothing else runs."""
+
+    def can_admit(self, request: GenerationRequest) -> bool:
+        return super().can_admit(request) and len(request.prompt_ids) + request.max_new_tokens <= self.max_model_len
+
+
+def test_a_request_that_can_never_fit_is_rejected_not_queued_forever() -> None:
+    async def body(s: Scheduler) -> None:
+        too_big = s.submit(req(300))  # over max_model_len 256
+        after = s.submit(req(2))
+        with pytest.raises(EngineError, match="maximum context length"):
+            await collect(too_big)
+        assert text_of(await collect(after)) == "ab"
+
+    run(BudgetEngine(), body)
