@@ -42,11 +42,8 @@ class _Plan:
 
     decoding: list[_Seq]
     chunks: list[tuple[_Seq, PrefillChunk]]
-
-    @property
-    def completing(self) -> list[_Seq]:
-        """Sequences whose prompt ends in this step: their last row yields their first token."""
-        return [seq for seq, chunk in self.chunks if chunk.start + chunk.length == seq.prompt_len]
+    #: Sequences whose prompt ends in this step, with their chunk: its last row yields their first token.
+    completing: list[tuple[_Seq, PrefillChunk]]
 
 
 class HFEngine(InferenceEngine):
@@ -148,13 +145,15 @@ class HFEngine(InferenceEngine):
             chunks.append((seq, PrefillChunk(row, seq.num_prefilled, length, seq.staging)))
             row += length
             budget -= length
-        return _Plan(list(self._decoding), chunks)
+        completing = [(seq, chunk) for seq, chunk in chunks if chunk.start + chunk.length == seq.prompt_len]
+        return _Plan(list(self._decoding), chunks, completing)
 
     def _forward(self, plan: _Plan) -> torch.Tensor:
         """Run the packed forward; return logits for the rows that yield a token, decode rows first."""
-        completing = plan.completing
-        longest = max([seq.num_cached + 1 for seq in plan.decoding] + [seq.prompt_len for seq in completing], default=0)
-        self.cache.reserve(len(plan.decoding) + len(completing), longest, self.capacity, self.max_model_len)
+        longest = max(
+            [seq.num_cached + 1 for seq in plan.decoding] + [seq.prompt_len for seq, _ in plan.completing], default=0
+        )
+        self.cache.reserve(len(plan.decoding) + len(plan.completing), longest, self.capacity, self.max_model_len)
         token_ids = [seq.output_ids[-1] for seq in plan.decoding]
         positions = [seq.num_cached for seq in plan.decoding]
         for seq, chunk in plan.chunks:
@@ -164,7 +163,7 @@ class HFEngine(InferenceEngine):
         rows = None
         if plan.chunks:
             rows = list(range(len(plan.decoding)))
-            rows += [chunk.row + chunk.length - 1 for seq, chunk in plan.chunks if seq in completing]
+            rows += [chunk.row + chunk.length - 1 for _, chunk in plan.completing]
         with torch.inference_mode():
             return self._runner.forward(
                 torch.tensor(token_ids, device=self._device),
@@ -196,7 +195,7 @@ class HFEngine(InferenceEngine):
             self._free_slot(slot)
         for seq, chunk in plan.chunks:
             seq.num_prefilled += chunk.length
-        for seq, token in zip(plan.completing, next_tokens[len(plan.decoding) :], strict=True):
+        for (seq, _), token in zip(plan.completing, next_tokens[len(plan.decoding) :], strict=True):
             out = self._append(seq, token)
             outputs.append(out)
             self._prefilling.remove(seq)
