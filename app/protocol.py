@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from app.errors import bad_request
-from engine.types import FinishReason
+from engine.types import FinishReason, SamplingParams
 
 DEFAULT_MAX_TOKENS = 16  # as in the OpenAI API
 
@@ -22,6 +22,7 @@ class CompletionRequest:
     stream: bool
     include_usage: bool
     ignore_eos: bool
+    sampling: SamplingParams
 
 
 def parse_json_object(raw: bytes) -> dict[str, Any]:
@@ -50,7 +51,33 @@ def parse_completion_request(body: dict[str, Any]) -> CompletionRequest:
         stream=stream,
         include_usage=include_usage,
         ignore_eos=_optional(body, "ignore_eos", bool, False),
+        sampling=_sampling(body),
     )
+
+
+def _sampling(body: dict[str, Any]) -> SamplingParams:
+    temperature = _number(body, "temperature", 1.0)  # the OpenAI API's default
+    if not 0.0 <= temperature <= 2.0:
+        raise bad_request(f"temperature must be between 0 and 2, got {temperature}", "temperature")
+    top_p = _number(body, "top_p", 1.0)
+    if not 0.0 < top_p <= 1.0:
+        raise bad_request(f"top_p must be in (0, 1], got {top_p}", "top_p")
+    top_k = _optional(body, "top_k", int, 0)  # vLLM's: -1 or 0 turn it off
+    if top_k < -1:
+        raise bad_request(f"top_k must be -1 (off), 0 (off) or positive, got {top_k}", "top_k")
+    seed = _optional(body, "seed", int, None)
+    if seed is not None and not -(2**63) <= seed < 2**64:
+        raise bad_request("seed must fit in 64 bits", "seed")
+    return SamplingParams(temperature=temperature, top_p=top_p, top_k=max(top_k, 0), seed=seed)
+
+
+def _number(body: dict[str, Any], name: str, default: float) -> float:
+    value = body.get(name)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int | float) or value != value:  # value != value: NaN
+        raise bad_request(f"{name} must be a number, got {json.dumps(value)[:50]}", name)
+    return float(value)
 
 
 def _prompt(body: dict[str, Any]) -> str | list[int]:

@@ -136,7 +136,7 @@ def create_app(served: ServedModel, config: ServerConfig | None = None) -> Starl
         state.check_model(req.model)
         prompt_ids = state.prompt_ids(req.prompt)
         state.check_context(len(prompt_ids), req.max_tokens)
-        stream = state.submit(GenerationRequest(tuple(prompt_ids), req.max_tokens, req.ignore_eos))
+        stream = state.submit(GenerationRequest(tuple(prompt_ids), req.max_tokens, req.ignore_eos, req.sampling))
         call = _Call(state, request, stream, req, len(prompt_ids), arrived)
         if req.stream:
             # No shutdown handling by sse-starlette: the server drains streams itself (app/serve.py).

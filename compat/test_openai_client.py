@@ -21,7 +21,7 @@ def client(server_url: str) -> OpenAI:
 
 
 def test_completion_and_its_stream_agree(client: OpenAI) -> None:
-    completion = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=8)
+    completion = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=8, temperature=0)
     choice = completion.choices[0]
     assert "Paris" in choice.text
     assert choice.finish_reason in ("stop", "length")
@@ -29,7 +29,11 @@ def test_completion_and_its_stream_agree(client: OpenAI) -> None:
     assert completion.usage.prompt_tokens == 5
     assert completion.usage.completion_tokens <= 8
 
-    chunks = list(client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=8, stream=True))
+    chunks = list(
+        client.completions.create(
+            model=MODEL, prompt="The capital of France is", max_tokens=8, temperature=0, stream=True
+        )
+    )
     assert "".join(c.choices[0].text for c in chunks) == choice.text
     assert chunks[-1].choices[0].finish_reason == choice.finish_reason
     assert all(c.usage is None for c in chunks)
@@ -50,6 +54,21 @@ def test_stream_include_usage(client: OpenAI) -> None:
     assert chunks[-1].usage.completion_tokens == 20
     assert chunks[-1].usage.total_tokens == chunks[-1].usage.prompt_tokens + 20
     assert chunks[-2].choices[0].finish_reason == "length"
+
+
+def test_seeded_sampling_reproduces(client: OpenAI) -> None:
+    def sample(seed: int) -> str:
+        return (
+            client.completions.create(
+                model=MODEL, prompt="Once upon a time", max_tokens=24, temperature=1.0, top_p=0.95, seed=seed
+            )
+            .choices[0]
+            .text
+        )
+
+    first = sample(42)
+    assert sample(42) == first
+    assert len({first, sample(1), sample(2), sample(3)}) > 1
 
 
 def test_models_lists_the_served_model(client: OpenAI) -> None:

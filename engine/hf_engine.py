@@ -10,6 +10,7 @@ from transformers import PreTrainedModel
 from engine.base import InferenceEngine, validate_request
 from engine.kv_cache import PrefillChunk, SlotKVCache, StepBatch
 from engine.model_runner import make_runner
+from engine.sampler import select_tokens
 from engine.types import FinishReason, GenerationRequest, StepOutput
 
 
@@ -21,6 +22,7 @@ class _Seq:
     num_prefilled: int = 0
     staging: torch.Tensor | None = None  # prompt KV while prefilling
     slot: int | None = None  # set once decoding
+    generator: torch.Generator | None = None  # for a seeded request
 
     @property
     def prompt_len(self) -> int:
@@ -47,7 +49,7 @@ class _Plan:
 
 
 class HFEngine(InferenceEngine):
-    """Greedy continuous batching: one packed forward per step over all decoding sequences and prefill chunks."""
+    """Continuous batching: one packed forward per step over all decoding sequences and prefill chunks."""
 
     def __init__(
         self,
@@ -100,6 +102,9 @@ class HFEngine(InferenceEngine):
         for request in requests:
             validate_request(request, self.max_model_len)
         seqs = [_Seq(self._next_seq_id + i, request) for i, request in enumerate(requests)]
+        for seq in seqs:
+            if seq.request.sampling.seed is not None:
+                seq.generator = torch.Generator(self._device).manual_seed(seq.request.sampling.seed)
         self._next_seq_id += len(seqs)
         self._seqs.update((seq.seq_id, seq) for seq in seqs)
         self._prefilling.extend(seqs)
@@ -109,8 +114,10 @@ class HFEngine(InferenceEngine):
         plan = self._plan()
         if not plan.decoding and not plan.chunks:
             return []
-        next_tokens = self._forward(plan).argmax(dim=-1).tolist()
-        return self._commit(plan, next_tokens)
+        sampled = plan.decoding + [seq for seq, _ in plan.completing]  # in the order of the logits' rows
+        logits = self._forward(plan)
+        next_tokens = select_tokens(logits, [s.request.sampling for s in sampled], [s.generator for s in sampled])
+        return self._commit(plan, next_tokens.tolist())
 
     def abort(self, seq_id: int) -> None:
         seq = self._seqs.pop(seq_id, None)

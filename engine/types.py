@@ -9,12 +9,31 @@ FinishReason = Literal["stop", "length"]
 
 
 @dataclass(slots=True, frozen=True)
+class SamplingParams:
+    """How one sequence picks its next token. The default is greedy; the HTTP layer applies the API's own
+    defaults (temperature 1)."""
+
+    temperature: float = 0.0  # 0 means greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 means off
+    seed: int | None = None  # a seeded sequence draws from its own generator, whatever its batchmates do
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
+
+
+GREEDY = SamplingParams()
+
+
+@dataclass(slots=True, frozen=True)
 class GenerationRequest:
-    """What the engine needs to run one sequence: token ids in, a budget, and when to stop."""
+    """What the engine needs to run one sequence: token ids in, a budget, when to stop, how to sample."""
 
     prompt_ids: tuple[int, ...]
     max_new_tokens: int
     ignore_eos: bool = False
+    sampling: SamplingParams = GREEDY
 
 
 @dataclass(slots=True)

@@ -151,6 +151,18 @@ def test_unknown_fields_are_ignored(client: TestClient) -> None:
         (b'{"prompt": "x", "stream": true, "stream_options": 1}', "stream_options"),
         (b'{"prompt": "x", "stream": true, "stream_options": {"include_usage": 1}}', "stream_options"),
         (b'{"prompt": "x", "ignore_eos": "no"}', "ignore_eos"),
+        (b'{"prompt": "x", "temperature": -0.1}', "temperature"),
+        (b'{"prompt": "x", "temperature": 2.5}', "temperature"),
+        (b'{"prompt": "x", "temperature": "hot"}', "temperature"),
+        (b'{"prompt": "x", "temperature": true}', "temperature"),
+        (b'{"prompt": "x", "top_p": 0}', "top_p"),
+        (b'{"prompt": "x", "top_p": 1.5}', "top_p"),
+        (b'{"prompt": "x", "top_k": -2}', "top_k"),
+        (b'{"prompt": "x", "top_k": 2.5}', "top_k"),
+        (b'{"prompt": "x", "seed": "42"}', "seed"),
+        (b'{"prompt": "x", "seed": 1.5}', "seed"),
+        (b'{"prompt": "x", "seed": 18446744073709551616}', "seed"),
+        (b'{"prompt": "x", "temperature": NaN}', "temperature"),
     ],
 )
 def test_malformed_requests_are_400_envelopes(client: TestClient, raw: bytes, param: str | None) -> None:
