@@ -4,7 +4,7 @@
     .venv/bin/python bench/bench_serving.py --concurrency 1 8
     .venv/bin/python bench/bench_serving.py --step-context    # decode step time at context 128 vs 2048, batch 8
 
-The server is started as a user would start it (`python -m app`). Each client streams one request of
+The server is started as a user would start it (`python -m app`). Each client streams one greedy request of
 `--new-tokens` tokens with `ignore_eos`. Reported: aggregate tokens/s, time to first token and inter-token
 latency (p50/p99), and the server's peak RSS during that concurrency level; then the offline baseline, a
 static batch of the same size through `model.generate`, and the ratio.
@@ -50,6 +50,7 @@ async def one_stream(client: httpx.AsyncClient, base: str, prompt: str, new_toke
         "max_tokens": new_tokens,
         "stream": True,
         "ignore_eos": True,
+        "temperature": 0,  # greedy, as the `generate` baseline
         "stream_options": {"include_usage": True},
     }
     timing = StreamTiming(time.perf_counter())
