@@ -10,8 +10,8 @@ from transformers import PreTrainedModel
 from engine.base import InferenceEngine, validate_request
 from engine.kv_cache import PrefillChunk, SlotKVCache, StepBatch
 from engine.model_runner import make_runner
-from engine.sampler import select_tokens
-from engine.types import FinishReason, GenerationRequest, StepOutput
+from engine.sampler import Row, select_tokens
+from engine.types import FinishReason, GenerationRequest, StepOutput, TokenLogprob
 
 
 @dataclass(slots=True, eq=False)
@@ -115,9 +115,8 @@ class HFEngine(InferenceEngine):
         if not plan.decoding and not plan.chunks:
             return []
         sampled = plan.decoding + [seq for seq, _ in plan.completing]  # in the order of the logits' rows
-        logits = self._forward(plan)
-        next_tokens = select_tokens(logits, [s.request.sampling for s in sampled], [s.generator for s in sampled])
-        return self._commit(plan, next_tokens.tolist())
+        tokens, logprobs = select_tokens(self._forward(plan), [self._row(seq) for seq in sampled])
+        return self._commit(plan, list(zip(tokens.tolist(), logprobs, strict=True)))
 
     def abort(self, seq_id: int) -> None:
         seq = self._seqs.pop(seq_id, None)
@@ -189,7 +188,14 @@ class HFEngine(InferenceEngine):
             mask = mask[:, None, None, :]
         return StepBatch(self.cache, n, self._slot_ids[:n], positions, decode_len, mask, chunks)
 
-    def _commit(self, plan: _Plan, next_tokens: list[int]) -> list[StepOutput]:
+    def _row(self, seq: _Seq) -> Row:
+        request = seq.request
+        banned: frozenset[int] = frozenset()
+        if len(seq.output_ids) < request.min_tokens:
+            banned = request.stop_token_ids | (frozenset() if request.ignore_eos else self.eos_token_ids)
+        return Row(request.sampling, seq.generator, request.prompt_ids, seq.output_ids, banned, request.logprobs)
+
+    def _commit(self, plan: _Plan, next_tokens: list[tuple[int, TokenLogprob | None]]) -> list[StepOutput]:
         outputs: list[StepOutput] = []
         finished_slots: list[int] = []
         for seq, token in zip(plan.decoding, next_tokens, strict=False):
@@ -214,14 +220,16 @@ class HFEngine(InferenceEngine):
         self._release_if_idle()
         return outputs
 
-    def _append(self, seq: _Seq, token: int) -> StepOutput:
+    def _append(self, seq: _Seq, sampled: tuple[int, TokenLogprob | None]) -> StepOutput:
+        token, logprob = sampled
         seq.output_ids.append(token)
+        request = seq.request
         finish: FinishReason | None = None
-        if token in self.eos_token_ids and not seq.request.ignore_eos:
+        if (token in self.eos_token_ids and not request.ignore_eos) or token in request.stop_token_ids:
             finish = "stop"
-        elif len(seq.output_ids) >= seq.request.max_new_tokens:
+        elif len(seq.output_ids) >= request.max_new_tokens:
             finish = "length"
-        return StepOutput(seq.seq_id, [token], finish)
+        return StepOutput(seq.seq_id, [token], finish, None if logprob is None else [logprob])
 
     # -- slots ----------------------------------------------------------------------------------------
 

@@ -1,39 +1,101 @@
-"""Token selection for a whole step at once: greedy and sampled rows, vectorized over the batch.
+"""Token selection for a whole step at once: every row with its own parameters, vectorized over the batch.
 
-Sampling uses the exponential-race form of a categorical draw (argmax of ``probs / q`` with
-``q ~ Exp(1)``), so each row's randomness is one tensor of noise: a seeded row fills its own from its own
-generator, which advances the same way whether the sequence runs alone or in a busy batch.
+Order, as in vLLM: suppressed tokens (EOS before ``min_tokens``), ``logit_bias`` and penalties adjust the
+logits; greedy rows take the argmax; sampled rows apply temperature, top-k, top-p and min-p and draw. The
+draw is the exponential race (argmax of ``probs / q`` with ``q ~ Exp(1)``), so a row's randomness is one
+tensor of noise: a seeded row fills its own from its own generator, which advances the same way whether the
+sequence runs alone or in a busy batch. Logprobs are those of the model's raw distribution.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-from engine.types import SamplingParams
+from engine.types import SamplingParams, TokenLogprob
 
 
-def select_tokens(
-    logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]
-) -> torch.Tensor:
-    """``logits`` is float32 ``[rows, vocab]``; returns one token id per row."""
-    greedy = logits.argmax(dim=-1)
-    sampled_rows = [i for i, p in enumerate(params) if not p.is_greedy]
-    if not sampled_rows:
-        return greedy
-    rows = torch.tensor(sampled_rows, device=logits.device)
-    chosen = [params[i] for i in sampled_rows]
-    scaled = logits[rows] / torch.tensor([p.temperature for p in chosen], device=logits.device)[:, None]
-    if any(p.top_k > 0 for p in chosen):
-        scaled = _top_k(scaled, [p.top_k for p in chosen])
-    if any(p.top_p < 1.0 for p in chosen):
-        scaled = _top_p(scaled, torch.tensor([p.top_p for p in chosen], device=logits.device))
-    probs = scaled.softmax(dim=-1)
+@dataclass(slots=True)
+class Row:
+    """What the sampler needs to know about one sequence."""
+
+    params: SamplingParams
+    generator: torch.Generator | None = None
+    prompt_ids: tuple[int, ...] = ()
+    output_ids: tuple[int, ...] | list[int] = ()
+    banned: frozenset[int] = frozenset()  # tokens that may not be chosen this step
+    num_logprobs: int | None = None
+
+
+def select_tokens(logits: torch.Tensor, rows: list[Row]) -> tuple[torch.Tensor, list[TokenLogprob | None]]:
+    """``logits`` is float32 ``[rows, vocab]``; returns one token id per row, and its logprob where asked."""
+    raw = logits
+    logits = _adjust(logits, rows)
+    tokens = logits.argmax(dim=-1)
+    sampled = [i for i, row in enumerate(rows) if not row.params.is_greedy]
+    if sampled:
+        tokens[sampled] = _sample(logits[sampled], [rows[i] for i in sampled])
+    return tokens, _logprobs(raw, tokens, rows)
+
+
+def _adjust(logits: torch.Tensor, rows: list[Row]) -> torch.Tensor:
+    banned = [(i, sorted(row.banned)) for i, row in enumerate(rows) if row.banned]
+    biased = [(i, row.params.logit_bias) for i, row in enumerate(rows) if row.params.logit_bias]
+    penalized = [i for i, row in enumerate(rows) if row.params.has_penalties]
+    if not (banned or biased or penalized):
+        return logits
+    logits = logits.clone()
+    for i, ids in banned:
+        logits[i, ids] = float("-inf")
+    for i, bias in biased:
+        ids, values = zip(*bias, strict=True)
+        logits[i, list(ids)] += torch.tensor(values, device=logits.device)
+    if penalized:
+        logits[penalized] = _penalize(logits[penalized], [rows[i] for i in penalized])
+    return logits
+
+
+def _penalize(logits: torch.Tensor, rows: list[Row]) -> torch.Tensor:
+    vocab = logits.shape[-1]
+    outputs = _counts([row.output_ids for row in rows], vocab, logits.device)
+    seen = (outputs + _counts([row.prompt_ids for row in rows], vocab, logits.device)) > 0
+    device = logits.device
+    repetition = torch.tensor([row.params.repetition_penalty for row in rows], device=device)[:, None]
+    penalized = torch.where(logits > 0, logits / repetition, logits * repetition)
+    logits = torch.where(seen, penalized, logits)
+    frequency = torch.tensor([row.params.frequency_penalty for row in rows], device=device)[:, None]
+    presence = torch.tensor([row.params.presence_penalty for row in rows], device=device)[:, None]
+    return logits - frequency * outputs - presence * (outputs > 0)
+
+
+def _counts(sequences: list, vocab: int, device: torch.device) -> torch.Tensor:
+    """``[len(sequences), vocab]`` token counts; padding goes to an extra column that is dropped."""
+    width = max((len(ids) for ids in sequences), default=0)
+    index = torch.full((len(sequences), max(width, 1)), vocab, dtype=torch.long)
+    for i, ids in enumerate(sequences):
+        index[i, : len(ids)] = torch.tensor(list(ids), dtype=torch.long)
+    counts = torch.zeros(len(sequences), vocab + 1, device=device)
+    counts.scatter_add_(1, index.to(device), torch.ones(index.shape, device=device))
+    return counts[:, :vocab]
+
+
+def _sample(logits: torch.Tensor, rows: list[Row]) -> torch.Tensor:
+    device = logits.device
+    logits = logits / torch.tensor([row.params.temperature for row in rows], device=device)[:, None]
+    if any(row.params.top_k > 0 for row in rows):
+        logits = _top_k(logits, [row.params.top_k for row in rows])
+    if any(row.params.top_p < 1.0 for row in rows):
+        logits = _top_p(logits, torch.tensor([row.params.top_p for row in rows], device=device))
+    probs = logits.softmax(dim=-1)
+    if any(row.params.min_p > 0 for row in rows):
+        min_p = torch.tensor([row.params.min_p for row in rows], device=device)[:, None]
+        probs = probs.masked_fill(probs < min_p * probs.max(dim=-1, keepdim=True).values, 0.0)
     noise = torch.empty_like(probs).exponential_()
-    for row, index in enumerate(sampled_rows):
-        if generators[index] is not None:
-            noise[row].exponential_(generator=generators[index])
-    greedy[rows] = (probs / noise).argmax(dim=-1)
-    return greedy
+    for i, row in enumerate(rows):
+        if row.generator is not None:
+            noise[i].exponential_(generator=row.generator)
+    return (probs / noise).argmax(dim=-1)
 
 
 def _top_k(logits: torch.Tensor, ks: list[int]) -> torch.Tensor:
@@ -51,3 +113,20 @@ def _top_p(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     drop = (sorted_probs.cumsum(dim=-1) - sorted_probs) > top_p[:, None]
     sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
     return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
+
+
+def _logprobs(raw: torch.Tensor, tokens: torch.Tensor, rows: list[Row]) -> list[TokenLogprob | None]:
+    wanted = [i for i, row in enumerate(rows) if row.num_logprobs is not None]
+    result: list[TokenLogprob | None] = [None] * len(rows)
+    if not wanted:
+        return result
+    logprobs = raw[wanted].log_softmax(dim=-1)
+    chosen = logprobs.gather(-1, tokens[wanted][:, None])[:, 0].tolist()
+    num_top = max(rows[i].num_logprobs or 0 for i in wanted)
+    top_values, top_ids = logprobs.topk(max(num_top, 1), dim=-1)
+    top_values, top_ids = top_values.tolist(), top_ids.tolist()
+    for j, i in enumerate(wanted):
+        n = rows[i].num_logprobs or 0
+        top = tuple(zip(top_ids[j][:n], top_values[j][:n], strict=True))
+        result[i] = TokenLogprob(int(tokens[i]), chosen[j], top)
+    return result

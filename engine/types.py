@@ -16,11 +16,20 @@ class SamplingParams:
     temperature: float = 0.0  # 0 means greedy
     top_p: float = 1.0
     top_k: int = 0  # 0 means off
+    min_p: float = 0.0
     seed: int | None = None  # a seeded sequence draws from its own generator, whatever its batchmates do
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0  # vLLM's: over prompt and output tokens
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0.0 or self.top_k == 1
+
+    @property
+    def has_penalties(self) -> bool:
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
 
 
 GREEDY = SamplingParams()
@@ -34,6 +43,21 @@ class GenerationRequest:
     max_new_tokens: int
     ignore_eos: bool = False
     sampling: SamplingParams = GREEDY
+    #: Token ids that end the sequence like EOS does (and are kept in its output).
+    stop_token_ids: frozenset[int] = frozenset()
+    #: EOS and stop_token_ids are suppressed until this many tokens have been generated.
+    min_tokens: int = 0
+    #: When set, each generated token comes with its logprob and this many top alternatives.
+    logprobs: int | None = None
+
+
+@dataclass(slots=True, frozen=True)
+class TokenLogprob:
+    """A token's log-probability under the model, with the most likely alternatives at that position."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
 
 
 @dataclass(slots=True)
@@ -48,3 +72,5 @@ class StepOutput:
     seq_id: int
     token_ids: list[int] = field(default_factory=list)
     finish_reason: FinishReason | None = None
+    #: One per token in token_ids, when the request asked for logprobs.
+    logprobs: list[TokenLogprob] | None = None

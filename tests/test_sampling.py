@@ -7,7 +7,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from engine.hf_engine import HFEngine
-from engine.sampler import select_tokens
+from engine.sampler import Row, select_tokens
 from engine.types import GREEDY, GenerationRequest, SamplingParams
 
 
@@ -64,13 +64,43 @@ def test_greedy_rows_are_unaffected_by_sampled_batchmates(engine: HFEngine) -> N
     assert mixed[1] == alone
 
 
-def test_top_k_and_top_p_restrict_the_choice() -> None:
-    logits = torch.tensor([[5.0, 4.0, 3.0, -1.0, -2.0]] * 2)
-    generators = [torch.Generator().manual_seed(s) for s in (0, 1)]
-    top_k = SamplingParams(temperature=5.0, top_k=2)
-    top_p = SamplingParams(temperature=1.0, top_p=0.5)  # token 0 alone holds ~0.66 of the mass
-    for _ in range(200):
-        a, b = select_tokens(logits, [top_k, top_p], generators).tolist()
-        assert a in (0, 1)
-        assert b == 0
-    assert select_tokens(logits, [GREEDY, GREEDY], [None, None]).tolist() == [0, 0]
+def tokens_of(logits: torch.Tensor, rows: list[Row]) -> list[int]:
+    return select_tokens(logits, rows)[0].tolist()
+
+
+def test_top_k_top_p_and_min_p_restrict_the_choice() -> None:
+    logits = torch.tensor([[5.0, 4.0, 3.0, -1.0, -2.0]] * 3)
+    rows = [
+        Row(SamplingParams(temperature=5.0, top_k=2), torch.Generator().manual_seed(0)),
+        Row(SamplingParams(temperature=1.0, top_p=0.5), torch.Generator().manual_seed(1)),  # token 0 holds ~0.66
+        Row(SamplingParams(temperature=2.0, min_p=0.5), torch.Generator().manual_seed(2)),  # 0 and 1 survive
+    ]
+    seen = [set() for _ in rows]
+    for _ in range(300):
+        for chosen, token in zip(seen, tokens_of(logits, rows), strict=True):
+            chosen.add(token)
+    assert seen == [{0, 1}, {0}, {0, 1}]
+    assert tokens_of(logits[:2], [Row(GREEDY), Row(GREEDY)]) == [0, 0]
+
+
+def test_bias_bans_and_penalties_move_the_greedy_choice() -> None:
+    logits = torch.tensor([[3.0, 2.9, 1.0, 0.5]] * 5)
+    rows = [
+        Row(GREEDY),
+        Row(SamplingParams(logit_bias=((3, 100.0),))),
+        Row(GREEDY, banned=frozenset({0})),
+        Row(SamplingParams(presence_penalty=0.5), output_ids=[0]),
+        Row(SamplingParams(repetition_penalty=2.0), prompt_ids=(0,)),
+    ]
+    assert tokens_of(logits, rows) == [0, 3, 1, 1, 1]
+
+
+def test_logprobs_are_the_raw_distribution() -> None:
+    logits = torch.tensor([[2.0, 1.0, 0.0]])
+    token, (logprob,) = select_tokens(logits, [Row(GREEDY, num_logprobs=2)])
+    expected = logits.log_softmax(-1)[0]
+    assert token.tolist() == [0]
+    assert logprob is not None
+    assert logprob.token_id == 0 and abs(logprob.logprob - expected[0].item()) < 1e-6
+    assert [t for t, _ in logprob.top] == [0, 1]
+    assert select_tokens(logits, [Row(GREEDY)])[1] == [None]
