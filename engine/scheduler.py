@@ -18,8 +18,9 @@ from dataclasses import dataclass
 
 from engine.base import InferenceEngine
 from engine.detokenizer import IncrementalDetokenizer
+from engine.stop import StopMatcher
 from engine.tokenizer import Tokenizer
-from engine.types import FinishReason, GenerationRequest, StepOutput
+from engine.types import FinishReason, GenerationRequest, StepOutput, TokenLogprob
 
 log = logging.getLogger(__name__)
 
@@ -39,17 +40,19 @@ class Delta:
     text: str
     token_ids: list[int]
     finish_reason: FinishReason | None = None
+    logprobs: list[TokenLogprob] | None = None
 
 
 class RequestStream:
     """A submitted request as its caller sees it: ``async for delta in stream.deltas()``."""
 
-    def __init__(self, request: GenerationRequest, tokenizer: Tokenizer) -> None:
+    def __init__(self, request: GenerationRequest, tokenizer: Tokenizer, stop: StopMatcher | None = None) -> None:
         self.request = request
         self.num_generated = 0
         self.finished = False
         self.seq_id: int | None = None
         self._detokenizer = IncrementalDetokenizer(tokenizer)
+        self._stop = stop
         self._queue: asyncio.Queue[Delta | EngineError] = asyncio.Queue()
 
     async def deltas(self) -> AsyncIterator[Delta]:
@@ -61,13 +64,24 @@ class RequestStream:
             if item.finish_reason is not None:
                 return
 
-    def _push(self, output: StepOutput) -> None:
+    def _push(self, output: StepOutput) -> bool:
+        """Hand out one step's tokens as text. Returns True when a stop string ended the request here."""
         self.num_generated += len(output.token_ids)
+        finish = output.finish_reason
         text = self._detokenizer.add(output.token_ids)
-        if output.finish_reason is not None:
+        if finish is not None:
             text += self._detokenizer.flush()
-            self.finished = True
-        self._queue.put_nowait(Delta(text, output.token_ids, output.finish_reason))
+        stopped = False
+        if self._stop is not None:
+            text = self._stop.feed(text)
+            stopped = self._stop.matched
+            if stopped:
+                finish = "stop"
+            elif finish is not None:
+                text += self._stop.flush()
+        self.finished = finish is not None
+        self._queue.put_nowait(Delta(text, output.token_ids, finish, output.logprobs))
+        return stopped
 
     def _fail(self, error: EngineError) -> None:
         self.finished = True
@@ -108,10 +122,13 @@ class Scheduler:
                 await self._task
         self._executor.shutdown(wait=True)
 
-    def submit(self, request: GenerationRequest) -> RequestStream:
+    def submit(
+        self, request: GenerationRequest, stop: tuple[str, ...] = (), include_stop: bool = False
+    ) -> RequestStream:
+        """Queue a request; ``stop`` strings end it (cut from its text unless ``include_stop``)."""
         if len(self._waiting) >= self.max_queue:
             raise QueueFullError(f"the waiting queue is full ({self.max_queue} requests)")
-        stream = RequestStream(request, self.tokenizer)
+        stream = RequestStream(request, self.tokenizer, StopMatcher(stop, include_stop) if stop else None)
         self._waiting.append(stream)
         self._wakeup.set()
         return stream
@@ -187,9 +204,11 @@ class Scheduler:
             stream = self._running.get(output.seq_id)
             if stream is None:
                 continue  # aborted during the step; its abort is pending
-            stream._push(output)
-            if output.finish_reason is not None:
+            stopped = stream._push(output)
+            if stream.finished:
                 del self._running[output.seq_id]
+            if stopped and output.finish_reason is None:
+                self._pending_aborts.append(output.seq_id)  # still in the engine: it leaves at the next step
 
     def _fail_running(self, error: Exception) -> None:
         message = f"the engine failed while running this request ({type(error).__name__}: {error})"

@@ -182,3 +182,18 @@ def test_a_request_that_can_never_fit_is_rejected_not_queued_forever() -> None:
         assert text_of(await collect(after)) == "ab"
 
     run(BudgetEngine(), body)
+
+
+def test_stop_string_cuts_the_text_and_the_sequence_leaves_the_engine() -> None:
+    engine = FakeEngine()
+
+    async def body(s: Scheduler) -> None:
+        deltas = await collect(s.submit(req(20), stop=("de", "zz")))
+        assert text_of(deltas) == "abc"
+        assert deltas[-1].finish_reason == "stop"
+        kept = await collect(s.submit(req(20), stop=("de",), include_stop=True))
+        assert text_of(kept) == "abcde"
+        assert engine.num_active() == 0
+        assert engine.num_tokens < 40  # neither ran on to its budget of 20
+
+    run(engine, body)
