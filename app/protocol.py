@@ -3,26 +3,52 @@
 from __future__ import annotations
 
 import json
-import time
 import uuid
 from dataclasses import dataclass
 from typing import Any
 
 from app.errors import bad_request
-from engine.types import FinishReason, SamplingParams
+from engine.types import SamplingParams
 
 DEFAULT_MAX_TOKENS = 16  # as in the OpenAI API
+MAX_N = 16
+MAX_LOGPROBS = 20
+
+Prompt = str | list[int]
+
+
+@dataclass(slots=True, frozen=True)
+class GenerationOptions:
+    """What completions and chat completions share: how much to generate, how to sample, when to stop."""
+
+    max_tokens: int
+    n: int
+    best_of: int
+    stream: bool
+    include_usage: bool
+    continuous_usage: bool
+    logprobs: int | None
+    stop: tuple[str, ...]
+    include_stop: bool
+    stop_token_ids: frozenset[int]
+    min_tokens: int
+    ignore_eos: bool
+    sampling: SamplingParams
 
 
 @dataclass(slots=True, frozen=True)
 class CompletionRequest:
     model: str | None
-    prompt: str | list[int]
-    max_tokens: int
-    stream: bool
-    include_usage: bool
-    ignore_eos: bool
-    sampling: SamplingParams
+    prompts: list[Prompt]
+    echo: bool
+    options: GenerationOptions
+
+
+@dataclass(slots=True, frozen=True)
+class ChatRequest:
+    model: str | None
+    messages: list[dict[str, Any]]
+    options: GenerationOptions
 
 
 def parse_json_object(raw: bytes) -> dict[str, Any]:
@@ -36,68 +62,187 @@ def parse_json_object(raw: bytes) -> dict[str, Any]:
 
 
 def parse_completion_request(body: dict[str, Any]) -> CompletionRequest:
+    if body.get("suffix") is not None:
+        raise bad_request("suffix is not supported", "suffix")
+    echo = _optional(body, "echo", bool, False)
+    logprobs = _optional(body, "logprobs", int, None)
+    if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
+        raise bad_request(f"logprobs must be between 0 and {MAX_LOGPROBS}, got {logprobs}", "logprobs")
+    options = _generation_options(body, body.get("max_tokens"), "max_tokens", logprobs, allow_zero=echo)
+    return CompletionRequest(_optional(body, "model", str, None), _prompts(body), echo, options)
+
+
+def parse_chat_request(body: dict[str, Any]) -> ChatRequest:
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise bad_request("messages must be a non-empty list", "messages")
+    for message in messages:
+        _check_message(message)
+    logprobs = None
+    if _optional(body, "logprobs", bool, False):
+        logprobs = _optional(body, "top_logprobs", int, 0)
+        if not 0 <= logprobs <= MAX_LOGPROBS:
+            raise bad_request(f"top_logprobs must be between 0 and {MAX_LOGPROBS}", "top_logprobs")
+    elif body.get("top_logprobs") is not None:
+        raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
+    field = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    options = _generation_options(body, body.get(field), field, logprobs, allow_zero=False)
+    return ChatRequest(_optional(body, "model", str, None), messages, options)
+
+
+_ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+def _check_message(message: Any) -> None:
+    if not isinstance(message, dict):
+        raise bad_request("each message must be an object", "messages")
+    if message.get("role") not in _ROLES:
+        raise bad_request(f"a message's role must be one of {', '.join(_ROLES)}", "messages")
+    content = message.get("content")
+    if isinstance(content, list):  # content parts: text only
+        if not content or not all(isinstance(p, dict) and isinstance(p.get("text"), str) for p in content):
+            raise bad_request("message content parts must be text parts", "messages")
+    elif not isinstance(content, str):
+        raise bad_request("each message needs a content string", "messages")
+
+
+def message_text(message: dict[str, Any]) -> str:
+    content = message["content"]
+    return content if isinstance(content, str) else "".join(part["text"] for part in content)
+
+
+def _generation_options(
+    body: dict[str, Any], max_tokens: Any, max_tokens_param: str, logprobs: int | None, *, allow_zero: bool
+) -> GenerationOptions:
     stream = _optional(body, "stream", bool, False)
     stream_options = _optional(body, "stream_options", dict, None)
-    include_usage = False
-    if stream_options is not None:
-        include_usage = _optional(stream_options, "include_usage", bool, False, param="stream_options")
-    max_tokens = _optional(body, "max_tokens", int, DEFAULT_MAX_TOKENS)
-    if max_tokens < 1:
-        raise bad_request(f"max_tokens must be at least 1, got {max_tokens}", "max_tokens")
-    return CompletionRequest(
-        model=_optional(body, "model", str, None),
-        prompt=_prompt(body),
+    if stream_options is not None and not stream:
+        raise bad_request("stream_options needs stream: true", "stream_options")
+    stream_options = stream_options or {}
+    include_usage = _optional(stream_options, "include_usage", bool, False, param="stream_options")
+    continuous = _optional(stream_options, "continuous_usage_stats", bool, False, param="stream_options")
+    max_tokens = _optional({max_tokens_param: max_tokens}, max_tokens_param, int, DEFAULT_MAX_TOKENS)
+    if max_tokens < (0 if allow_zero else 1):
+        limit = "at least 1 (0 only with echo)" if not allow_zero else "at least 0"
+        raise bad_request(f"{max_tokens_param} must be {limit}, got {max_tokens}", max_tokens_param)
+    n = _bounded_int(body, "n", 1, 1, MAX_N)
+    best_of = _bounded_int(body, "best_of", n, n, MAX_N)
+    if best_of > n and stream:
+        raise bad_request("best_of cannot be used with stream", "best_of")
+    min_tokens = _bounded_int(body, "min_tokens", 0, 0, max(max_tokens, 0))
+    stop_token_ids = _optional(body, "stop_token_ids", list, [])
+    if not all(_is_int(t) and t >= 0 for t in stop_token_ids):
+        raise bad_request("stop_token_ids must be a list of token ids", "stop_token_ids")
+    return GenerationOptions(
         max_tokens=max_tokens,
+        n=n,
+        best_of=best_of,
         stream=stream,
         include_usage=include_usage,
+        continuous_usage=continuous,
+        logprobs=logprobs,
+        stop=_stop(body),
+        include_stop=_optional(body, "include_stop_str_in_output", bool, False),
+        stop_token_ids=frozenset(stop_token_ids),
+        min_tokens=min_tokens,
         ignore_eos=_optional(body, "ignore_eos", bool, False),
         sampling=_sampling(body),
     )
 
 
+def _stop(body: dict[str, Any]) -> tuple[str, ...]:
+    stop = body.get("stop")
+    if stop is None:
+        return ()
+    stops = [stop] if isinstance(stop, str) else stop
+    if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
+        raise bad_request("stop must be a non-empty string or a list of non-empty strings", "stop")
+    return tuple(stops)
+
+
 def _sampling(body: dict[str, Any]) -> SamplingParams:
-    temperature = _number(body, "temperature", 1.0)  # the OpenAI API's default
-    if not 0.0 <= temperature <= 2.0:
-        raise bad_request(f"temperature must be between 0 and 2, got {temperature}", "temperature")
-    top_p = _number(body, "top_p", 1.0)
-    if not 0.0 < top_p <= 1.0:
-        raise bad_request(f"top_p must be in (0, 1], got {top_p}", "top_p")
     top_k = _optional(body, "top_k", int, 0)  # vLLM's: -1 or 0 turn it off
     if top_k < -1:
         raise bad_request(f"top_k must be -1 (off), 0 (off) or positive, got {top_k}", "top_k")
     seed = _optional(body, "seed", int, None)
     if seed is not None and not -(2**63) <= seed < 2**64:
         raise bad_request("seed must fit in 64 bits", "seed")
-    return SamplingParams(temperature=temperature, top_p=top_p, top_k=max(top_k, 0), seed=seed)
+    return SamplingParams(
+        temperature=_bounded_number(body, "temperature", 1.0, 0.0, 2.0),  # 1: the OpenAI API's default
+        top_p=_bounded_number(body, "top_p", 1.0, 0.0, 1.0, open_low=True),
+        top_k=max(top_k, 0),
+        min_p=_bounded_number(body, "min_p", 0.0, 0.0, 1.0),
+        seed=seed,
+        presence_penalty=_bounded_number(body, "presence_penalty", 0.0, -2.0, 2.0),
+        frequency_penalty=_bounded_number(body, "frequency_penalty", 0.0, -2.0, 2.0),
+        repetition_penalty=_bounded_number(body, "repetition_penalty", 1.0, 0.0, 2.0, open_low=True),
+        logit_bias=_logit_bias(body),
+    )
 
 
-def _number(body: dict[str, Any], name: str, default: float) -> float:
+def _logit_bias(body: dict[str, Any]) -> tuple[tuple[int, float], ...]:
+    bias = _optional(body, "logit_bias", dict, {})
+    parsed = []
+    for key, value in bias.items():
+        if not key.isdigit():
+            raise bad_request(f"logit_bias keys must be token ids, got {key!r}", "logit_bias")
+        if isinstance(value, bool) or not isinstance(value, int | float) or not -100 <= value <= 100:
+            raise bad_request("logit_bias values must be numbers between -100 and 100", "logit_bias")
+        parsed.append((int(key), float(value)))
+    return tuple(parsed)
+
+
+def _bounded_int(body: dict[str, Any], name: str, default: int, low: int, high: int) -> int:
+    value = _optional(body, name, int, default)
+    if not low <= value <= high:
+        raise bad_request(f"{name} must be between {low} and {high}, got {value}", name)
+    return value
+
+
+def _bounded_number(
+    body: dict[str, Any], name: str, default: float, low: float, high: float, *, open_low: bool = False
+) -> float:
     value = body.get(name)
     if value is None:
         return default
-    if isinstance(value, bool) or not isinstance(value, int | float) or value != value:  # value != value: NaN
+    if isinstance(value, bool) or not isinstance(value, int | float):
         raise bad_request(f"{name} must be a number, got {json.dumps(value)[:50]}", name)
+    if not ((low < value) if open_low else (low <= value)) or not value <= high:  # also rejects NaN
+        interval = f"{'(' if open_low else '['}{low}, {high}]"
+        raise bad_request(f"{name} must be in {interval}, got {value}", name)
     return float(value)
 
 
-def _prompt(body: dict[str, Any]) -> str | list[int]:
-    if "prompt" not in body or body["prompt"] is None:
+def _prompts(body: dict[str, Any]) -> list[Prompt]:
+    """A string, a list of strings, a list of token ids, or a list of token-id lists."""
+    prompt = body.get("prompt")
+    if prompt is None:
         raise bad_request("prompt is required", "prompt")
-    prompt = body["prompt"]
     if isinstance(prompt, str):
-        if not prompt:
-            raise bad_request("prompt must not be empty", "prompt")
-        return prompt
-    if isinstance(prompt, list) and prompt and all(_is_int(t) and t >= 0 for t in prompt):
-        return prompt
-    raise bad_request("prompt must be a non-empty string or a non-empty list of token ids", "prompt")
+        prompts: list[Any] = [prompt]
+    elif isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
+        prompts = [prompt]
+    elif (
+        isinstance(prompt, list)
+        and prompt
+        and (all(isinstance(p, str) for p in prompt) or all(isinstance(p, list) for p in prompt))
+    ):
+        prompts = prompt
+    else:
+        raise bad_request("prompt must be a string, a list of strings, or a list of token ids (or of lists)", "prompt")
+    for p in prompts:
+        if not p:
+            raise bad_request("a prompt must not be empty", "prompt")
+        if isinstance(p, list) and not all(_is_int(t) and t >= 0 for t in p):
+            raise bad_request("prompt token ids must be non-negative integers", "prompt")
+    return prompts
 
 
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-_TYPE_NAMES = {bool: "a boolean", int: "an integer", str: "a string", dict: "an object"}
+_TYPE_NAMES = {bool: "a boolean", int: "an integer", str: "a string", dict: "an object", list: "a list"}
 
 
 def _optional(body: dict[str, Any], name: str, kind: type, default: Any, *, param: str | None = None) -> Any:
@@ -114,8 +259,8 @@ def _optional(body: dict[str, Any], name: str, kind: type, default: Any, *, para
 # -- responses ------------------------------------------------------------------------------------------
 
 
-def completion_id() -> str:
-    return f"cmpl-{uuid.uuid4().hex}"
+def new_id() -> str:
+    return uuid.uuid4().hex
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
@@ -124,40 +269,3 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
     }
-
-
-def completion_response(
-    request_id: str, model: str, text: str, finish_reason: FinishReason | None, usage_: dict[str, int]
-) -> dict[str, Any]:
-    return {
-        "id": request_id,
-        "object": "text_completion",
-        "created": int(time.time()),
-        "model": model,
-        "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}],
-        "usage": usage_,
-    }
-
-
-def completion_chunk(
-    request_id: str,
-    model: str,
-    choices: list[dict[str, Any]],
-    *,
-    include_usage: bool,
-    usage_: dict[str, int] | None = None,
-) -> str:
-    chunk: dict[str, Any] = {
-        "id": request_id,
-        "object": "text_completion",
-        "created": int(time.time()),
-        "model": model,
-        "choices": choices,
-    }
-    if include_usage:
-        chunk["usage"] = usage_
-    return json.dumps(chunk, ensure_ascii=False)
-
-
-def chunk_choice(text: str, finish_reason: FinishReason | None) -> dict[str, Any]:
-    return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -24,16 +23,15 @@ from app import protocol
 from app.errors import (
     APIError,
     bad_request,
-    error_body,
     handle_api_error,
     handle_http_exception,
     handle_unexpected,
 )
+from app.generation import ChatFormat, CompletionFormat, Format, Generation
 from app.metrics import Metrics
 from app.middleware import APIKeyMiddleware, RequestIdMiddleware
 from engine.chooser import ServedModel
-from engine.scheduler import Delta, EngineError, QueueFullError, RequestStream, Scheduler
-from engine.types import GenerationRequest
+from engine.scheduler import QueueFullError, Scheduler
 
 # Streams end when their generation ends, also at shutdown: app/serve.py drains them before the server stops.
 AppStatus.disable_automatic_graceful_drain()
@@ -73,6 +71,10 @@ class _State:
                 code="model_not_found",
             )
 
+    def chat_prompt(self, messages: list[dict[str, Any]]) -> list[int]:
+        rendered = [{"role": m["role"], "content": protocol.message_text(m)} for m in messages]
+        return self.tokenizer.chat_prompt(rendered)
+
     def prompt_ids(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
             return self.tokenizer.encode(prompt)
@@ -91,15 +93,61 @@ class _State:
                 "max_tokens",
             )
 
-    def submit(self, request: GenerationRequest) -> RequestStream:
+    def check_tokens(self, options: protocol.GenerationOptions) -> None:
+        vocab = self.tokenizer.vocab_size
+        if any(token >= vocab for token, _ in options.sampling.logit_bias):
+            raise bad_request(f"logit_bias token ids must be below the vocabulary size {vocab}", "logit_bias")
+        if any(token >= vocab for token in options.stop_token_ids):
+            raise bad_request(f"stop_token_ids must be below the vocabulary size {vocab}", "stop_token_ids")
+
+    def generation(
+        self,
+        fmt: Format,
+        options: protocol.GenerationOptions,
+        prompts: list[list[int]],
+        echo_texts: list[str] | None,
+        arrived: float,
+    ) -> Generation:
+        for ids in prompts:
+            self.check_context(len(ids), options.max_tokens)
+        self.check_tokens(options)
+        return Generation(
+            self.scheduler, self.metrics, self.tokenizer, self.model_name, fmt, options, prompts, echo_texts, arrived
+        )
+
+    async def respond(self, request: Request, generation: Generation) -> Response:
+        """Queue the generation's sequences and answer: a stream of events, or JSON when all are done."""
         if self.draining:
             raise APIError(503, "The server is shutting down; retry on another instance.", code="shutting_down")
         try:
-            stream = self.scheduler.submit(request)
+            generation.submit()
         except QueueFullError as exc:
             raise APIError(429, str(exc), code="queue_full", headers={"Retry-After": "1"}) from None
-        self.metrics.prompt_tokens.inc(len(request.prompt_ids))
-        return stream
+        self.metrics.prompt_tokens.inc(generation.num_prompt_tokens)
+        request.state.usage = (generation.num_prompt_tokens, 0)
+        if generation.options.stream:
+            return EventSourceResponse(_logged(request, generation, generation.events()), sep="\n")
+        complete = asyncio.ensure_future(generation.complete())
+        hangup = asyncio.ensure_future(_wait_for_disconnect(request))
+        try:
+            await asyncio.wait({complete, hangup}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            hangup.cancel()
+            if not complete.done():
+                complete.cancel()
+            generation.abort()
+        request.state.usage = (generation.num_prompt_tokens, generation.num_completion_tokens)
+        if not complete.done() or complete.cancelled():
+            return Response(status_code=499)  # the client left; nobody is listening
+        return JSONResponse(complete.result())
+
+
+async def _logged(request: Request, generation: Generation, events: AsyncIterator[str]) -> AsyncIterator[str]:
+    try:
+        async for event in events:
+            yield event
+    finally:
+        request.state.usage = (generation.num_prompt_tokens, generation.num_completion_tokens)
 
 
 def create_app(served: ServedModel, config: ServerConfig | None = None) -> Starlette:
@@ -134,20 +182,52 @@ def create_app(served: ServedModel, config: ServerConfig | None = None) -> Starl
         arrived = time.perf_counter()
         req = protocol.parse_completion_request(protocol.parse_json_object(await request.body()))
         state.check_model(req.model)
-        prompt_ids = state.prompt_ids(req.prompt)
-        state.check_context(len(prompt_ids), req.max_tokens)
-        stream = state.submit(GenerationRequest(tuple(prompt_ids), req.max_tokens, req.ignore_eos, req.sampling))
-        call = _Call(state, request, stream, req, len(prompt_ids), arrived)
-        if req.stream:
-            # No shutdown handling by sse-starlette: the server drains streams itself (app/serve.py).
-            return EventSourceResponse(call.events(), sep="\n")
-        return await call.respond()
+        if req.echo and req.options.logprobs is not None:
+            raise bad_request("echo with logprobs (prompt logprobs) is not supported yet", "echo")
+        prompts = [state.prompt_ids(p) for p in req.prompts]
+        echo_texts = None
+        if req.echo:
+            echo_texts = [p if isinstance(p, str) else state.tokenizer.decode(p) for p in req.prompts]
+        fmt = CompletionFormat(state.tokenizer)
+        return await state.respond(request, state.generation(fmt, req.options, prompts, echo_texts, arrived))
+
+    async def chat_completions(request: Request) -> Response:
+        arrived = time.perf_counter()
+        req = protocol.parse_chat_request(protocol.parse_json_object(await request.body()))
+        state.check_model(req.model)
+        prompt = state.chat_prompt(req.messages)
+        fmt = ChatFormat(state.tokenizer)
+        return await state.respond(request, state.generation(fmt, req.options, [prompt], None, arrived))
+
+    async def tokenize(request: Request) -> Response:
+        body = protocol.parse_json_object(await request.body())
+        state.check_model(body.get("model") if isinstance(body.get("model"), str) else None)
+        if "messages" in body:
+            chat = protocol.parse_chat_request({"messages": body["messages"]})
+            tokens = state.chat_prompt(chat.messages)
+        else:
+            prompts = protocol.parse_completion_request({"prompt": body.get("prompt")}).prompts
+            if len(prompts) != 1:
+                raise bad_request("tokenize takes one prompt", "prompt")
+            tokens = state.prompt_ids(prompts[0])
+        return JSONResponse({"tokens": tokens, "count": len(tokens), "max_model_len": state.max_model_len})
+
+    async def detokenize(request: Request) -> Response:
+        body = protocol.parse_json_object(await request.body())
+        state.check_model(body.get("model") if isinstance(body.get("model"), str) else None)
+        tokens = body.get("tokens")
+        if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
+            raise bad_request("tokens must be a list of token ids", "tokens")
+        return JSONResponse({"prompt": state.tokenizer.decode(state.prompt_ids(tokens) if tokens else [])})
 
     routes = [
         Route("/health", health, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
         Route("/v1/models", models, methods=["GET"]),
         Route("/v1/completions", completions, methods=["POST"]),
+        Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+        Route("/tokenize", tokenize, methods=["POST"]),
+        Route("/detokenize", detokenize, methods=["POST"]),
     ]
     handlers: dict[Any, Any] = {
         APIError: handle_api_error,
@@ -167,77 +247,6 @@ def create_app(served: ServedModel, config: ServerConfig | None = None) -> Starl
     app = Starlette(routes=routes, exception_handlers=handlers, middleware=middleware, lifespan=lifespan)
     app.state.server = state
     return app
-
-
-class _Call:
-    """One admitted completion request, answered as JSON or as a stream of events."""
-
-    def __init__(
-        self,
-        state: _State,
-        request: Request,
-        stream: RequestStream,
-        req: protocol.CompletionRequest,
-        num_prompt: int,
-        arrived: float,
-    ) -> None:
-        self.state = state
-        self.request = request
-        self.stream = stream
-        self.req = req
-        self.num_prompt = num_prompt
-        self.arrived = arrived
-        self.id = protocol.completion_id()
-
-    def usage(self) -> dict[str, int]:
-        self.request.state.usage = (self.num_prompt, self.stream.num_generated)
-        return protocol.usage(self.num_prompt, self.stream.num_generated)
-
-    def deltas(self) -> AsyncIterator[Delta]:
-        return self.state.metrics.observe(self.stream.deltas(), self.arrived)
-
-    async def respond(self) -> Response:
-        """The whole completion as JSON; if the client hangs up first, its sequence leaves the batch."""
-        collect = asyncio.ensure_future(self._collect())
-        hangup = asyncio.ensure_future(_wait_for_disconnect(self.request))
-        try:
-            await asyncio.wait({collect, hangup}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            hangup.cancel()
-            if not collect.done():
-                collect.cancel()
-            self.state.scheduler.abort(self.stream)
-        if not collect.done() or collect.cancelled():
-            return Response(status_code=499)  # nobody is listening any more
-        return JSONResponse(collect.result())
-
-    async def _collect(self) -> dict[str, Any]:
-        parts: list[str] = []
-        finish_reason = None
-        try:
-            async for delta in self.deltas():
-                parts.append(delta.text)
-                finish_reason = delta.finish_reason
-        except EngineError as exc:
-            raise APIError(500, str(exc), code="engine_error") from None
-        return protocol.completion_response(self.id, self.state.model_name, "".join(parts), finish_reason, self.usage())
-
-    async def events(self) -> AsyncIterator[str]:
-        model, include_usage = self.state.model_name, self.req.include_usage
-        try:
-            async for delta in self.deltas():
-                if delta.text or delta.finish_reason is not None:
-                    choice = protocol.chunk_choice(delta.text, delta.finish_reason)
-                    yield protocol.completion_chunk(self.id, model, [choice], include_usage=include_usage)
-            usage = self.usage()
-            if include_usage:
-                yield protocol.completion_chunk(self.id, model, [], include_usage=True, usage_=usage)
-        except EngineError as exc:
-            yield json.dumps(error_body(500, str(exc), code="engine_error"))
-        finally:
-            # The client may have left mid-stream: the sequence leaves the batch at the next step.
-            self.state.scheduler.abort(self.stream)
-        yield "[DONE]"
 
 
 async def _wait_for_disconnect(request: Request) -> None:

@@ -13,6 +13,10 @@ class Tokenizer(Protocol):
 
     def decode(self, token_ids: list[int]) -> str: ...
 
+    def chat_prompt(self, messages: list[dict[str, str]]) -> list[int]:
+        """Render chat messages with the model's template, ending where the assistant's reply begins."""
+        ...
+
 
 class HFTokenizer:
     """Wraps a HuggingFace tokenizer instance (loaded elsewhere) behind the small interface above."""
@@ -27,6 +31,13 @@ class HFTokenizer:
 
     def decode(self, token_ids: list[int]) -> str:
         return self._tok.decode(token_ids, skip_special_tokens=True)
+
+    def chat_prompt(self, messages: list[dict[str, str]]) -> list[int]:
+        if not self._tok.chat_template:
+            raise ValueError("this model has no chat template")
+        text = self._tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        # The template writes the special tokens out as text; encoding must not add more.
+        return list(self._tok.encode(text, add_special_tokens=False))
 
 
 class ByteTokenizer:
@@ -43,3 +54,6 @@ class ByteTokenizer:
 
     def decode(self, token_ids: list[int]) -> str:
         return bytes(t for t in token_ids if t < 256).decode("utf-8", errors="replace")
+
+    def chat_prompt(self, messages: list[dict[str, str]]) -> list[int]:
+        return self.encode("".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant: ")
