@@ -1,0 +1,168 @@
+"""The OpenAI surface beyond the basics, over the fake engine: choices, stop strings, echo, chat, tokenize."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from starlette.testclient import TestClient
+
+from app.server import ServerConfig, create_app
+from engine.chooser import ServedModel
+from engine.fake_engine import FakeEngine
+from engine.tokenizer import ByteTokenizer
+
+
+@pytest.fixture
+def client() -> Iterator[TestClient]:
+    served = ServedModel("fake", FakeEngine(capacity=16, max_model_len=128), ByteTokenizer())
+    with TestClient(create_app(served, ServerConfig())) as c:
+        yield c
+
+
+def post(client: TestClient, body: dict[str, Any], path: str = "/v1/completions") -> dict[str, Any]:
+    response = client.post(path, json=body)
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def events(client: TestClient, body: dict[str, Any], path: str = "/v1/completions") -> list[dict[str, Any]]:
+    with client.stream("POST", path, json=body) as response:
+        assert response.status_code == 200
+        lines = [line.removeprefix("data: ") for line in response.iter_lines() if line]
+    assert lines[-1] == "[DONE]"
+    return [json.loads(line) for line in lines[:-1]]
+
+
+def test_prompt_lists_and_n_order_choices_and_count_usage(client: TestClient) -> None:
+    body = post(client, {"prompt": ["ab", "cde"], "n": 2, "max_tokens": 3, "temperature": 0})
+    assert [c["index"] for c in body["choices"]] == [0, 1, 2, 3]
+    assert all(c["text"] == "abc" for c in body["choices"])
+    assert body["usage"] == {"prompt_tokens": 5, "completion_tokens": 12, "total_tokens": 17}
+    ids = post(client, {"prompt": [[104, 105], [106]], "max_tokens": 2})
+    assert ids["usage"]["prompt_tokens"] == 3 and len(ids["choices"]) == 2
+
+
+def test_stream_with_n_gives_every_index_its_own_finish(client: TestClient) -> None:
+    chunks = events(client, {"prompt": "x", "n": 3, "max_tokens": 4, "stream": True})
+    for index in range(3):
+        mine = [c["choices"][0] for c in chunks if c["choices"][0]["index"] == index]
+        assert "".join(m["text"] for m in mine) == "abcd"
+        assert [m["finish_reason"] for m in mine][-1] == "length"
+        assert all(m["finish_reason"] is None for m in mine[:-1])
+
+
+def test_stop_strings_cut_the_text_streamed_and_not(client: TestClient) -> None:
+    body = {"prompt": "x", "max_tokens": 20, "stop": ["ef", "zz"]}
+    plain = post(client, body)["choices"][0]
+    assert (plain["text"], plain["finish_reason"]) == ("abcd", "stop")
+    streamed = events(client, {**body, "stream": True})
+    texts = [c["choices"][0]["text"] for c in streamed]
+    assert "".join(texts) == "abcd"
+    assert not any("e" in t for t in texts)  # no part of the stop string reaches the client
+    assert streamed[-1]["choices"][0]["finish_reason"] == "stop"
+    kept = post(client, {**body, "stop": "ef", "include_stop_str_in_output": True})["choices"][0]
+    assert kept["text"] == "abcdef"
+
+
+def test_echo_prepends_the_prompt_and_max_tokens_zero_returns_it_alone(client: TestClient) -> None:
+    assert post(client, {"prompt": "hey ", "max_tokens": 2, "echo": True})["choices"][0]["text"] == "hey ab"
+    alone = post(client, {"prompt": "hey", "max_tokens": 0, "echo": True})
+    assert alone["choices"][0]["text"] == "hey"
+    assert alone["usage"]["completion_tokens"] == 0
+    chunks = events(client, {"prompt": "hey ", "max_tokens": 2, "echo": True, "stream": True})
+    assert "".join(c["choices"][0]["text"] for c in chunks) == "hey ab"
+
+
+def test_continuous_usage_stats(client: TestClient) -> None:
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    chunks = events(client, {"prompt": "hi", "max_tokens": 3, "stream": True, "stream_options": options})
+    assert [c["usage"]["completion_tokens"] for c in chunks[:-1]] == [1, 2, 3]
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["total_tokens"] == 5
+
+
+def test_chat_completion_and_its_stream(client: TestClient) -> None:
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+    body = post(client, {"messages": messages, "max_tokens": 3}, "/v1/chat/completions")
+    assert body["id"].startswith("chatcmpl-") and body["object"] == "chat.completion"
+    assert body["choices"][0]["message"] == {"role": "assistant", "content": "abc"}
+    assert body["choices"][0]["finish_reason"] == "length"
+    prompt_tokens = len(b"system: be brief\nuser: hi\nassistant: ")
+    assert body["usage"]["prompt_tokens"] == prompt_tokens
+    chunks = events(client, {"messages": messages, "max_tokens": 3, "stream": True}, "/v1/chat/completions")
+    assert all(c["object"] == "chat.completion.chunk" for c in chunks)
+    assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+    assert all("role" not in c["choices"][0]["delta"] for c in chunks[1:])
+    assert "".join(c["choices"][0]["delta"]["content"] for c in chunks) == "abc"
+    parts = [{"role": "user", "content": [{"type": "text", "text": "h"}, {"type": "text", "text": "i"}]}]
+    assert (
+        post(client, {"messages": parts, "max_completion_tokens": 2}, "/v1/chat/completions")["usage"][
+            "completion_tokens"
+        ]
+        == 2
+    )
+
+
+def test_tokenize_and_detokenize(client: TestClient) -> None:
+    tokens = post(client, {"prompt": "héllo"}, "/tokenize")
+    assert tokens["tokens"] == list("héllo".encode())
+    assert tokens["count"] == 6 and tokens["max_model_len"] == 128
+    assert post(client, {"tokens": tokens["tokens"]}, "/detokenize") == {"prompt": "héllo"}
+    usage = post(client, {"prompt": "héllo", "max_tokens": 1})["usage"]
+    assert usage["prompt_tokens"] == tokens["count"]
+    chat = post(client, {"messages": [{"role": "user", "content": "hi"}]}, "/tokenize")
+    assert chat["count"] == len(b"user: hi\nassistant: ")
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "param"),
+    [
+        ("/v1/completions", {"prompt": ["a", ""]}, "prompt"),
+        ("/v1/completions", {"prompt": [[1], []]}, "prompt"),
+        ("/v1/completions", {"prompt": ["a", [1]]}, "prompt"),
+        ("/v1/completions", {"prompt": "x", "n": 0}, "n"),
+        ("/v1/completions", {"prompt": "x", "n": 17}, "n"),
+        ("/v1/completions", {"prompt": "x", "n": 3, "best_of": 2}, "best_of"),
+        ("/v1/completions", {"prompt": "x", "best_of": 2, "stream": True}, "best_of"),
+        ("/v1/completions", {"prompt": "x", "logprobs": 21}, "logprobs"),
+        ("/v1/completions", {"prompt": "x", "logprobs": 21, "stream": True}, "logprobs"),
+        ("/v1/completions", {"prompt": "x", "logprobs": -1}, "logprobs"),
+        ("/v1/completions", {"prompt": "x", "max_tokens": 0}, "max_tokens"),
+        ("/v1/completions", {"prompt": "x", "stop": ""}, "stop"),
+        ("/v1/completions", {"prompt": "x", "stop": ["a", ""]}, "stop"),
+        ("/v1/completions", {"prompt": "x", "stop": 3}, "stop"),
+        ("/v1/completions", {"prompt": "x", "stop_token_ids": [-1]}, "stop_token_ids"),
+        ("/v1/completions", {"prompt": "x", "stop_token_ids": [999]}, "stop_token_ids"),
+        ("/v1/completions", {"prompt": "x", "min_tokens": 20, "max_tokens": 10}, "min_tokens"),
+        ("/v1/completions", {"prompt": "x", "min_p": 1.5}, "min_p"),
+        ("/v1/completions", {"prompt": "x", "presence_penalty": 2.5}, "presence_penalty"),
+        ("/v1/completions", {"prompt": "x", "frequency_penalty": -3}, "frequency_penalty"),
+        ("/v1/completions", {"prompt": "x", "repetition_penalty": 0}, "repetition_penalty"),
+        ("/v1/completions", {"prompt": "x", "logit_bias": {"a": 1}}, "logit_bias"),
+        ("/v1/completions", {"prompt": "x", "logit_bias": {"5": 101}}, "logit_bias"),
+        ("/v1/completions", {"prompt": "x", "logit_bias": {"999": 1}}, "logit_bias"),
+        ("/v1/completions", {"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options"),
+        ("/v1/completions", {"prompt": "x", "suffix": "y"}, "suffix"),
+        ("/v1/completions", {"prompt": "x", "echo": True, "logprobs": 1}, "echo"),
+        ("/v1/chat/completions", {}, "messages"),
+        ("/v1/chat/completions", {"messages": []}, "messages"),
+        ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "hi"}]}, "messages"),
+        ("/v1/chat/completions", {"messages": [{"role": "user"}]}, "messages"),
+        ("/v1/chat/completions", {"messages": ["hi"]}, "messages"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_tokens": 0}, "max_tokens"),
+        ("/detokenize", {"tokens": ["a"]}, "tokens"),
+        ("/tokenize", {}, "prompt"),
+    ],
+)
+def test_every_rejected_parameter_is_a_400_naming_it(client: TestClient, path: str, body: dict, param: str) -> None:
+    response = client.post(path, json=body)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == param and error["type"] == "invalid_request_error"
+
+
+def test_user_and_unknown_fields_are_accepted(client: TestClient) -> None:
+    assert post(client, {"prompt": "x", "max_tokens": 1, "user": "u-1", "whatever": {"a": 1}})["choices"]
