@@ -23,6 +23,7 @@ class _Seq:
     staging: torch.Tensor | None = None  # prompt KV while prefilling
     slot: int | None = None  # set once decoding
     generator: torch.Generator | None = None  # for a seeded request
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # filled chunk by chunk when asked for
 
     @property
     def prompt_len(self) -> int:
@@ -103,6 +104,8 @@ class HFEngine(InferenceEngine):
             validate_request(request, self.max_model_len)
         seqs = [_Seq(self._next_seq_id + i, request) for i, request in enumerate(requests)]
         for seq in seqs:
+            if seq.request.prompt_logprobs is not None:
+                seq.prompt_logprobs = [None]  # the first prompt token has nothing before it
             if seq.request.sampling.seed is not None:
                 seq.generator = torch.Generator(self._device).manual_seed(seq.request.sampling.seed)
         self._next_seq_id += len(seqs)
@@ -115,7 +118,10 @@ class HFEngine(InferenceEngine):
         if not plan.decoding and not plan.chunks:
             return []
         sampled = plan.decoding + [seq for seq, _ in plan.completing]  # in the order of the logits' rows
-        tokens, logprobs = select_tokens(self._forward(plan), [self._row(seq) for seq in sampled])
+        scored = [(seq, chunk) for seq, chunk in plan.chunks if seq.prompt_logprobs is not None]
+        logits = self._forward(plan, scored)
+        tokens, logprobs = select_tokens(logits[: len(sampled)], [self._row(seq) for seq in sampled])
+        self._score_prompts(scored, logits[len(sampled) :])
         return self._commit(plan, list(zip(tokens.tolist(), logprobs, strict=True)))
 
     def abort(self, seq_id: int) -> None:
@@ -154,8 +160,9 @@ class HFEngine(InferenceEngine):
         completing = [(seq, chunk) for seq, chunk in chunks if chunk.start + chunk.length == seq.prompt_len]
         return _Plan(list(self._decoding), chunks, completing)
 
-    def _forward(self, plan: _Plan) -> torch.Tensor:
-        """Run the packed forward; return logits for the rows that yield a token, decode rows first."""
+    def _forward(self, plan: _Plan, scored: list[tuple[_Seq, PrefillChunk]]) -> torch.Tensor:
+        """Run the packed forward; return logits for the rows that yield a token (decode rows first), then
+        for every row of the ``scored`` chunks (prompts whose logprobs were asked for)."""
         longest = max(
             [seq.num_cached + 1 for seq in plan.decoding] + [seq.prompt_len for seq, _ in plan.completing], default=0
         )
@@ -170,6 +177,7 @@ class HFEngine(InferenceEngine):
         if plan.chunks:
             rows = list(range(len(plan.decoding)))
             rows += [chunk.row + chunk.length - 1 for _, chunk in plan.completing]
+            rows += [row for _, chunk in scored for row in range(chunk.row, chunk.row + chunk.length)]
         with torch.inference_mode():
             return self._runner.forward(
                 torch.tensor(token_ids, device=self._device),
@@ -187,6 +195,22 @@ class HFEngine(InferenceEngine):
             mask = torch.arange(decode_len, device=self._device)[None, :] <= positions[:, None]
             mask = mask[:, None, None, :]
         return StepBatch(self.cache, n, self._slot_ids[:n], positions, decode_len, mask, chunks)
+
+    def _score_prompts(self, scored: list[tuple[_Seq, PrefillChunk]], logits: torch.Tensor) -> None:
+        """Each prompt position's logits score the next prompt token."""
+        offset = 0
+        for seq, chunk in scored:
+            assert seq.prompt_logprobs is not None
+            positions = range(chunk.start, min(chunk.start + chunk.length, seq.prompt_len - 1))
+            logprobs = logits[offset : offset + len(positions)].log_softmax(dim=-1)
+            offset += chunk.length
+            targets = torch.tensor([seq.request.prompt_ids[p + 1] for p in positions], device=logits.device)
+            chosen = logprobs.gather(-1, targets[:, None])[:, 0].tolist()
+            num_top = seq.request.prompt_logprobs or 0
+            top_values, top_ids = logprobs.topk(max(num_top, 1), dim=-1)
+            for i, target in enumerate(targets.tolist()):
+                top = tuple(zip(top_ids[i, :num_top].tolist(), top_values[i, :num_top].tolist(), strict=True))
+                seq.prompt_logprobs.append(TokenLogprob(target, chosen[i], top))
 
     def _row(self, seq: _Seq) -> Row:
         request = seq.request
@@ -210,6 +234,7 @@ class HFEngine(InferenceEngine):
             seq.num_prefilled += chunk.length
         for (seq, _), token in zip(plan.completing, next_tokens[len(plan.decoding) :], strict=True):
             out = self._append(seq, token)
+            out.prompt_logprobs = seq.prompt_logprobs
             outputs.append(out)
             self._prefilling.remove(seq)
             if out.finish_reason is None:

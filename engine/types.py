@@ -49,6 +49,8 @@ class GenerationRequest:
     min_tokens: int = 0
     #: When set, each generated token comes with its logprob and this many top alternatives.
     logprobs: int | None = None
+    #: When set, the prompt's tokens get logprobs too (the first has none), with the first output.
+    prompt_logprobs: int | None = None
 
 
 @dataclass(slots=True, frozen=True)
@@ -74,3 +76,5 @@ class StepOutput:
     finish_reason: FinishReason | None = None
     #: One per token in token_ids, when the request asked for logprobs.
     logprobs: list[TokenLogprob] | None = None
+    #: With a sequence's first token, when the request asked for prompt logprobs: one per prompt token.
+    prompt_logprobs: list[TokenLogprob | None] | None = None

@@ -104,3 +104,26 @@ def test_logprobs_are_the_raw_distribution() -> None:
     assert logprob.token_id == 0 and abs(logprob.logprob - expected[0].item()) < 1e-6
     assert [t for t, _ in logprob.top] == [0, 1]
     assert select_tokens(logits, [Row(GREEDY)])[1] == [None]
+
+
+@pytest.mark.parametrize("budget", [64, 7], ids=["one-chunk", "chunked"])
+def test_prompt_logprobs_match_a_plain_forward(tiny_llama_dir: str, budget: int) -> None:
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir)
+    reference = AutoModelForCausalLM.from_pretrained(tiny_llama_dir)
+    engine = HFEngine(
+        model, eos_token_ids=frozenset({7}), capacity=4, max_model_len=256, kv_cache_bytes=1 << 26,
+        max_num_batched_tokens=budget,
+    )  # fmt: skip
+    prompt = tuple(range(40, 60))
+    engine.admit([GenerationRequest((1, 2, 3), 5), GenerationRequest(prompt, 2, prompt_logprobs=2, logprobs=1)])
+    outputs = [out for _ in range(12) for out in engine.step()]
+    first = next(out for out in outputs if out.seq_id == 1)
+    scored = first.prompt_logprobs
+    assert scored is not None and len(scored) == len(prompt) and scored[0] is None
+    with torch.inference_mode():
+        expected = reference(torch.tensor([prompt])).logits[0].log_softmax(-1)
+    for position, entry in enumerate(scored[1:], start=1):
+        assert entry is not None and entry.token_id == prompt[position]
+        assert abs(entry.logprob - expected[position - 1, prompt[position]].item()) < 1e-4
+        assert [t for t, _ in entry.top] == expected[position - 1].topk(2).indices.tolist()
+    assert all(out.prompt_logprobs is None for out in outputs if out is not first)
