@@ -34,6 +34,8 @@ class Choice:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
     finish_reason: FinishReason | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # echo with logprobs
+    prompt_only: bool = False  # max_tokens 0: the sequence runs only to score the prompt
 
     @property
     def text(self) -> str:
@@ -51,9 +53,7 @@ class Format(Protocol):
 
     def choice(self, index: int, choice: Choice, want_logprobs: bool) -> dict[str, Any]: ...
 
-    def delta(
-        self, index: int, text: str, finish: FinishReason | None, logprobs: list[TokenLogprob] | None, first: bool
-    ) -> dict[str, Any]: ...
+    def delta(self, index: int, choice: Choice, delta: Delta, want_logprobs: bool, first: bool) -> dict[str, Any]: ...
 
 
 @dataclass(slots=True)
@@ -90,17 +90,21 @@ class Generation:
         for prompt_index, ids in enumerate(self.prompts):
             prefix = self.echo_texts[prompt_index] if self.echo_texts else ""
             for sample in range(opts.best_of):
-                self.choices.append(Choice(prompt_index, prefix))
-                if opts.max_tokens == 0:
-                    continue  # echo only: nothing to generate
+                choice = Choice(prompt_index, prefix, prompt_only=opts.max_tokens == 0)
+                self.choices.append(choice)
+                if choice.prompt_only and not self.scores_prompt:
+                    choice.finish_reason = "length"  # echo alone: nothing to run
+                    continue
                 try:
                     self.streams.append(self.scheduler.submit(self._request(ids, sample), opts.stop, opts.include_stop))
                 except Exception:
                     self.abort()
                     raise
-        if opts.max_tokens == 0:
-            for choice in self.choices:
-                choice.finish_reason = "length"
+
+    @property
+    def scores_prompt(self) -> bool:
+        """Echo with logprobs: the prompt's tokens get logprobs too."""
+        return self.echo_texts is not None and self.options.logprobs is not None
 
     def _request(self, prompt_ids: list[int], sample: int) -> GenerationRequest:
         opts = self.options
@@ -112,12 +116,13 @@ class Generation:
         logprobs = opts.logprobs if opts.logprobs is not None else (0 if opts.best_of > opts.n else None)
         return GenerationRequest(
             tuple(prompt_ids),
-            opts.max_tokens,
+            max(opts.max_tokens, 1),  # a prompt-only sequence generates one token nobody sees
             ignore_eos=opts.ignore_eos,
             sampling=sampling,
             stop_token_ids=opts.stop_token_ids,
             min_tokens=opts.min_tokens,
             logprobs=logprobs,
+            prompt_logprobs=opts.logprobs if self.scores_prompt else None,
         )
 
     def abort(self) -> None:
@@ -154,6 +159,11 @@ class Generation:
 
     @staticmethod
     def _record(choice: Choice, delta: Delta) -> None:
+        if delta.prompt_logprobs is not None:
+            choice.prompt_logprobs = delta.prompt_logprobs
+        if choice.prompt_only:
+            choice.finish_reason = "length"
+            return
         choice.parts.append(delta.text)
         choice.token_ids.extend(delta.token_ids)
         choice.logprobs.extend(delta.logprobs or [])
@@ -176,10 +186,11 @@ class Generation:
         merged: asyncio.Queue[tuple[int, Delta | EngineError | None]] = asyncio.Queue()
         pumps = [asyncio.ensure_future(self._pump(i, s, merged)) for i, s in enumerate(self.streams)]
         try:
-            if self.echo_texts is not None:
+            want_logprobs = self.options.logprobs is not None
+            if self.echo_texts is not None and not self.scores_prompt:
                 for index, choice in enumerate(self.choices):
-                    finish = choice.finish_reason if not self.streams else None
-                    yield self._chunk([self.fmt.delta(index, choice.prefix, finish, None, first=True)])
+                    echoed = Delta(choice.prefix, [], choice.finish_reason)
+                    yield self._chunk([self.fmt.delta(index, choice, echoed, False, first=True)])
             remaining = len(pumps)
             started: set[int] = set()
             while remaining:
@@ -190,12 +201,14 @@ class Generation:
                 if isinstance(item, EngineError):
                     yield json.dumps(error_body(500, str(item), code="engine_error"))
                     break
-                self._record(self.choices[index], item)
-                if item.text or item.finish_reason is not None or index not in started:
-                    first = index not in started and self.echo_texts is None
+                choice = self.choices[index]
+                self._record(choice, item)
+                first = index not in started and (self.echo_texts is None or self.scores_prompt)
+                if choice.prompt_only:
+                    item = Delta("", [], "length", [])
+                if item.text or item.finish_reason is not None or first:
                     started.add(index)
-                    logprobs = item.logprobs if self.options.logprobs is not None else None
-                    yield self._chunk([self.fmt.delta(index, item.text, item.finish_reason, logprobs, first)])
+                    yield self._chunk([self.fmt.delta(index, choice, item, want_logprobs, first)])
             else:
                 if self.options.include_usage:
                     yield self._chunk([], usage=self.usage())
@@ -233,32 +246,46 @@ class Generation:
 @dataclass(slots=True)
 class CompletionFormat:
     tokenizer: Tokenizer
+    prompts: list[list[int]]
     object_name: str = "text_completion"
     chunk_object_name: str = "text_completion"
     id_prefix: str = "cmpl"
 
     def choice(self, index: int, choice: Choice, want_logprobs: bool) -> dict[str, Any]:
-        logprobs = self._logprobs(choice.logprobs, len(choice.prefix)) if want_logprobs else None
+        logprobs = None
+        if want_logprobs:
+            logprobs = self._logprobs(self._prompt_entries(choice) + list(choice.logprobs))
         return {"index": index, "text": choice.text, "logprobs": logprobs, "finish_reason": choice.finish_reason}
 
-    def delta(
-        self, index: int, text: str, finish: FinishReason | None, logprobs: list[TokenLogprob] | None, first: bool
-    ) -> dict[str, Any]:
-        formatted = None if logprobs is None else self._logprobs(logprobs, 0)
-        return {"index": index, "text": text, "logprobs": formatted, "finish_reason": finish}
+    def delta(self, index: int, choice: Choice, delta: Delta, want_logprobs: bool, first: bool) -> dict[str, Any]:
+        text, logprobs = delta.text, None
+        if want_logprobs:
+            entries = list(delta.logprobs or [])
+            if first and choice.prompt_logprobs is not None:  # echo with logprobs: the prompt comes first
+                text = choice.prefix + text
+                entries = self._prompt_entries(choice) + entries
+            offset = 0 if first else len(choice.text) - len(delta.text)
+            logprobs = self._logprobs(entries, offset)
+        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": delta.finish_reason}
 
-    def _logprobs(self, entries: list[TokenLogprob], offset: int) -> dict[str, list[Any]]:
-        tokens = [self.tokenizer.decode([e.token_id]) for e in entries]
-        offsets = []
-        for token in tokens:
-            offsets.append(offset)
+    def _prompt_entries(self, choice: Choice) -> list[TokenLogprob | int]:
+        """The scored prompt, its first token (which has no logprob) as a bare id."""
+        if choice.prompt_logprobs is None:
+            return []
+        return [self.prompts[choice.prompt_index][0], *choice.prompt_logprobs[1:]]  # type: ignore[list-item]
+
+    def _logprobs(self, entries: list[TokenLogprob | int], offset: int = 0) -> dict[str, list[Any]]:
+        result: dict[str, list[Any]] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        for entry in entries:
+            scored = isinstance(entry, TokenLogprob)
+            token = self.tokenizer.decode([entry.token_id if scored else entry])  # type: ignore[union-attr]
+            result["tokens"].append(token)
+            result["token_logprobs"].append(entry.logprob if scored else None)  # type: ignore[union-attr]
+            top = {self.tokenizer.decode([t]): lp for t, lp in entry.top} if scored else None  # type: ignore[union-attr]
+            result["top_logprobs"].append(top)
+            result["text_offset"].append(offset)
             offset += len(token)
-        return {
-            "tokens": tokens,
-            "token_logprobs": [e.logprob for e in entries],
-            "top_logprobs": [{self.tokenizer.decode([t]): lp for t, lp in e.top} for e in entries],
-            "text_offset": offsets,
-        }
+        return result
 
 
 @dataclass(slots=True)
@@ -276,15 +303,13 @@ class ChatFormat:
             "finish_reason": choice.finish_reason,
         }
 
-    def delta(
-        self, index: int, text: str, finish: FinishReason | None, logprobs: list[TokenLogprob] | None, first: bool
-    ) -> dict[str, Any]:
-        delta: dict[str, Any] = {"role": "assistant", "content": text} if first else {"content": text}
+    def delta(self, index: int, choice: Choice, delta: Delta, want_logprobs: bool, first: bool) -> dict[str, Any]:
+        content: dict[str, Any] = {"role": "assistant", "content": delta.text} if first else {"content": delta.text}
         return {
             "index": index,
-            "delta": delta,
-            "logprobs": None if logprobs is None else {"content": self._logprobs(logprobs)},
-            "finish_reason": finish,
+            "delta": content,
+            "logprobs": {"content": self._logprobs(delta.logprobs or [])} if want_logprobs else None,
+            "finish_reason": delta.finish_reason,
         }
 
     def _logprobs(self, entries: list[TokenLogprob]) -> list[dict[str, Any]]:

@@ -182,13 +182,11 @@ def create_app(served: ServedModel, config: ServerConfig | None = None) -> Starl
         arrived = time.perf_counter()
         req = protocol.parse_completion_request(protocol.parse_json_object(await request.body()))
         state.check_model(req.model)
-        if req.echo and req.options.logprobs is not None:
-            raise bad_request("echo with logprobs (prompt logprobs) is not supported yet", "echo")
         prompts = [state.prompt_ids(p) for p in req.prompts]
         echo_texts = None
         if req.echo:
             echo_texts = [p if isinstance(p, str) else state.tokenizer.decode(p) for p in req.prompts]
-        fmt = CompletionFormat(state.tokenizer)
+        fmt = CompletionFormat(state.tokenizer, prompts)
         return await state.respond(request, state.generation(fmt, req.options, prompts, echo_texts, arrived))
 
     async def chat_completions(request: Request) -> Response:

@@ -84,6 +84,25 @@ def test_echo(client: OpenAI) -> None:
     assert alone.choices[0].text == PROMPT and alone.usage.completion_tokens == 0
 
 
+def test_echo_with_logprobs_scores_the_prompt(client: OpenAI) -> None:
+    """What lm-eval does: echo + logprobs, with and without generated tokens."""
+    scored = greedy(client, max_tokens=0, echo=True, logprobs=2)
+    choice = scored.choices[0]
+    assert choice.text == PROMPT and scored.usage.completion_tokens == 0
+    lp = choice.logprobs
+    assert len(lp.tokens) == scored.usage.prompt_tokens == 5
+    assert "".join(lp.tokens) == PROMPT
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert all(v is not None and v < 0 for v in lp.token_logprobs[1:])
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(5)]
+    both = greedy(client, max_tokens=3, echo=True, logprobs=1).choices[0]
+    assert both.logprobs.token_logprobs[:5] == pytest.approx(lp.token_logprobs[:1] + lp.token_logprobs[1:5], abs=0.05)
+    assert len(both.logprobs.tokens) == 8 and "".join(both.logprobs.tokens) == both.text
+    streamed = list(greedy(client, max_tokens=3, echo=True, logprobs=1, stream=True))
+    assert "".join(c.choices[0].text for c in streamed) == both.text
+    assert streamed[0].choices[0].logprobs.token_logprobs[0] is None
+
+
 def test_best_of_returns_the_most_likely_samples(client: OpenAI) -> None:
     result = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=6, best_of=4, n=2, seed=3)
     assert len(result.choices) == 2

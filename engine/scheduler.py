@@ -41,6 +41,7 @@ class Delta:
     token_ids: list[int]
     finish_reason: FinishReason | None = None
     logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 class RequestStream:
@@ -80,7 +81,7 @@ class RequestStream:
             elif finish is not None:
                 text += self._stop.flush()
         self.finished = finish is not None
-        self._queue.put_nowait(Delta(text, output.token_ids, finish, output.logprobs))
+        self._queue.put_nowait(Delta(text, output.token_ids, finish, output.logprobs, output.prompt_logprobs))
         return stopped
 
     def _fail(self, error: EngineError) -> None:

@@ -145,7 +145,6 @@ def test_tokenize_and_detokenize(client: TestClient) -> None:
         ("/v1/completions", {"prompt": "x", "logit_bias": {"999": 1}}, "logit_bias"),
         ("/v1/completions", {"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options"),
         ("/v1/completions", {"prompt": "x", "suffix": "y"}, "suffix"),
-        ("/v1/completions", {"prompt": "x", "echo": True, "logprobs": 1}, "echo"),
         ("/v1/chat/completions", {}, "messages"),
         ("/v1/chat/completions", {"messages": []}, "messages"),
         ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "hi"}]}, "messages"),
