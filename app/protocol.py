@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import uuid
 from dataclasses import dataclass
 from typing import Any
@@ -175,7 +176,7 @@ def _sampling(body: dict[str, Any]) -> SamplingParams:
         seed=seed,
         presence_penalty=_bounded_number(body, "presence_penalty", 0.0, -2.0, 2.0),
         frequency_penalty=_bounded_number(body, "frequency_penalty", 0.0, -2.0, 2.0),
-        repetition_penalty=_bounded_number(body, "repetition_penalty", 1.0, 0.0, 2.0, open_low=True),
+        repetition_penalty=_bounded_number(body, "repetition_penalty", 1.0, 0.0, math.inf, open_low=True),
         logit_bias=_logit_bias(body),
     )
 
@@ -207,7 +208,8 @@ def _bounded_number(
         return default
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise bad_request(f"{name} must be a number, got {json.dumps(value)[:50]}", name)
-    if not ((low < value) if open_low else (low <= value)) or not value <= high:  # also rejects NaN
+    in_range = (low < value) if open_low else (low <= value)
+    if not (in_range and value <= high and math.isfinite(value)):  # also rejects NaN and infinities
         interval = f"{'(' if open_low else '['}{low}, {high}]"
         raise bad_request(f"{name} must be in {interval}, got {value}", name)
     return float(value)

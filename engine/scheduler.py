@@ -74,7 +74,8 @@ class RequestStream:
             text += self._detokenizer.flush()
         stopped = False
         if self._stop is not None:
-            text = self._stop.feed(text)
+            # Stop strings count only once min_tokens are out, as the stop tokens do.
+            text = self._stop.feed(text, check=self.num_generated >= self.request.min_tokens)
             stopped = self._stop.matched
             if stopped:
                 finish = "stop"

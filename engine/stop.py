@@ -16,13 +16,18 @@ class StopMatcher:
         self._released = 0  # characters of _text already handed out
         self.matched = False
 
-    def feed(self, delta: str) -> str:
-        """Add generated text; return what can be released now. Sets ``matched`` when a stop string appears."""
+    def feed(self, delta: str, check: bool = True) -> str:
+        """Add generated text; return what can be released now. Sets ``matched`` when a stop string appears.
+
+        With ``check`` False (before ``min_tokens``) the text is released as it is, unsearched.
+        """
         if self.matched:
             return ""
         # Only the region that could contain a new match is searched: from the held-back tail onwards.
         search_from = max(0, self._released - max((len(s) for s in self._stops), default=0) + 1)
         self._text += delta
+        if not check:
+            return self._release(len(self._text))
         cut = self._first_stop(search_from)
         if cut is not None:
             self.matched = True

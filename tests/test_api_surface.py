@@ -67,6 +67,13 @@ def test_stop_strings_cut_the_text_streamed_and_not(client: TestClient) -> None:
     assert kept["text"] == "abcdef"
 
 
+def test_min_tokens_holds_stop_strings_back_until_reached(client: TestClient) -> None:
+    body = {"prompt": "x", "max_tokens": 30, "stop": "b", "temperature": 0}
+    assert post(client, body)["choices"][0]["text"] == "a"
+    late = post(client, {**body, "min_tokens": 3})["choices"][0]  # the next "b" is the 28th letter
+    assert (late["text"], late["finish_reason"]) == ("abcdefghijklmnopqrstuvwxyza", "stop")
+
+
 def test_echo_prepends_the_prompt_and_max_tokens_zero_returns_it_alone(client: TestClient) -> None:
     assert post(client, {"prompt": "hey ", "max_tokens": 2, "echo": True})["choices"][0]["text"] == "hey ab"
     alone = post(client, {"prompt": "hey", "max_tokens": 0, "echo": True})

@@ -163,6 +163,8 @@ def test_unknown_fields_are_ignored(client: TestClient) -> None:
         (b'{"prompt": "x", "seed": 1.5}', "seed"),
         (b'{"prompt": "x", "seed": 18446744073709551616}', "seed"),
         (b'{"prompt": "x", "temperature": NaN}', "temperature"),
+        (b'{"prompt": "x", "repetition_penalty": 1e400}', "repetition_penalty"),
+        (b'{"prompt": "x", "top_p": Infinity}', "top_p"),
     ],
 )
 def test_malformed_requests_are_400_envelopes(client: TestClient, raw: bytes, param: str | None) -> None:
