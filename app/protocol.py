@@ -14,6 +14,7 @@ from engine.types import SamplingParams
 DEFAULT_MAX_TOKENS = 16  # as in the OpenAI API
 MAX_N = 16
 MAX_LOGPROBS = 20
+MAX_TOKENS_UNSET = 2**31  # the bound on min_tokens while max_tokens is still to be filled in
 
 Prompt = str | list[int]
 
@@ -22,7 +23,7 @@ Prompt = str | list[int]
 class GenerationOptions:
     """What completions and chat completions share: how much to generate, how to sample, when to stop."""
 
-    max_tokens: int
+    max_tokens: int | None  # None only for chat before the route knows the prompt's length
     n: int
     best_of: int
     stream: bool
@@ -87,7 +88,8 @@ def parse_chat_request(body: dict[str, Any]) -> ChatRequest:
     elif body.get("top_logprobs") is not None:
         raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
     field = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
-    options = _generation_options(body, body.get(field), field, logprobs, allow_zero=False)
+    # As in the OpenAI chat API, no limit means: up to the context length (the route fills it in).
+    options = _generation_options(body, body.get(field), field, logprobs, allow_zero=False, default_max_tokens=None)
     return ChatRequest(_optional(body, "model", str, None), messages, options)
 
 
@@ -113,7 +115,13 @@ def message_text(message: dict[str, Any]) -> str:
 
 
 def _generation_options(
-    body: dict[str, Any], max_tokens: Any, max_tokens_param: str, logprobs: int | None, *, allow_zero: bool
+    body: dict[str, Any],
+    max_tokens: Any,
+    max_tokens_param: str,
+    logprobs: int | None,
+    *,
+    allow_zero: bool,
+    default_max_tokens: int | None = DEFAULT_MAX_TOKENS,
 ) -> GenerationOptions:
     stream = _optional(body, "stream", bool, False)
     stream_options = _optional(body, "stream_options", dict, None)
@@ -122,15 +130,15 @@ def _generation_options(
     stream_options = stream_options or {}
     include_usage = _optional(stream_options, "include_usage", bool, False, param="stream_options")
     continuous = _optional(stream_options, "continuous_usage_stats", bool, False, param="stream_options")
-    max_tokens = _optional({max_tokens_param: max_tokens}, max_tokens_param, int, DEFAULT_MAX_TOKENS)
-    if max_tokens < (0 if allow_zero else 1):
+    max_tokens = _optional({max_tokens_param: max_tokens}, max_tokens_param, int, default_max_tokens)
+    if max_tokens is not None and max_tokens < (0 if allow_zero else 1):
         limit = "at least 1 (0 only with echo)" if not allow_zero else "at least 0"
         raise bad_request(f"{max_tokens_param} must be {limit}, got {max_tokens}", max_tokens_param)
     n = _bounded_int(body, "n", 1, 1, MAX_N)
     best_of = _bounded_int(body, "best_of", n, n, MAX_N)
     if best_of > n and stream:
         raise bad_request("best_of cannot be used with stream", "best_of")
-    min_tokens = _bounded_int(body, "min_tokens", 0, 0, max(max_tokens, 0))
+    min_tokens = _bounded_int(body, "min_tokens", 0, 0, MAX_TOKENS_UNSET if max_tokens is None else max_tokens)
     stop_token_ids = _optional(body, "stop_token_ids", list, [])
     if not all(_is_int(t) and t >= 0 for t in stop_token_ids):
         raise bad_request("stop_token_ids must be a list of token ids", "stop_token_ids")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -108,6 +109,7 @@ class _State:
         echo_texts: list[str] | None,
         arrived: float,
     ) -> Generation:
+        assert options.max_tokens is not None, "the route fills in chat's default"
         for ids in prompts:
             self.check_context(len(ids), options.max_tokens)
         self.check_tokens(options)
@@ -194,8 +196,12 @@ def create_app(served: ServedModel, config: ServerConfig | None = None) -> Starl
         req = protocol.parse_chat_request(protocol.parse_json_object(await request.body()))
         state.check_model(req.model)
         prompt = state.chat_prompt(req.messages)
+        options = req.options
+        if options.max_tokens is None:
+            room = max(state.max_model_len - len(prompt), 1)
+            options = dataclasses.replace(options, max_tokens=room, min_tokens=min(options.min_tokens, room))
         fmt = ChatFormat(state.tokenizer)
-        return await state.respond(request, state.generation(fmt, req.options, [prompt], None, arrived))
+        return await state.respond(request, state.generation(fmt, options, [prompt], None, arrived))
 
     async def tokenize(request: Request) -> Response:
         body = protocol.parse_json_object(await request.body())

@@ -112,6 +112,13 @@ def test_chat_completion_and_its_stream(client: TestClient) -> None:
     )
 
 
+def test_chat_without_max_tokens_may_fill_the_context(client: TestClient) -> None:
+    body = post(client, {"messages": [{"role": "user", "content": "hi"}]}, "/v1/chat/completions")
+    usage = body["usage"]
+    assert usage["total_tokens"] == 128  # the fake engine's max_model_len
+    assert body["choices"][0]["finish_reason"] == "length"
+
+
 def test_tokenize_and_detokenize(client: TestClient) -> None:
     tokens = post(client, {"prompt": "héllo"}, "/tokenize")
     assert tokens["tokens"] == list("héllo".encode())
