@@ -135,11 +135,14 @@ class Generation:
     # -- a whole response -------------------------------------------------------------------------------
 
     async def complete(self) -> dict[str, Any]:
+        collectors = [asyncio.ensure_future(self._collect(i, s)) for i, s in enumerate(self.streams)]
         try:
-            await asyncio.gather(*(self._collect(i, s) for i, s in enumerate(self.streams)))
+            await asyncio.gather(*collectors)
         except EngineError as exc:
             raise APIError(500, str(exc), code="engine_error") from None
         finally:
+            for collector in collectors:  # after a failure, the others would wait forever
+                collector.cancel()
             self.abort()
         winners = self._best()
         want_logprobs = self.options.logprobs is not None
