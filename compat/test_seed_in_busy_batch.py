@@ -17,7 +17,8 @@ pytestmark = pytest.mark.real_model
 def fp32_client() -> Iterator[OpenAI]:
     proc, base = start_server("--model", MODEL, "--dtype", "float32")
     try:
-        yield OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=300)
+        with OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=300) as client:
+            yield client
     finally:
         stop_server(proc)
 
