@@ -7,7 +7,7 @@ from typing import Any
 
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
-from starlette.responses import JSONResponse
+from starlette.responses import JSONResponse, Response
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +67,11 @@ async def handle_http_exception(request: Request, exc: Exception) -> JSONRespons
     assert isinstance(exc, HTTPException)
     message = exc.detail if exc.status_code != 404 else f"no route {request.method} {request.url.path}"
     return JSONResponse(error_body(exc.status_code, message), status_code=exc.status_code, headers=exc.headers)
+
+
+async def handle_client_disconnect(request: Request, exc: Exception) -> Response:
+    """The client left before we read its whole body: nobody to answer, nothing to log as an error."""
+    return Response(status_code=499)
 
 
 async def handle_unexpected(request: Request, exc: Exception) -> JSONResponse:

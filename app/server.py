@@ -16,7 +16,7 @@ from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.middleware.cors import CORSMiddleware
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
@@ -25,6 +25,7 @@ from app.errors import (
     APIError,
     bad_request,
     handle_api_error,
+    handle_client_disconnect,
     handle_http_exception,
     handle_unexpected,
 )
@@ -236,6 +237,7 @@ def create_app(served: ServedModel, config: ServerConfig | None = None) -> Starl
     handlers: dict[Any, Any] = {
         APIError: handle_api_error,
         HTTPException: handle_http_exception,
+        ClientDisconnect: handle_client_disconnect,
         Exception: handle_unexpected,
     }
     middleware = [Middleware(RequestIdMiddleware)]
