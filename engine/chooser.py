@@ -37,5 +37,6 @@ def build(config: EngineConfig) -> ServedModel:
         max_model_len=max_model_len,
         kv_cache_bytes=int(config.kv_cache_gib * 2**30),
         max_num_batched_tokens=config.max_num_batched_tokens,
+        compile=config.compile,
     )
     return ServedModel(loaded.name, hf_engine, HFTokenizer(loaded.tokenizer, loaded.eos_token_ids))

@@ -29,10 +29,10 @@ class ModelRunner(Protocol):
         ...
 
 
-def make_runner(model: PreTrainedModel) -> ModelRunner:
+def make_runner(model: PreTrainedModel, compile: bool = False) -> ModelRunner:
     model.eval()
     if LlamaRunner.supports(model):
-        return LlamaRunner(model)
+        return LlamaRunner(model, compile)
     return HFRunner(model)
 
 
@@ -72,7 +72,7 @@ class LlamaRunner:
             and getattr(config, "hidden_act", "silu") == "silu"
         )
 
-    def __init__(self, model: PreTrainedModel) -> None:
+    def __init__(self, model: PreTrainedModel, compile: bool = False) -> None:
         config = model.config
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
@@ -85,6 +85,11 @@ class LlamaRunner:
         self.norm = inner.norm.weight
         self.lm_head = model.lm_head.weight
         self.layers = [self._fuse(layer) for layer in inner.layers]
+        # torch.compile fuses the small element-wise ops around the matmuls (norms, RoPE, SiLU, residuals):
+        # ~10-20% off a decode step here, for ~30 s of compiling at start-up. Attention stays eager: its
+        # shape depends on the step's mix of sequences.
+        self._before_attention = torch.compile(_before_attention, dynamic=True) if compile else _before_attention
+        self._after_attention = torch.compile(_after_attention, dynamic=True) if compile else _after_attention
 
     @staticmethod
     def _fuse(layer: torch.nn.Module) -> _LlamaLayer:
@@ -106,25 +111,57 @@ class LlamaRunner:
         hidden = F.embedding(token_ids, self.embed)
         cos, sin = self.rotary(hidden, positions[None])
         cos, sin = cos[0, :, None, :], sin[0, :, None, :]  # [rows, 1, dim]: shared by every head
-        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        num_rows = token_ids.shape[0]
         for index, layer in enumerate(self.layers):
-            x = self._rms_norm(hidden, layer.input_norm)
-            q, k, v = F.linear(x, layer.qkv).split([q_size, kv_size, kv_size], dim=-1)
-            q = _rope(q.view(num_rows, self.num_heads, self.head_dim), cos, sin)
-            k = _rope(k.view(num_rows, self.num_kv_heads, self.head_dim), cos, sin)
-            v = v.view(num_rows, self.num_kv_heads, self.head_dim)
+            q, k, v = self._before_attention(
+                hidden, layer.input_norm, layer.qkv, cos, sin, self.eps, self.num_heads, self.num_kv_heads
+            )
             attended = attend(batch, index, q, k, v, self.scale)
-            hidden = hidden + F.linear(attended.reshape(num_rows, q_size), layer.o)
-            gate, up = F.linear(self._rms_norm(hidden, layer.post_norm), layer.gate_up).chunk(2, dim=-1)
-            hidden = hidden + F.linear(F.silu(gate) * up, layer.down)
+            hidden = self._after_attention(
+                hidden, attended, layer.o, layer.post_norm, layer.gate_up, layer.down, self.eps
+            )
         if rows is not None:
             hidden = hidden[rows]
-        return F.linear(self._rms_norm(hidden, self.norm), self.lm_head).float()
+        return F.linear(_rms_norm(hidden, self.norm, self.eps), self.lm_head).float()
 
-    def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        # As LlamaRMSNorm: normalize in float32, scale in the model's dtype.
-        return weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
+
+def _before_attention(
+    hidden: torch.Tensor,
+    norm: torch.Tensor,
+    qkv: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    eps: float,
+    num_heads: int,
+    num_kv_heads: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Norm, fused QKV projection and RoPE: ``[rows, hidden]`` in, ``[rows, heads, dim]`` q, k, v out."""
+    rows = hidden.shape[0]
+    q, k, v = (
+        F.linear(_rms_norm(hidden, norm, eps), qkv)
+        .view(rows, num_heads + 2 * num_kv_heads, -1)
+        .split([num_heads, num_kv_heads, num_kv_heads], dim=1)
+    )
+    return _rope(q, cos, sin), _rope(k, cos, sin), v
+
+
+def _after_attention(
+    hidden: torch.Tensor,
+    attended: torch.Tensor,
+    o: torch.Tensor,
+    norm: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    eps: float,
+) -> torch.Tensor:
+    """Output projection and residual, then the gated MLP and residual."""
+    hidden = hidden + F.linear(attended.reshape(hidden.shape[0], -1), o)
+    gate, up = F.linear(_rms_norm(hidden, norm, eps), gate_up).chunk(2, dim=-1)
+    return hidden + F.linear(F.silu(gate) * up, down)
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # As LlamaRMSNorm: normalize in float32, scale in the model's dtype.
+    return weight * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
 
 
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
