@@ -36,6 +36,7 @@ class Choice:
     finish_reason: FinishReason | None = None
     prompt_logprobs: list[TokenLogprob | None] | None = None  # echo with logprobs
     prompt_only: bool = False  # max_tokens 0: the sequence runs only to score the prompt
+    stream: RequestStream | None = None  # None when there is nothing to run (echo alone)
 
     @property
     def text(self) -> str:
@@ -69,7 +70,6 @@ class Generation:
     prompts: list[list[int]]
     echo_texts: list[str] | None  # the prompt text per prompt, when echoing
     arrived: float
-    streams: list[RequestStream] = field(default_factory=list)
     choices: list[Choice] = field(default_factory=list)
     request_id: str = ""
 
@@ -96,7 +96,7 @@ class Generation:
                     choice.finish_reason = "length"  # echo alone: nothing to run
                     continue
                 try:
-                    self.streams.append(self.scheduler.submit(self._request(ids, sample), opts.stop, opts.include_stop))
+                    choice.stream = self.scheduler.submit(self._request(ids, sample), opts.stop, opts.include_stop)
                 except Exception:
                     self.abort()
                     raise
@@ -126,8 +126,13 @@ class Generation:
         )
 
     def abort(self) -> None:
-        for stream in self.streams:
+        for _, stream in self.running:
             self.scheduler.abort(stream)
+
+    @property
+    def running(self) -> list[tuple[int, RequestStream]]:
+        """The choices that have a sequence in the scheduler, by index."""
+        return [(i, c.stream) for i, c in enumerate(self.choices) if c.stream is not None]
 
     def usage(self) -> dict[str, int]:
         return protocol.usage(self.num_prompt_tokens, self.num_completion_tokens)
@@ -135,7 +140,7 @@ class Generation:
     # -- a whole response -------------------------------------------------------------------------------
 
     async def complete(self) -> dict[str, Any]:
-        collectors = [asyncio.ensure_future(self._collect(i, s)) for i, s in enumerate(self.streams)]
+        collectors = [asyncio.ensure_future(self._collect(i, s)) for i, s in self.running]
         try:
             await asyncio.gather(*collectors)
         except EngineError as exc:
@@ -187,7 +192,7 @@ class Generation:
     async def events(self) -> AsyncIterator[str]:
         """Server-sent event payloads: chunks as each choice produces text, then usage, then [DONE]."""
         merged: asyncio.Queue[tuple[int, Delta | EngineError | None]] = asyncio.Queue()
-        pumps = [asyncio.ensure_future(self._pump(i, s, merged)) for i, s in enumerate(self.streams)]
+        pumps = [asyncio.ensure_future(self._pump(i, s, merged)) for i, s in self.running]
         try:
             want_logprobs = self.options.logprobs is not None
             if self.echo_texts is not None and not self.scores_prompt:
