@@ -71,7 +71,7 @@ def parse_completion_request(body: dict[str, Any]) -> CompletionRequest:
     if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
         raise bad_request(f"logprobs must be between 0 and {MAX_LOGPROBS}, got {logprobs}", "logprobs")
     options = _generation_options(body, body.get("max_tokens"), "max_tokens", logprobs, allow_zero=echo)
-    return CompletionRequest(_optional(body, "model", str, None), _prompts(body), echo, options)
+    return CompletionRequest(parse_model(body), _prompts(body), echo, options)
 
 
 def parse_chat_request(body: dict[str, Any]) -> ChatRequest:
@@ -90,7 +90,7 @@ def parse_chat_request(body: dict[str, Any]) -> ChatRequest:
     field = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     # As in the OpenAI chat API, no limit means: up to the context length (the route fills it in).
     options = _generation_options(body, body.get(field), field, logprobs, allow_zero=False, default_max_tokens=None)
-    return ChatRequest(_optional(body, "model", str, None), messages, options)
+    return ChatRequest(parse_model(body), messages, options)
 
 
 _ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -139,9 +139,7 @@ def _generation_options(
     if best_of > n and stream:
         raise bad_request("best_of cannot be used with stream", "best_of")
     min_tokens = _bounded_int(body, "min_tokens", 0, 0, MAX_TOKENS_UNSET if max_tokens is None else max_tokens)
-    stop_token_ids = _optional(body, "stop_token_ids", list, [])
-    if not all(_is_int(t) and t >= 0 for t in stop_token_ids):
-        raise bad_request("stop_token_ids must be a list of token ids", "stop_token_ids")
+    stop_token_ids = token_ids(body.get("stop_token_ids") or [], "stop_token_ids")
     return GenerationOptions(
         max_tokens=max_tokens,
         n=n,
@@ -243,9 +241,20 @@ def _prompts(body: dict[str, Any]) -> list[Prompt]:
     for p in prompts:
         if not p:
             raise bad_request("a prompt must not be empty", "prompt")
-        if isinstance(p, list) and not all(_is_int(t) and t >= 0 for t in p):
-            raise bad_request("prompt token ids must be non-negative integers", "prompt")
+        if isinstance(p, list):
+            token_ids(p, "prompt")
     return prompts
+
+
+def token_ids(value: Any, param: str) -> list[int]:
+    """``value`` checked to be a list of token ids (non-negative integers; the vocabulary is the caller's)."""
+    if not isinstance(value, list) or not all(_is_int(t) and t >= 0 for t in value):
+        raise bad_request(f"{param} must be a list of non-negative integer token ids", param)
+    return value
+
+
+def parse_model(body: dict[str, Any]) -> str | None:
+    return _optional(body, "model", str, None)
 
 
 def _is_int(value: Any) -> bool:

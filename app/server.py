@@ -77,13 +77,11 @@ class _State:
         rendered = [{"role": m["role"], "content": protocol.message_text(m)} for m in messages]
         return self.tokenizer.chat_prompt(rendered)
 
-    def prompt_ids(self, prompt: str | list[int]) -> list[int]:
+    def prompt_ids(self, prompt: str | list[int], param: str = "prompt") -> list[int]:
         if isinstance(prompt, str):
             return self.tokenizer.encode(prompt)
         if any(t >= self.tokenizer.vocab_size for t in prompt):
-            raise bad_request(
-                f"prompt token ids must be below the vocabulary size {self.tokenizer.vocab_size}", "prompt"
-            )
+            raise bad_request(f"{param} token ids must be below the vocabulary size {self.tokenizer.vocab_size}", param)
         return prompt
 
     def check_context(self, num_prompt: int, max_tokens: int) -> None:
@@ -206,7 +204,7 @@ def create_app(served: ServedModel, config: ServerConfig | None = None) -> Starl
 
     async def tokenize(request: Request) -> Response:
         body = protocol.parse_json_object(await request.body())
-        state.check_model(body.get("model") if isinstance(body.get("model"), str) else None)
+        state.check_model(protocol.parse_model(body))
         if "messages" in body:
             chat = protocol.parse_chat_request({"messages": body["messages"]})
             tokens = state.chat_prompt(chat.messages)
@@ -219,11 +217,9 @@ def create_app(served: ServedModel, config: ServerConfig | None = None) -> Starl
 
     async def detokenize(request: Request) -> Response:
         body = protocol.parse_json_object(await request.body())
-        state.check_model(body.get("model") if isinstance(body.get("model"), str) else None)
-        tokens = body.get("tokens")
-        if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
-            raise bad_request("tokens must be a list of token ids", "tokens")
-        return JSONResponse({"prompt": state.tokenizer.decode(state.prompt_ids(tokens) if tokens else [])})
+        state.check_model(protocol.parse_model(body))
+        tokens = protocol.token_ids(body.get("tokens"), "tokens")
+        return JSONResponse({"prompt": state.tokenizer.decode(state.prompt_ids(tokens, "tokens"))})
 
     routes = [
         Route("/health", health, methods=["GET"]),

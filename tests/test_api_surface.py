@@ -167,6 +167,11 @@ def test_tokenize_and_detokenize(client: TestClient) -> None:
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs"),
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_tokens": 0}, "max_tokens"),
         ("/detokenize", {"tokens": ["a"]}, "tokens"),
+        ("/detokenize", {"tokens": [-1]}, "tokens"),
+        ("/detokenize", {"tokens": [300]}, "tokens"),
+        ("/detokenize", {}, "tokens"),
+        ("/tokenize", {"prompt": "x", "model": 5}, "model"),
+        ("/v1/completions", {"prompt": "x", "stop_token_ids": "7"}, "stop_token_ids"),
         ("/tokenize", {}, "prompt"),
     ],
 )

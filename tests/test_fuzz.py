@@ -17,7 +17,7 @@ from engine.tokenizer import ByteTokenizer
 
 KEYS = [
     "model", "prompt", "max_tokens", "stream", "stream_options", "include_usage", "ignore_eos", "messages",
-    "temperature", "top_p", "n", "stop", "logprobs", "echo", "seed", "logit_bias", "user",
+    "temperature", "top_p", "n", "stop", "logprobs", "echo", "seed", "logit_bias", "user", "tokens",
 ]  # fmt: skip
 
 scalars = st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.floats(allow_nan=False) | st.text(max_size=20)
@@ -35,7 +35,7 @@ def client() -> Iterator[TestClient]:
         yield c
 
 
-@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"])
 @settings(max_examples=250, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(body=bodies)
 def test_arbitrary_json_bodies(client: TestClient, path: str, body: object) -> None:
