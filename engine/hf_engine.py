@@ -10,7 +10,7 @@ from transformers import PreTrainedModel
 from engine.base import InferenceEngine, validate_request
 from engine.kv_cache import PrefillChunk, SlotKVCache, StepBatch
 from engine.model_runner import make_runner
-from engine.sampler import Row, select_tokens
+from engine.sampler import Row, select_tokens, token_logprobs
 from engine.types import FinishReason, GenerationRequest, StepOutput, TokenLogprob
 
 
@@ -212,15 +212,10 @@ class HFEngine(InferenceEngine):
         for seq, chunk in scored:
             assert seq.prompt_logprobs is not None
             positions = range(chunk.start, min(chunk.start + chunk.length, seq.prompt_len - 1))
-            logprobs = logits[offset : offset + len(positions)].log_softmax(dim=-1)
-            offset += chunk.length
             targets = torch.tensor([seq.request.prompt_ids[p + 1] for p in positions], device=logits.device)
-            chosen = logprobs.gather(-1, targets[:, None])[:, 0].tolist()
-            num_top = seq.request.prompt_logprobs or 0
-            top_values, top_ids = logprobs.topk(max(num_top, 1), dim=-1)
-            for i, target in enumerate(targets.tolist()):
-                top = tuple(zip(top_ids[i, :num_top].tolist(), top_values[i, :num_top].tolist(), strict=True))
-                seq.prompt_logprobs.append(TokenLogprob(target, chosen[i], top))
+            num_top = [seq.request.prompt_logprobs or 0] * len(positions)
+            seq.prompt_logprobs += token_logprobs(logits[offset : offset + len(positions)], targets, num_top)
+            offset += chunk.length
 
     def _row(self, seq: _Seq) -> Row:
         request = seq.request

@@ -118,15 +118,23 @@ def _top_p(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
 def _logprobs(raw: torch.Tensor, tokens: torch.Tensor, rows: list[Row]) -> list[TokenLogprob | None]:
     wanted = [i for i, row in enumerate(rows) if row.num_logprobs is not None]
     result: list[TokenLogprob | None] = [None] * len(rows)
-    if not wanted:
-        return result
-    logprobs = raw[wanted].log_softmax(dim=-1)
-    chosen = logprobs.gather(-1, tokens[wanted][:, None])[:, 0].tolist()
-    num_top = max(rows[i].num_logprobs or 0 for i in wanted)
-    top_values, top_ids = logprobs.topk(max(num_top, 1), dim=-1)
-    top_values, top_ids = top_values.tolist(), top_ids.tolist()
-    for j, i in enumerate(wanted):
-        n = rows[i].num_logprobs or 0
-        top = tuple(zip(top_ids[j][:n], top_values[j][:n], strict=True))
-        result[i] = TokenLogprob(int(tokens[i]), chosen[j], top)
+    if wanted:
+        scored = token_logprobs(raw[wanted], tokens[wanted], [rows[i].num_logprobs or 0 for i in wanted])
+        for i, entry in zip(wanted, scored, strict=True):
+            result[i] = entry
     return result
+
+
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, num_top: list[int]) -> list[TokenLogprob]:
+    """Row i's ``tokens[i]`` under the raw distribution ``logits[i]``, with its ``num_top[i]`` most likely
+    alternatives. Used for sampled tokens and for scored prompt tokens alike."""
+    if not num_top:
+        return []
+    logprobs = logits.log_softmax(dim=-1)
+    chosen = logprobs.gather(-1, tokens[:, None])[:, 0].tolist()
+    top_values, top_ids = logprobs.topk(max(max(num_top), 1), dim=-1)
+    top_values, top_ids = top_values.tolist(), top_ids.tolist()
+    return [
+        TokenLogprob(token, chosen[i], tuple(zip(top_ids[i][:n], top_values[i][:n], strict=True)))
+        for i, (token, n) in enumerate(zip(tokens.tolist(), num_top, strict=True))
+    ]
