@@ -191,11 +191,9 @@ def _logit_bias(body: dict[str, Any]) -> tuple[tuple[int, float], ...]:
     bias = _optional(body, "logit_bias", dict, {})
     parsed = []
     for key, value in bias.items():
-        if not key.isdigit():
+        if not (key.isascii() and key.isdigit()):  # "²".isdigit() holds, but int("²") fails
             raise bad_request(f"logit_bias keys must be token ids, got {key!r}", "logit_bias")
-        if isinstance(value, bool) or not isinstance(value, int | float) or not -100 <= value <= 100:
-            raise bad_request("logit_bias values must be numbers between -100 and 100", "logit_bias")
-        parsed.append((int(key), float(value)))
+        parsed.append((int(key), _bounded_number({"logit_bias": value}, "logit_bias", 0.0, -100.0, 100.0)))
     return tuple(parsed)
 
 
