@@ -191,7 +191,8 @@ def _logit_bias(body: dict[str, Any]) -> tuple[tuple[int, float], ...]:
     bias = _optional(body, "logit_bias", dict, {})
     parsed = []
     for key, value in bias.items():
-        if not (key.isascii() and key.isdigit()):  # "²".isdigit() holds, but int("²") fails
+        # "²".isdigit() holds but int("²") fails; int() also refuses over 4300 digits.
+        if not (key.isascii() and key.isdigit() and len(key) <= 18):
             raise bad_request(f"logit_bias keys must be token ids, got {key!r}", "logit_bias")
         parsed.append((int(key), _bounded_number({"logit_bias": value}, "logit_bias", 0.0, -100.0, 100.0)))
     return tuple(parsed)

@@ -158,6 +158,7 @@ def test_tokenize_and_detokenize(client: TestClient) -> None:
         ("/v1/completions", {"prompt": "x", "logit_bias": {"5": 101}}, "logit_bias"),
         ("/v1/completions", {"prompt": "x", "logit_bias": {"5": "1"}}, "logit_bias"),
         ("/v1/completions", {"prompt": "x", "logit_bias": {"²": 1}}, "logit_bias"),
+        ("/v1/completions", {"prompt": "x", "logit_bias": {"9" * 5000: 1}}, "logit_bias"),
         ("/v1/completions", {"prompt": "x", "logit_bias": {"999": 1}}, "logit_bias"),
         ("/v1/completions", {"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options"),
         ("/v1/completions", {"prompt": "x", "suffix": "y"}, "suffix"),
