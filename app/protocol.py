@@ -56,7 +56,7 @@ class ChatRequest:
 def parse_json_object(raw: bytes) -> dict[str, Any]:
     try:
         body = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+    except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError, and integers of over 4300 digits
         raise bad_request(f"the request body is not valid JSON: {exc}") from None
     if not isinstance(body, dict):
         raise bad_request("the request body must be a JSON object")

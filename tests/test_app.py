@@ -131,6 +131,7 @@ def test_unknown_fields_are_ignored(client: TestClient) -> None:
         (b"{not json", None),
         (b"", None),
         (b"\xff\xfe", None),
+        (b'{"prompt": "x", "seed": ' + b"9" * 5000 + b"}", None),
         (b"[1, 2]", None),
         (b'"a string"', None),
         (b"{}", "prompt"),
