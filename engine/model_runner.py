@@ -51,6 +51,28 @@ class HFRunner:
         return self._lm_head(hidden if rows is None else hidden[rows]).float()
 
 
+def prepack(weight: torch.Tensor) -> torch.Tensor:
+    """``weight`` ``[out, in]`` in the layout the device's matmul reads fastest. On CPU that is oneDNN's
+    blocked layout, reordered once here instead of inside every plain ``F.linear`` call: decode steps ran
+    1.3-1.9x faster with it on this project's CPU. Elsewhere the weight is returned as it is."""
+    if weight.device.type == "cpu" and weight.dtype in _PACKABLE and torch.backends.mkldnn.is_available():
+        return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), _PACK_ROWS_HINT)
+    return weight
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``x @ weight.T`` for a ``weight`` from ``prepack``; ``x`` is ``[rows, in]``."""
+    if weight.is_mkldnn:
+        return torch.ops.mkldnn._linear_pointwise(x, weight, None, "none", [], "")
+    return F.linear(x, weight)
+
+
+_PACKABLE = (torch.float32, torch.bfloat16)
+# oneDNN picks the blocked layout for a typical row count; measured here, any hint from 1 to 256 rows
+# serves every batch size within noise.
+_PACK_ROWS_HINT = 32
+
+
 @dataclass(slots=True)
 class _LlamaLayer:
     input_norm: torch.Tensor
@@ -83,13 +105,17 @@ class LlamaRunner:
         self.embed = inner.embed_tokens.weight
         self.rotary = inner.rotary_emb
         self.norm = inner.norm.weight
-        self.lm_head = model.lm_head.weight
+        self.lm_head = prepack(model.lm_head.weight)
         self.layers = [self._fuse(layer) for layer in inner.layers]
-        # torch.compile fuses the small element-wise ops around the matmuls (norms, RoPE, SiLU, residuals):
-        # ~10-20% off a decode step here, for ~30 s of compiling at start-up. Attention stays eager: its
-        # shape depends on the step's mix of sequences.
-        self._before_attention = torch.compile(_before_attention, dynamic=True) if compile else _before_attention
-        self._after_attention = torch.compile(_after_attention, dynamic=True) if compile else _after_attention
+        # torch.compile fuses the small element-wise ops between the matmuls (norms, RoPE, SiLU, residuals):
+        # fewer passes over memory and less dispatch, for ~30 s of compiling at start-up. The matmuls stay
+        # outside (oneDNN's prepacked weights are opaque to the compiler), and so does attention: its shape
+        # depends on the step's mix of sequences.
+        fused = (lambda fn: torch.compile(fn, dynamic=True)) if compile else (lambda fn: fn)
+        self._rms_norm = fused(_rms_norm)
+        self._split_rope = fused(_split_rope)
+        self._add_norm = fused(_add_norm)
+        self._silu_mul = fused(_silu_mul)
 
     @staticmethod
     def _fuse(layer: torch.nn.Module) -> _LlamaLayer:
@@ -98,11 +124,11 @@ class LlamaRunner:
         gate_up = _stack_into_views([mlp.gate_proj, mlp.up_proj])
         return _LlamaLayer(
             layer.input_layernorm.weight,
-            qkv,
-            attn.o_proj.weight,
+            prepack(qkv),
+            prepack(attn.o_proj.weight),
             layer.post_attention_layernorm.weight,
-            gate_up,
-            mlp.down_proj.weight,
+            prepack(gate_up),
+            prepack(mlp.down_proj.weight),
         )
 
     def forward(
@@ -111,52 +137,44 @@ class LlamaRunner:
         hidden = F.embedding(token_ids, self.embed)
         cos, sin = self.rotary(hidden, positions[None])
         cos, sin = cos[0, :, None, :], sin[0, :, None, :]  # [rows, 1, dim]: shared by every head
-        for index, layer in enumerate(self.layers):
-            q, k, v = self._before_attention(
-                hidden, layer.input_norm, layer.qkv, cos, sin, self.eps, self.num_heads, self.num_kv_heads
-            )
+        normed = self._rms_norm(hidden, self.layers[0].input_norm, self.eps)
+        # The next norm's weight after each layer: the following layer's input norm, then the final norm.
+        next_norms = [layer.input_norm for layer in self.layers[1:]] + [self.norm]
+        for index, (layer, next_norm) in enumerate(zip(self.layers, next_norms, strict=True)):
+            qkv = linear(normed, layer.qkv)
+            q, k, v = self._split_rope(qkv, cos, sin, self.num_heads, self.num_kv_heads)
             attended = attend(batch, index, q, k, v, self.scale)
-            hidden = self._after_attention(
-                hidden, attended, layer.o, layer.post_norm, layer.gate_up, layer.down, self.eps
-            )
+            output = linear(attended.reshape(hidden.shape[0], -1), layer.o)
+            hidden, normed = self._add_norm(hidden, output, layer.post_norm, self.eps)
+            output = linear(self._silu_mul(linear(normed, layer.gate_up)), layer.down)
+            hidden, normed = self._add_norm(hidden, output, next_norm, self.eps)
         if rows is not None:
-            hidden = hidden[rows]
-        return F.linear(_rms_norm(hidden, self.norm, self.eps), self.lm_head).float()
+            normed = normed[rows]
+        return linear(normed, self.lm_head).float()
 
 
-def _before_attention(
-    hidden: torch.Tensor,
-    norm: torch.Tensor,
-    qkv: torch.Tensor,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    eps: float,
-    num_heads: int,
-    num_kv_heads: int,
+def _split_rope(
+    qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int, num_kv_heads: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Norm, fused QKV projection and RoPE: ``[rows, hidden]`` in, ``[rows, heads, dim]`` q, k, v out."""
-    rows = hidden.shape[0]
-    q, k, v = (
-        F.linear(_rms_norm(hidden, norm, eps), qkv)
-        .view(rows, num_heads + 2 * num_kv_heads, -1)
-        .split([num_heads, num_kv_heads, num_kv_heads], dim=1)
+    """The fused projection's ``[rows, (heads + 2 * kv_heads) * dim]`` as q, k, v ``[rows, heads, dim]``,
+    RoPE applied to q and k."""
+    q, k, v = qkv.view(qkv.shape[0], num_heads + 2 * num_kv_heads, -1).split(
+        [num_heads, num_kv_heads, num_kv_heads], dim=1
     )
     return _rope(q, cos, sin), _rope(k, cos, sin), v
 
 
-def _after_attention(
-    hidden: torch.Tensor,
-    attended: torch.Tensor,
-    o: torch.Tensor,
-    norm: torch.Tensor,
-    gate_up: torch.Tensor,
-    down: torch.Tensor,
-    eps: float,
-) -> torch.Tensor:
-    """Output projection and residual, then the gated MLP and residual."""
-    hidden = hidden + F.linear(attended.reshape(hidden.shape[0], -1), o)
-    gate, up = F.linear(_rms_norm(hidden, norm, eps), gate_up).chunk(2, dim=-1)
-    return hidden + F.linear(F.silu(gate) * up, down)
+def _add_norm(
+    hidden: torch.Tensor, output: torch.Tensor, norm: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The residual stream after adding a block's output, and its normalization for the next block."""
+    hidden = hidden + output
+    return hidden, _rms_norm(hidden, norm, eps)
+
+
+def _silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
