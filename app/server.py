@@ -58,7 +58,9 @@ class _State:
         self.model_name = config.served_model_name or served.name
         self.tokenizer = served.tokenizer
         self.max_model_len = served.max_model_len
-        self.scheduler = Scheduler(served.engine, served.tokenizer, max_queue=config.max_queue)
+        self.scheduler = Scheduler(
+            served.engine, served.tokenizer, max_queue=config.max_queue, engine_thread=served.engine_thread
+        )
         self.metrics = Metrics(lambda: self.scheduler.num_running, lambda: self.scheduler.num_waiting)
         self.created = int(time.time())
         #: Set when shutdown begins: new requests get 503 while in-flight ones finish.

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from engine.base import InferenceEngine
@@ -15,6 +16,8 @@ class ServedModel:
     name: str
     engine: InferenceEngine
     tokenizer: Tokenizer
+    #: The thread the engine was built on, for its steps to run on too (``None``: any thread will do).
+    engine_thread: ThreadPoolExecutor | None = None
 
     @property
     def max_model_len(self) -> int:
@@ -25,6 +28,14 @@ def build(config: EngineConfig) -> ServedModel:
     if config.model == "fake":
         engine = FakeEngine(capacity=config.max_batch_size, max_model_len=config.max_model_len or 2048)
         return ServedModel("fake", engine, ByteTokenizer())
+    # Every torch call of a HF engine, from loading to the last step, runs on one thread: each thread that
+    # enters torch's OpenMP gets its own team of workers, and with a second team on this 2-core machine a
+    # decode step ran ~2x slower, even with the first team idle.
+    engine_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
+    return engine_thread.submit(_build_hf, config, engine_thread).result()
+
+
+def _build_hf(config: EngineConfig, engine_thread: ThreadPoolExecutor) -> ServedModel:
     from engine import loader
     from engine.hf_engine import HFEngine
 
@@ -39,4 +50,5 @@ def build(config: EngineConfig) -> ServedModel:
         max_num_batched_tokens=config.max_num_batched_tokens,
         compile=config.compile,
     )
-    return ServedModel(loaded.name, hf_engine, HFTokenizer(loaded.tokenizer, loaded.eos_token_ids))
+    tokenizer = HFTokenizer(loaded.tokenizer, loaded.eos_token_ids)
+    return ServedModel(loaded.name, hf_engine, tokenizer, engine_thread)

@@ -91,7 +91,16 @@ class RequestStream:
 
 
 class Scheduler:
-    def __init__(self, engine: InferenceEngine, tokenizer: Tokenizer, *, max_queue: int = 256) -> None:
+    def __init__(
+        self,
+        engine: InferenceEngine,
+        tokenizer: Tokenizer,
+        *,
+        max_queue: int = 256,
+        engine_thread: ThreadPoolExecutor | None = None,
+    ) -> None:
+        """``engine_thread``: a one-worker executor to step the engine on (the one it was built on); by
+        default the scheduler starts its own."""
         self.engine = engine
         self.tokenizer = tokenizer
         self.max_queue = max_queue
@@ -99,7 +108,8 @@ class Scheduler:
         self._running: dict[int, RequestStream] = {}
         self._pending_aborts: list[int] = []
         self._wakeup = asyncio.Event()
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
+        self._owns_executor = engine_thread is None
+        self._executor = engine_thread or ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
         self._task: asyncio.Task[None] | None = None
 
     @property
@@ -122,7 +132,8 @@ class Scheduler:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
-        self._executor.shutdown(wait=True)
+        if self._owns_executor:
+            self._executor.shutdown(wait=True)
 
     def submit(
         self, request: GenerationRequest, stop: tuple[str, ...] = (), include_stop: bool = False
