@@ -10,6 +10,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 from engine.scheduler import Delta
 
 PREFIX = "smolserve:"
+_STEP_BUCKETS = (0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5)
+_BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 
 
@@ -43,6 +45,17 @@ class Metrics:
         self.e2e_latency = Histogram(
             f"{PREFIX}e2e_request_latency_seconds", "Arrival to last token", buckets=_LATENCY_BUCKETS, registry=r
         )
+
+        self.engine_step = Histogram(
+            f"{PREFIX}engine_step_seconds", "Duration of one engine step", buckets=_STEP_BUCKETS, registry=r
+        )
+        self.engine_step_batch = Histogram(
+            f"{PREFIX}engine_step_batch_size", "Sequences in one engine step", buckets=_BATCH_BUCKETS, registry=r
+        )
+
+    def observe_step(self, seconds: float, batch_size: int) -> None:
+        self.engine_step.observe(seconds)
+        self.engine_step_batch.observe(batch_size)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -62,6 +62,7 @@ class _State:
             served.engine, served.tokenizer, max_queue=config.max_queue, engine_thread=served.engine_thread
         )
         self.metrics = Metrics(lambda: self.scheduler.num_running, lambda: self.scheduler.num_waiting)
+        self.scheduler.on_step = self.metrics.observe_step
         self.created = int(time.time())
         #: Set when shutdown begins: new requests get 503 while in-flight ones finish.
         self.draining = False

@@ -16,6 +16,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import re
+import resource
 import sys
 import threading
 import time
@@ -122,6 +124,16 @@ async def run_level(base: str, n: int, new_tokens: int) -> dict[str, float]:
     }
 
 
+def step_totals(base: str) -> tuple[float, float]:
+    """The server's engine-step histogram so far: (seconds in steps, number of steps)."""
+    text = httpx.get(f"{base}/metrics").text
+    total, count = (
+        float(re.search(rf"^smolserve:engine_step_seconds_{name} (\S+)$", text, re.M).group(1))
+        for name in ("sum", "count")
+    )
+    return total, count
+
+
 def serving(levels: list[int], new_tokens: int, server_args: list[str]) -> dict[int, dict[str, float]]:
     flags = ["--model", MODEL, "--max-batch-size", str(max(levels)), "--log-level", "warning", *server_args]
     proc, base = start_server(*flags)
@@ -129,9 +141,15 @@ def serving(levels: list[int], new_tokens: int, server_args: list[str]) -> dict[
     try:
         asyncio.run(run_level(base, 2, 8))  # warm-up
         for n in levels:
+            steps_before, cpu_before = step_totals(base), resource.getrusage(resource.RUSAGE_SELF)
             with RssSampler(proc.pid) as rss:
                 results[n] = asyncio.run(run_level(base, n, new_tokens))
+            steps_after, cpu_after = step_totals(base), resource.getrusage(resource.RUSAGE_SELF)
             results[n]["peak_rss_mib"] = rss.peak_kib / 1024
+            results[n]["step_ms"] = 1000 * (steps_after[0] - steps_before[0]) / (steps_after[1] - steps_before[1])
+            results[n]["client_cpu_s"] = (cpu_after.ru_utime + cpu_after.ru_stime) - (
+                cpu_before.ru_utime + cpu_before.ru_stime
+            )
             print(f"  http n={n}: {results[n]['tok_s']:.1f} tok/s", flush=True)
     finally:
         stop_server(proc)
@@ -212,15 +230,16 @@ def main() -> None:
     base = generate_baseline(args.concurrency, args.new_tokens, args.baseline_dtype)
     print()
     print(
-        "| streams | HTTP tok/s | generate tok/s | ratio | TTFT p50 / p99 (s) | ITL p50 / p99 (ms) | peak RSS (MiB) |"
+        "| streams | HTTP tok/s | generate tok/s | ratio | TTFT p50 / p99 (s) | ITL p50 / p99 (ms) "
+        "| mean step (ms) | client CPU (s) | peak RSS (MiB) |"
     )
-    print("|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|")
     for n in args.concurrency:
         r = http[n]
         print(
             f"| {n} | {r['tok_s']:.1f} | {base[n]:.1f} | {r['tok_s'] / base[n]:.2f}x | "
             f"{r['ttft_p50']:.2f} / {r['ttft_p99']:.2f} | {r['itl_p50'] * 1000:.0f} / {r['itl_p99'] * 1000:.0f} | "
-            f"{r['peak_rss_mib']:.0f} |"
+            f"{r['step_ms']:.1f} | {r['client_cpu_s']:.1f} | {r['peak_rss_mib']:.0f} |"
         )
 
 

@@ -204,7 +204,7 @@ class HFEngine(InferenceEngine):
         if n and min(decode_positions) != decode_len - 1:
             mask = torch.arange(decode_len, device=self._device)[None, :] <= positions[:, None]
             mask = mask[:, None, None, :]
-        return StepBatch(self.cache, n, self._slot_ids[:n], positions, decode_len, mask, chunks)
+        return StepBatch(self.cache, n, self._slot_ids[:n], positions, decode_len, positions + 1, mask, chunks)
 
     def _score_prompts(self, scored: list[tuple[_Seq, PrefillChunk]], logits: torch.Tensor) -> None:
         """Each prompt position's logits score the next prompt token."""

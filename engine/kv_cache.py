@@ -24,6 +24,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from engine import kernels
+
 ATTENTION_NAME = "smolserve_slots"
 
 # Positions are allocated in multiples of this, so growth (a full copy) is rare.
@@ -49,6 +51,7 @@ class StepBatch:
     decode_slots: torch.Tensor  # [num_decode], 0..num_decode-1
     decode_positions: torch.Tensor  # [num_decode], where each decoding row's new K/V lands
     decode_len: int  # positions attended by the decode rows: max(decode_positions) + 1
+    decode_lengths: torch.Tensor  # [num_decode]: positions each decode row attends, decode_positions + 1
     decode_mask: torch.Tensor | None  # [num_decode, 1, 1, decode_len]; None when every row sees all of it
     chunks: list[PrefillChunk] = field(default_factory=list)
 
@@ -163,10 +166,17 @@ def _decode_attention(
     # Grouped-query attention without repeating K/V: the query heads that share a KV head become that
     # head's "query length", which is free for a single new token per row.
     q = query.reshape(n, num_kv_heads, num_heads // num_kv_heads, -1)
+    native = kernels.decode_attention() if kv.device.type == "cpu" and kv.dtype in _NATIVE_DTYPES else None
+    if native is not None:
+        scale = query.shape[-1] ** -0.5 if scale is None else scale
+        return native(q, kv[layer, 0, :n], kv[layer, 1, :n], batch.decode_lengths, scale).reshape(n, num_heads, -1)
     keys = kv[layer, 0, :n, :, : batch.decode_len]
     values = kv[layer, 1, :n, :, : batch.decode_len]
     attended = F.scaled_dot_product_attention(q, keys, values, attn_mask=batch.decode_mask, scale=scale)
     return attended.reshape(n, num_heads, -1)
+
+
+_NATIVE_DTYPES = (torch.float32, torch.bfloat16)
 
 
 def _prefill_attention(

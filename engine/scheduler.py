@@ -11,8 +11,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -111,6 +112,8 @@ class Scheduler:
         self._owns_executor = engine_thread is None
         self._executor = engine_thread or ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
         self._task: asyncio.Task[None] | None = None
+        #: Called on the event loop after every step with its duration in seconds and the sequences it ran.
+        self.on_step: Callable[[float, int], None] | None = None
 
     @property
     def num_waiting(self) -> int:
@@ -175,7 +178,10 @@ class Scheduler:
             # in the waiting queue and in the engine, so the queue bound counts only those truly waiting.
             self._admit_waiting()
             aborts, self._pending_aborts = self._pending_aborts, []
-            outputs, error = await loop.run_in_executor(self._executor, self._step, aborts)
+            batch_size = self.engine.num_active()
+            outputs, error, seconds = await loop.run_in_executor(self._executor, self._step, aborts)
+            if self.on_step is not None:
+                self.on_step(seconds, batch_size)
             if error is not None:
                 self._fail_running(error)
             else:
@@ -201,16 +207,17 @@ class Scheduler:
                 continue
             self._running[stream.seq_id] = stream
 
-    def _step(self, aborts: list[int]) -> tuple[list[StepOutput], Exception | None]:
-        """On the engine thread: drop aborted sequences, then step once."""
+    def _step(self, aborts: list[int]) -> tuple[list[StepOutput], Exception | None, float]:
+        """On the engine thread: drop aborted sequences, then step once. Also returns the step's duration."""
+        started = time.perf_counter()
         try:
             for seq_id in aborts:
                 self.engine.abort(seq_id)
-            return self.engine.step(), None
+            return self.engine.step(), None, time.perf_counter() - started
         except Exception as exc:
             log.exception("engine step failed; resetting the engine")
             self.engine.reset()
-            return [], exc
+            return [], exc, time.perf_counter() - started
 
     def _hand_out(self, outputs: list[StepOutput]) -> None:
         for output in outputs:

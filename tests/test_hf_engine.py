@@ -8,6 +8,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
+from engine import kernels
 from engine.hf_engine import HFEngine
 from engine.scheduler import Scheduler
 from engine.tokenizer import HFTokenizer
@@ -65,8 +66,16 @@ def _prompt(seed: int, length: int) -> tuple[int, ...]:
     return tuple((seed * 31 + i * 17) % 290 + 8 for i in range(length))
 
 
+@pytest.mark.parametrize("attention", ["native", "torch"])
 @pytest.mark.parametrize("chunk_budget", [512, 24], ids=["whole-prompts", "chunked-prefill"])
-def test_tiny_model_parity_with_staggered_arrivals(tiny_pair, chunk_budget: int) -> None:
+def test_tiny_model_parity_with_staggered_arrivals(
+    tiny_pair, chunk_budget: int, attention: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Decode attention runs in the native kernel, or in torch's attention where it cannot be built."""
+    if attention == "torch":
+        monkeypatch.setattr(kernels, "decode_attention", lambda: None)
+    else:
+        assert kernels.decode_attention() is not None
     model, ref_model = tiny_pair
     engine = make_engine(model, frozenset({7}), max_num_batched_tokens=chunk_budget)
     arrivals = [

@@ -1,0 +1,49 @@
+"""Native CPU kernels, compiled from ``engine/csrc`` on first use with the compiler torch's C++ extensions use.
+
+The build takes ~15 s once and is cached under torch's extensions directory. Where there is no compiler, or
+``SMOLSERVE_NATIVE_KERNELS=0``, callers get ``None`` and fall back to torch's own operators.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+_SOURCE = Path(__file__).parent / "csrc" / "decode_attention.cpp"
+_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]
+
+
+@functools.cache
+def decode_attention() -> Callable[..., torch.Tensor] | None:
+    """``decode_attention(query, keys, values, lengths, scale)``: see ``csrc/decode_attention.cpp``."""
+    if os.environ.get("SMOLSERVE_NATIVE_KERNELS", "1") == "0":
+        return None
+    from torch.utils.cpp_extension import load
+
+    try:
+        # The name carries the CPU's identity: a build for one machine's -march=native must not be
+        # loaded on another that shares the cache directory.
+        load(
+            name=f"smolserve_kernels_{_cpu_tag()}", sources=[str(_SOURCE)], extra_cflags=_FLAGS, is_python_module=False
+        )
+    except Exception as exc:  # no compiler, no headers: the fallback is correct, only slower
+        log.warning("native decode attention unavailable, using torch's attention instead: %s", exc)
+        return None
+    return torch.ops.smolserve.decode_attention
+
+
+def _cpu_tag() -> str:
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        info = ""
+    identity = [line for line in info.splitlines() if line.startswith(("model name", "flags"))][:2]
+    return hashlib.sha256("\n".join(identity).encode()).hexdigest()[:12]

@@ -1,0 +1,54 @@
+"""The native decode-attention kernel against torch's attention, and the engine without it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine import kernels
+
+
+def _reference(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, lengths: list[int]) -> torch.Tensor:
+    """Each sequence alone through scaled_dot_product_attention, in float32."""
+    rows = [
+        F.scaled_dot_product_attention(
+            query[i : i + 1].float(), keys[i : i + 1, :, :length].float(), values[i : i + 1, :, :length].float()
+        )[0]
+        for i, length in enumerate(lengths)
+    ]
+    return torch.stack(rows)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("kv_heads", "groups", "dim"), [(3, 3, 64), (2, 1, 128), (1, 4, 24)])
+def test_kernel_matches_torch_attention(dtype: torch.dtype, kv_heads: int, groups: int, dim: int) -> None:
+    native = kernels.decode_attention()
+    assert native is not None, "the kernel should build wherever the test suite runs (it has a C++ compiler)"
+    torch.manual_seed(0)
+    lengths = [1, 63, 64, 65, 200]  # one position, and either side of the kernel's 64-position blocks
+    # Slot views as the cache holds them: more slots and positions than in use, so rows are strided.
+    cache = torch.randn(2, len(lengths) + 2, kv_heads, 256, dim, dtype=dtype)
+    query = torch.randn(len(lengths), kv_heads, groups, dim, dtype=dtype)
+    keys, values = cache[0, : len(lengths)], cache[1, : len(lengths)]
+    out = native(query, keys, values, torch.tensor(lengths), dim**-0.5)
+    assert out.dtype == dtype and out.shape == query.shape
+    tolerance = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(out.float(), _reference(query, keys, values, lengths), atol=tolerance, rtol=tolerance)
+
+
+def test_kernel_rejects_lengths_beyond_the_cache() -> None:
+    native = kernels.decode_attention()
+    assert native is not None
+    cache = torch.zeros(2, 1, 1, 8, 16)
+    with pytest.raises(RuntimeError, match="length out of range"):
+        native(torch.zeros(1, 1, 1, 16), cache[0], cache[1], torch.tensor([9]), 0.25)
+
+
+def test_disabled_by_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SMOLSERVE_NATIVE_KERNELS", "0")
+    kernels.decode_attention.cache_clear()
+    try:
+        assert kernels.decode_attention() is None
+    finally:
+        kernels.decode_attention.cache_clear()
