@@ -252,6 +252,9 @@ def test_metrics_count_tokens_outcomes_and_latencies(client: TestClient) -> None
         "smolserve:time_to_first_token_seconds_count 2.0",
         "smolserve:inter_token_latency_seconds_count 3.0",
         "smolserve:e2e_request_latency_seconds_count 2.0",
+        # One request at a time, one token per step: 5 steps of one sequence each.
+        "smolserve:engine_step_seconds_count 5.0",
+        "smolserve:engine_step_batch_size_sum 5.0",
     ]:
         assert line in text, line
 
