@@ -29,9 +29,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=defaults.dtype,
         help="weights and activations; auto picks whichever runs decode matmuls faster here",
     )
-    parser.add_argument(
-        "--compile", action="store_true", help="torch.compile the model's element-wise work (~30 s more start-up)"
-    )
     parser.add_argument("--max-batch-size", type=int, default=defaults.max_batch_size, help="sequences per step")
     parser.add_argument("--max-model-len", type=int, default=None, help="longest prompt + completion")
     parser.add_argument("--kv-cache-gib", type=float, default=defaults.kv_cache_gib, help="KV cache memory bound")
@@ -61,7 +58,6 @@ def main(argv: list[str] | None = None) -> None:
     engine_config = EngineConfig(
         model=args.model,
         dtype=args.dtype,
-        compile=args.compile,
         max_batch_size=args.max_batch_size,
         max_model_len=args.max_model_len,
         kv_cache_gib=args.kv_cache_gib,

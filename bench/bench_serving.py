@@ -3,7 +3,6 @@
     .venv/bin/python bench/bench_serving.py                  # HTTP at 1, 8, 32, 64 streams + generate baseline
     .venv/bin/python bench/bench_serving.py --concurrency 1 8
     .venv/bin/python bench/bench_serving.py --step-context    # decode step time at context 128 vs 2048, batch 8
-    .venv/bin/python bench/bench_serving.py --compile         # either, with the server's --compile
 
 The server is started as a user would start it (`python -m app`). Each client streams one greedy request of
 `--new-tokens` tokens with `ignore_eos`. Reported: aggregate tokens/s, time to first token and inter-token
@@ -180,7 +179,7 @@ def generate_baseline(levels: list[int], new_tokens: int, dtype: str) -> dict[in
     return results
 
 
-def step_context(compile: bool, batch: int = 8, contexts: tuple[int, ...] = (128, 2048), steps: int = 20) -> None:
+def step_context(batch: int = 8, contexts: tuple[int, ...] = (128, 2048), steps: int = 20) -> None:
     """Decode step time for `batch` sequences whose contexts hold `context` tokens."""
     import torch
 
@@ -188,7 +187,7 @@ def step_context(compile: bool, batch: int = 8, contexts: tuple[int, ...] = (128
     from engine.config import EngineConfig
     from engine.types import GenerationRequest
 
-    engine = chooser.build(EngineConfig(max_batch_size=batch, max_num_batched_tokens=4096, compile=compile)).engine
+    engine = chooser.build(EngineConfig(max_batch_size=batch, max_num_batched_tokens=4096)).engine
     times = {}
     for context in contexts:
         requests = [
@@ -216,16 +215,15 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32, 64])
     parser.add_argument("--new-tokens", type=int, default=64)
-    parser.add_argument("--compile", action="store_true", help="serve with --compile")
     parser.add_argument("--baseline-dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--server-args", nargs=argparse.REMAINDER, default=[], help="extra flags for python -m app")
     parser.add_argument("--step-context", action="store_true", help="only the decode-step-vs-context measurement")
     args = parser.parse_args()
     if args.step_context:
-        step_context(args.compile)
+        step_context()
         return
     print("serving over HTTP:", flush=True)
-    http = serving(args.concurrency, args.new_tokens, args.server_args + ["--compile"] * args.compile)
+    http = serving(args.concurrency, args.new_tokens, args.server_args)
     print("plain generate, static batches:", flush=True)
     base = generate_baseline(args.concurrency, args.new_tokens, args.baseline_dtype)
     print()

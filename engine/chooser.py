@@ -48,7 +48,6 @@ def _build_hf(config: EngineConfig, engine_thread: ThreadPoolExecutor) -> Served
         max_model_len=max_model_len,
         kv_cache_bytes=int(config.kv_cache_gib * 2**30),
         max_num_batched_tokens=config.max_num_batched_tokens,
-        compile=config.compile,
     )
     tokenizer = HFTokenizer(loaded.tokenizer, loaded.eos_token_ids)
     return ServedModel(loaded.name, hf_engine, tokenizer, engine_thread)

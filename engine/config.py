@@ -14,8 +14,6 @@ class EngineConfig:
     #: ``float32`` (token-identical to ``generate`` in float32), ``bfloat16``, or ``auto``: whichever runs
     #: decode matmuls faster on this machine.
     dtype: str = "auto"
-    #: torch.compile the element-wise work around the matmuls: faster steps, ~30 s more start-up.
-    compile: bool = False
     #: Most sequences decoded together in one step.
     max_batch_size: int = 32
     #: Longest prompt + completion; ``None`` takes the model's own limit.

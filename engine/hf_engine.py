@@ -61,10 +61,9 @@ class HFEngine(InferenceEngine):
         max_model_len: int,
         kv_cache_bytes: int,
         max_num_batched_tokens: int,
-        compile: bool = False,
     ) -> None:
         config = model.config
-        self._runner = make_runner(model, compile)
+        self._runner = make_runner(model)
         self._device = model.device
         self.eos_token_ids = eos_token_ids
         self.capacity = capacity
@@ -84,15 +83,6 @@ class HFEngine(InferenceEngine):
         self._decoding: list[_Seq] = []  # index == slot
         self._prefilling: list[_Seq] = []  # FIFO
         self._next_seq_id = 0
-        if compile:
-            self._warm_up()
-
-    def _warm_up(self) -> None:
-        """Run one tiny sequence so compilation happens now, not in the first user's request: a two-row
-        prefill and one-row decodes (torch.compile specializes a dimension of size 1)."""
-        self.admit([GenerationRequest((0, 0), 3, ignore_eos=True)])
-        while self.num_active():
-            self.step()
 
     # -- the seam -------------------------------------------------------------------------------------
 

@@ -29,10 +29,10 @@ class ModelRunner(Protocol):
         ...
 
 
-def make_runner(model: PreTrainedModel, compile: bool = False) -> ModelRunner:
+def make_runner(model: PreTrainedModel) -> ModelRunner:
     model.eval()
     if LlamaRunner.supports(model):
-        return LlamaRunner(model, compile)
+        return LlamaRunner(model)
     return HFRunner(model)
 
 
@@ -94,7 +94,7 @@ class LlamaRunner:
             and getattr(config, "hidden_act", "silu") == "silu"
         )
 
-    def __init__(self, model: PreTrainedModel, compile: bool = False) -> None:
+    def __init__(self, model: PreTrainedModel) -> None:
         config = model.config
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
@@ -106,16 +106,10 @@ class LlamaRunner:
         self.rotary = inner.rotary_emb
         self.norm = inner.norm.weight
         self.lm_head = prepack(model.lm_head.weight)
+        # torch.compile of the element-wise work between the matmuls was tried and dropped: with the matmuls
+        # outside (oneDNN's prepacked weights are opaque to it), each compiled call cost 50-120 us against
+        # 10-70 us eager, and whole steps came out no faster for ~30 s more start-up.
         self.layers = [self._fuse(layer) for layer in inner.layers]
-        # torch.compile fuses the small element-wise ops between the matmuls (norms, RoPE, SiLU, residuals):
-        # fewer passes over memory and less dispatch, for ~30 s of compiling at start-up. The matmuls stay
-        # outside (oneDNN's prepacked weights are opaque to the compiler), and so does attention: its shape
-        # depends on the step's mix of sequences.
-        fused = (lambda fn: torch.compile(fn, dynamic=True)) if compile else (lambda fn: fn)
-        self._rms_norm = fused(_rms_norm)
-        self._split_rope = fused(_split_rope)
-        self._add_norm = fused(_add_norm)
-        self._silu_mul = fused(_silu_mul)
 
     @staticmethod
     def _fuse(layer: torch.nn.Module) -> _LlamaLayer:
@@ -137,17 +131,17 @@ class LlamaRunner:
         hidden = F.embedding(token_ids, self.embed)
         cos, sin = self.rotary(hidden, positions[None])
         cos, sin = cos[0, :, None, :], sin[0, :, None, :]  # [rows, 1, dim]: shared by every head
-        normed = self._rms_norm(hidden, self.layers[0].input_norm, self.eps)
+        normed = _rms_norm(hidden, self.layers[0].input_norm, self.eps)
         # The next norm's weight after each layer: the following layer's input norm, then the final norm.
         next_norms = [layer.input_norm for layer in self.layers[1:]] + [self.norm]
         for index, (layer, next_norm) in enumerate(zip(self.layers, next_norms, strict=True)):
             qkv = linear(normed, layer.qkv)
-            q, k, v = self._split_rope(qkv, cos, sin, self.num_heads, self.num_kv_heads)
+            q, k, v = _split_rope(qkv, cos, sin, self.num_heads, self.num_kv_heads)
             attended = attend(batch, index, q, k, v, self.scale)
             output = linear(attended.reshape(hidden.shape[0], -1), layer.o)
-            hidden, normed = self._add_norm(hidden, output, layer.post_norm, self.eps)
-            output = linear(self._silu_mul(linear(normed, layer.gate_up)), layer.down)
-            hidden, normed = self._add_norm(hidden, output, next_norm, self.eps)
+            hidden, normed = _add_norm(hidden, output, layer.post_norm, self.eps)
+            output = linear(_silu_mul(linear(normed, layer.gate_up)), layer.down)
+            hidden, normed = _add_norm(hidden, output, next_norm, self.eps)
         if rows is not None:
             normed = normed[rows]
         return linear(normed, self.lm_head).float()

@@ -155,18 +155,3 @@ def test_real_model_greedy_parity_through_the_scheduler(real_model) -> None:
     ref_model = AutoModelForCausalLM.from_pretrained(real_model.model.name_or_path)
     for text, request, tokens in zip(texts, requests, got, strict=True):
         assert tokens == reference(ref_model, request), text
-
-
-def test_compiled_runner_matches_eager(tiny_llama_dir: str) -> None:
-    """`--compile` fuses the element-wise work around the matmuls; the tokens stay the same."""
-    arrivals = [
-        (0, GenerationRequest(_prompt(1, 9), 12, ignore_eos=True)),
-        (1, GenerationRequest(_prompt(2, 40), 8, ignore_eos=True)),
-        (3, GenerationRequest(_prompt(3, 1), 10, ignore_eos=True)),
-    ]
-    results = []
-    for compile in (False, True):
-        model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir)
-        engine = make_engine(model, frozenset({7}), max_num_batched_tokens=16, compile=compile)
-        results.append(run_staggered(engine, arrivals))
-    assert results[0] == results[1]
