@@ -37,6 +37,7 @@ def decode_attention() -> Callable[..., torch.Tensor] | None:
     except Exception as exc:  # no compiler, no headers: the fallback is correct, only slower
         log.warning("native decode attention unavailable, using torch's attention instead: %s", exc)
         return None
+    log.info("native decode attention ready")
     return torch.ops.smolserve.decode_attention
 
 

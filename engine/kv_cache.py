@@ -7,6 +7,9 @@ copy; each step writes only the new token's K/V at its own position. When a sequ
 moves into its hole (one sequence's KV, once per departure). The tensor grows in slots and positions as
 needed, amortized, and is freed when no sequence is left, so memory follows what is held.
 
+Decode rows attend in the native kernel (``engine/csrc/decode_attention.cpp``) where it could be built,
+else in torch's ``scaled_dot_product_attention``.
+
 A newcomer's prompt is prefilled into a *staging* tensor of its own (``[layers, 2, kv_heads, prompt, dim]``),
 possibly over several steps, and copied into a slot once its prompt is complete.
 
@@ -30,6 +33,8 @@ ATTENTION_NAME = "smolserve_slots"
 
 # Positions are allocated in multiples of this, so growth (a full copy) is rare.
 _POSITION_BLOCK = 256
+# What the native decode-attention kernel computes in (on the CPU).
+_NATIVE_DTYPES = (torch.float32, torch.bfloat16)
 
 
 @dataclass(slots=True)
@@ -66,6 +71,9 @@ class SlotKVCache:
         self.dtype = dtype
         self.device = device
         self.kv: torch.Tensor | None = None
+        # Built (or loaded from the build cache) now, so that no request waits for the compiler.
+        native = device.type == "cpu" and dtype in _NATIVE_DTYPES
+        self.native_attention = kernels.decode_attention() if native else None
 
     @property
     def bytes_per_token(self) -> int:
@@ -166,7 +174,7 @@ def _decode_attention(
     # Grouped-query attention without repeating K/V: the query heads that share a KV head become that
     # head's "query length", which is free for a single new token per row.
     q = query.reshape(n, num_kv_heads, num_heads // num_kv_heads, -1)
-    native = kernels.decode_attention() if kv.device.type == "cpu" and kv.dtype in _NATIVE_DTYPES else None
+    native = batch.cache.native_attention
     if native is not None:
         scale = query.shape[-1] ** -0.5 if scale is None else scale
         return native(q, kv[layer, 0, :n], kv[layer, 1, :n], batch.decode_lengths, scale).reshape(n, num_heads, -1)
@@ -174,9 +182,6 @@ def _decode_attention(
     values = kv[layer, 1, :n, :, : batch.decode_len]
     attended = F.scaled_dot_product_attention(q, keys, values, attn_mask=batch.decode_mask, scale=scale)
     return attended.reshape(n, num_heads, -1)
-
-
-_NATIVE_DTYPES = (torch.float32, torch.bfloat16)
 
 
 def _prefill_attention(
