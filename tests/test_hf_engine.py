@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
-from engine import kernels
+from engine import chooser, kernels
+from engine.config import EngineConfig
 from engine.hf_engine import HFEngine
 from engine.scheduler import Scheduler
 from engine.tokenizer import HFTokenizer
@@ -155,3 +157,31 @@ def test_real_model_greedy_parity_through_the_scheduler(real_model) -> None:
     ref_model = AutoModelForCausalLM.from_pretrained(real_model.model.name_or_path)
     for text, request, tokens in zip(texts, requests, got, strict=True):
         assert tokens == reference(ref_model, request), text
+
+
+def test_served_engine_is_built_and_stepped_on_one_thread() -> None:
+    """A second thread entering torch's OpenMP halved step speed, so the server keeps all torch work on the
+    thread that loaded the model: the scheduler steps the engine there."""
+    served = chooser.build(EngineConfig(max_batch_size=2))
+    assert served.engine_thread is not None
+    build_thread = served.engine_thread.submit(threading.get_ident).result()
+    stepped_on: set[int] = set()
+    step = served.engine.step
+
+    def recording_step() -> list:
+        stepped_on.add(threading.get_ident())
+        return step()
+
+    served.engine.step = recording_step
+
+    async def generate() -> None:
+        scheduler = Scheduler(served.engine, served.tokenizer, engine_thread=served.engine_thread)
+        await scheduler.start()
+        stream = scheduler.submit(GenerationRequest((1, 2, 3), 4, ignore_eos=True))
+        assert sum([len(delta.token_ids) async for delta in stream.deltas()]) == 4
+        await scheduler.stop()
+
+    asyncio.run(generate())
+    assert stepped_on == {build_thread}
+    served.engine_thread.submit(lambda: None).result()  # the scheduler left the shared thread running
+    served.engine_thread.shutdown()
