@@ -191,7 +191,8 @@ class HFEngine(InferenceEngine):
         positions = torch.tensor(decode_positions, device=self._device)
         decode_len = max(decode_positions, default=-1) + 1
         mask = None
-        if n and min(decode_positions) != decode_len - 1:
+        # Rows of different lengths need a mask in torch's attention; the native kernel takes the lengths.
+        if n and self.cache.native_attention is None and min(decode_positions) != decode_len - 1:
             mask = torch.arange(decode_len, device=self._device)[None, :] <= positions[:, None]
             mask = mask[:, None, None, :]
         return StepBatch(self.cache, n, self._slot_ids[:n], positions, decode_len, positions + 1, mask, chunks)

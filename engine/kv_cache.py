@@ -57,7 +57,9 @@ class StepBatch:
     decode_positions: torch.Tensor  # [num_decode], where each decoding row's new K/V lands
     decode_len: int  # positions attended by the decode rows: max(decode_positions) + 1
     decode_lengths: torch.Tensor  # [num_decode]: positions each decode row attends, decode_positions + 1
-    decode_mask: torch.Tensor | None  # [num_decode, 1, 1, decode_len]; None when every row sees all of it
+    # [num_decode, 1, 1, decode_len] for torch's attention; None when every row sees all of it, or the native
+    # kernel (which takes decode_lengths) runs
+    decode_mask: torch.Tensor | None
     chunks: list[PrefillChunk] = field(default_factory=list)
 
 

@@ -107,13 +107,13 @@ void run(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values, 
   const T* kp = keys.const_data_ptr<T>();
   const T* vp = values.const_data_ptr<T>();
   T* op = out.mutable_data_ptr<T>();
+  const auto attend = dim == 64 ? attend_one<T, 64> : dim == 128 ? attend_one<T, 128> : attend_one<T, 0>;
   at::parallel_for(0, q.size(0) * heads, 1, [&](int64_t begin, int64_t end) {
     for (int64_t item = begin; item < end; ++item) {
       const int64_t i = item / heads, h = item % heads;
-      const auto attend = dim == 64 ? attend_one<T, 64> : dim == 128 ? attend_one<T, 128> : attend_one<T, 0>;
       attend(qp + item * groups * dim, kp + i * keys.stride(0) + h * keys.stride(1),
-                    vp + i * values.stride(0) + h * values.stride(1), op + item * groups * dim, groups, dim,
-                    len[i], keys.stride(2), values.stride(2), scale);
+             vp + i * values.stride(0) + h * values.stride(1), op + item * groups * dim, groups, dim, len[i],
+             keys.stride(2), values.stride(2), scale);
     }
   });
 }
