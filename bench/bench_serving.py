@@ -179,17 +179,19 @@ def generate_baseline(levels: list[int], new_tokens: int, dtype: str) -> dict[in
     return results
 
 
-def step_context(batch: int = 8, contexts: tuple[int, ...] = (128, 2048), steps: int = 20) -> None:
-    """Decode step time for `batch` sequences whose contexts hold `context` tokens."""
-    import torch
+def step_context(batch: int = 8, contexts: tuple[int, ...] = (128, 2048), steps: int = 20, rounds: int = 3) -> None:
+    """Decode step time for `batch` sequences whose contexts hold `context` tokens: the contexts measured in
+    turn, `rounds` times, and the median of each compared (this machine drifts between runs)."""
+    import statistics
 
     from engine import chooser
     from engine.config import EngineConfig
     from engine.types import GenerationRequest
 
-    engine = chooser.build(EngineConfig(max_batch_size=batch, max_num_batched_tokens=4096)).engine
-    times = {}
-    for context in contexts:
+    served = chooser.build(EngineConfig(max_batch_size=batch, max_num_batched_tokens=4096))
+    engine = served.engine
+
+    def measure(context: int) -> float:
         requests = [
             GenerationRequest(tuple((i * 7919 + j * 31) % 40000 + 100 for j in range(context)), steps + 5, True)
             for i in range(batch)
@@ -201,13 +203,20 @@ def step_context(batch: int = 8, contexts: tuple[int, ...] = (128, 2048), steps:
         started = time.perf_counter()
         for _ in range(steps):
             engine.step()
-        times[context] = (time.perf_counter() - started) / steps * 1000
         engine.reset()
-        print(f"  batch {batch}, context {context}: {times[context]:.1f} ms/step", flush=True)
+        return (time.perf_counter() - started) / steps * 1000
+
+    times: dict[int, list[float]] = {context: [] for context in contexts}
+    for _ in range(rounds):
+        for context in contexts:
+            # On the engine's own thread, as the server steps it (a second OpenMP team slows every step).
+            times[context].append(served.engine_thread.submit(measure, context).result())
+            print(f"  batch {batch}, context {context}: {times[context][-1]:.1f} ms/step", flush=True)
+    median = {context: statistics.median(values) for context, values in times.items()}
     first, last = contexts[0], contexts[-1]
     print(
-        f"step time ratio context {last} / {first}: {times[last] / times[first]:.2f}x (torch threads: "
-        f"{torch.get_num_threads()})"
+        f"median step: context {first} {median[first]:.1f} ms, context {last} {median[last]:.1f} ms; "
+        f"ratio {median[last] / median[first]:.2f}x"
     )
 
 

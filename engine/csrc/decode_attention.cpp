@@ -14,6 +14,11 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
+
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+#endif
 
 namespace {
 
@@ -37,6 +42,118 @@ inline void to_float(const T* src, float* dst, int64_t n) {
 constexpr int64_t kMaxDim = 256;
 constexpr int64_t kMaxGroups = 16;
 
+#if defined(__AVX512BF16__)
+// r[i] = the sum of v[i]'s 16 lanes: a transpose-and-add tree, ~3 instructions per vector instead of a
+// horizontal sum each.
+inline __m512 sum_lanes16(const __m512* v) {
+  __m512 pairs[8], quads[4], halves[2];
+  for (int i = 0; i < 8; ++i) {  // each 128-bit lane: partial sums of v[2i] and v[2i+1], interleaved
+    pairs[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  }
+  for (int i = 0; i < 4; ++i) {  // each 128-bit lane: one partial sum of each of v[4i..4i+3]
+    const __m512d a = _mm512_castps_pd(pairs[2 * i]), b = _mm512_castps_pd(pairs[2 * i + 1]);
+    quads[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+  }
+  for (int i = 0; i < 2; ++i) {  // then add the 128-bit lanes together, pairwise
+    halves[i] = _mm512_add_ps(_mm512_shuffle_f32x4(quads[2 * i], quads[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                              _mm512_shuffle_f32x4(quads[2 * i], quads[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+  }
+  return _mm512_add_ps(_mm512_shuffle_f32x4(halves[0], halves[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm512_shuffle_f32x4(halves[0], halves[1], _MM_SHUFFLE(3, 1, 3, 1)));
+}
+#endif
+
+// scores[t] = scale * query . keys[t] for `count` positions. With AVX512-BF16 and a head size known at compile
+// time, bfloat16 rows are multiplied in pairs straight from the cache (`dpbf16`, float32 sums), 16 positions at a
+// time; otherwise, and for a block's last few positions, by the float32 loop over the pre-scaled `scaled_query`.
+template <typename T, int64_t Dim>
+inline void score_block(const T* query, const float* scaled_query, const T* keys, int64_t key_stride,
+                        int64_t count, int64_t dim, float scale, float* scores) {
+  int64_t t = 0;
+#if defined(__AVX512BF16__)
+  if constexpr (std::is_same_v<T, c10::BFloat16> && Dim > 0 && Dim % 32 == 0) {
+    __m512bh q[Dim / 32];
+    for (int64_t c = 0; c < Dim / 32; ++c) q[c] = (__m512bh)_mm512_loadu_si512(query + c * 32);
+    const __m512 scale16 = _mm512_set1_ps(scale);
+    for (; t + 16 <= count; t += 16) {
+      __m512 dots[16];
+      for (int64_t i = 0; i < 16; ++i) {
+        const T* key = keys + (t + i) * key_stride;
+        __m512 acc = _mm512_setzero_ps();
+        for (int64_t c = 0; c < Dim / 32; ++c) {
+          acc = _mm512_dpbf16_ps(acc, q[c], (__m512bh)_mm512_loadu_si512(key + c * 32));
+        }
+        dots[i] = acc;
+      }
+      _mm512_storeu_ps(scores + t, _mm512_mul_ps(sum_lanes16(dots), scale16));
+    }
+  }
+#endif
+  for (; t < count; ++t) {
+    const T* key = keys + t * key_stride;
+    float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+    for (int64_t d = 0; d < dim; ++d) dot += scaled_query[d] * widen(key[d]);
+    scores[t] = dot;
+  }
+}
+
+// Whether bfloat16 rows of this head size are multiplied in pairs by AVX512-BF16's dpbf16.
+template <typename T, int64_t Dim>
+constexpr bool kPaired =
+#if defined(__AVX512BF16__)
+    std::is_same_v<T, c10::BFloat16> && Dim > 0 && Dim % 32 == 0;
+#else
+    false;
+#endif
+
+// acc += sum over t of p[t] * values[t] for one query row. On the paired path two positions' values are
+// interleaved and multiplied with their two probabilities (rounded to bfloat16) by one dpbf16; `acc` then
+// holds the head's dims in the interleaved order that `unpermute` undoes once at the end.
+template <typename T, int64_t Dim>
+inline void accumulate_block(const float* p, const T* values, int64_t value_stride, int64_t count, int64_t dim,
+                             float* acc, float* row) {
+#if defined(__AVX512BF16__)
+  if constexpr (kPaired<T, Dim>) {
+    constexpr int64_t kChunks = Dim / 32;
+    __m512 sums[2 * kChunks];
+    for (int64_t i = 0; i < 2 * kChunks; ++i) sums[i] = _mm512_load_ps(acc + 16 * i);
+    for (int64_t t = 0; t < count; t += 2) {
+      const bool pair = t + 1 < count;  // an odd last position pairs with itself at probability 0
+      const T* first = values + t * value_stride;
+      const T* second = pair ? first + value_stride : first;
+      const uint32_t weights = static_cast<uint32_t>(c10::BFloat16(p[t]).x) |
+                               static_cast<uint32_t>(c10::BFloat16(pair ? p[t + 1] : 0.0f).x) << 16;
+      const __m512bh pv = (__m512bh)_mm512_set1_epi32(static_cast<int>(weights));
+      for (int64_t c = 0; c < kChunks; ++c) {
+        const __m512i a = _mm512_loadu_si512(first + 32 * c), b = _mm512_loadu_si512(second + 32 * c);
+        sums[2 * c] = _mm512_dpbf16_ps(sums[2 * c], pv, (__m512bh)_mm512_unpacklo_epi16(a, b));
+        sums[2 * c + 1] = _mm512_dpbf16_ps(sums[2 * c + 1], pv, (__m512bh)_mm512_unpackhi_epi16(a, b));
+      }
+    }
+    for (int64_t i = 0; i < 2 * kChunks; ++i) _mm512_store_ps(acc + 16 * i, sums[i]);
+    return;
+  }
+#endif
+  for (int64_t t = 0; t < count; ++t) {
+    to_float(values + t * value_stride, row, dim);
+#pragma omp simd
+    for (int64_t d = 0; d < dim; ++d) acc[d] += p[t] * row[d];
+  }
+}
+
+// The paired path's order of dims: in 32-dim chunk c, unpacklo's lane 4j+k holds dim 32c+8j+k and
+// unpackhi's lane 4j+k holds dim 32c+8j+4+k (j: the 128-bit lane, k: 0..3).
+template <typename T, int64_t Dim>
+inline int64_t dim_at(int64_t index) {
+  if constexpr (!kPaired<T, Dim>) {
+    return index;
+  } else {
+    const int64_t chunk = index / 32, high = (index / 16) % 2, lane = index % 16;
+    return 32 * chunk + 8 * (lane / 4) + 4 * high + lane % 4;
+  }
+}
+
 // One (sequence, KV head): `groups` query rows against `length` cached positions. `Dim` is the head size
 // when known at compile time (the loops over it then unroll and vectorize fully), or 0 for any size.
 template <typename T, int64_t Dim>
@@ -57,15 +174,9 @@ void attend_one(const T* query, const T* keys, const T* values, T* out, int64_t 
   }
   for (int64_t start = 0; start < length; start += kBlock) {
     const int64_t count = std::min(kBlock, length - start);
-    for (int64_t t = 0; t < count; ++t) {
-      const T* key = keys + (start + t) * key_stride;
-      for (int64_t g = 0; g < groups; ++g) {
-        const float* qg = &q[g * dim];
-        float dot = 0.0f;
-#pragma omp simd reduction(+ : dot)
-        for (int64_t d = 0; d < dim; ++d) dot += qg[d] * widen(key[d]);
-        scores[g * kBlock + t] = dot;
-      }
+    for (int64_t g = 0; g < groups; ++g) {
+      score_block<T, Dim>(query + g * dim, &q[g * dim], keys + start * key_stride, key_stride, count, dim, scale,
+                          &scores[g * kBlock]);
     }
     for (int64_t g = 0; g < groups; ++g) {
       float* s = &scores[g * kBlock];
@@ -83,19 +194,14 @@ void attend_one(const T* query, const T* keys, const T* values, T* out, int64_t 
       float* a = &acc[g * dim];
       for (int64_t d = 0; d < dim; ++d) a[d] *= correction;
     }
-    for (int64_t t = 0; t < count; ++t) {
-      to_float(values + (start + t) * value_stride, row, dim);
-      for (int64_t g = 0; g < groups; ++g) {
-        const float p = scores[g * kBlock + t];
-        float* a = &acc[g * dim];
-#pragma omp simd
-        for (int64_t d = 0; d < dim; ++d) a[d] += p * row[d];
-      }
+    for (int64_t g = 0; g < groups; ++g) {
+      accumulate_block<T, Dim>(&scores[g * kBlock], values + start * value_stride, value_stride, count, dim,
+                               &acc[g * dim], row);
     }
   }
   for (int64_t g = 0; g < groups; ++g) {
     const float inverse = 1.0f / total[g];
-    for (int64_t d = 0; d < dim; ++d) out[g * dim + d] = static_cast<T>(acc[g * dim + d] * inverse);
+    for (int64_t i = 0; i < dim; ++i) out[g * dim + dim_at<T, Dim>(i)] = static_cast<T>(acc[g * dim + i] * inverse);
   }
 }
 
