@@ -152,10 +152,9 @@ def _split_rope(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The fused projection's ``[rows, (heads + 2 * kv_heads) * dim]`` as q, k, v ``[rows, heads, dim]``,
     RoPE applied to q and k."""
-    q, k, v = qkv.view(qkv.shape[0], num_heads + 2 * num_kv_heads, -1).split(
-        [num_heads, num_kv_heads, num_kv_heads], dim=1
-    )
-    return _rope(q, cos, sin), _rope(k, cos, sin), v
+    heads = qkv.view(qkv.shape[0], num_heads + 2 * num_kv_heads, -1)
+    rotated = _rope(heads[:, : num_heads + num_kv_heads], cos, sin)  # q and k in one pass
+    return rotated[:, :num_heads], rotated[:, num_heads:], heads[:, num_heads + num_kv_heads :]
 
 
 def _add_norm(
