@@ -6,8 +6,10 @@
 
 The server is started as a user would start it (`python -m app`). Each client streams one greedy request of
 `--new-tokens` tokens with `ignore_eos`. Reported: aggregate tokens/s, time to first token and inter-token
-latency (p50/p99), and the server's peak RSS during that concurrency level; then the offline baseline, a
-static batch of the same size through `model.generate`, and the ratio.
+latency (p50/p99), the server's mean engine step and peak RSS, and the benchmark's own CPU time, during that
+concurrency level; then the offline baseline, a static batch of the same size through `model.generate`, and the
+ratio. Each side runs every level `--repeats` times (3) and reports its median run: this machine drifts by
+15-20% between runs.
 """
 
 from __future__ import annotations
@@ -133,29 +135,37 @@ def step_totals(base: str) -> tuple[float, float]:
     return total, count
 
 
-def serving(levels: list[int], new_tokens: int, server_args: list[str]) -> dict[int, dict[str, float]]:
+def median_run(runs: list[dict[str, float]]) -> dict[str, float]:
+    """The run with the median throughput, latencies and all (an odd count of runs)."""
+    return sorted(runs, key=lambda run: run["tok_s"])[len(runs) // 2]
+
+
+def serving(levels: list[int], new_tokens: int, server_args: list[str], repeats: int) -> dict[int, dict[str, float]]:
     flags = ["--model", MODEL, "--max-batch-size", str(max(levels)), "--log-level", "warning", *server_args]
     proc, base = start_server(*flags)
     results = {}
     try:
         asyncio.run(run_level(base, 2, 8))  # warm-up
         for n in levels:
-            steps_before, cpu_before = step_totals(base), resource.getrusage(resource.RUSAGE_SELF)
-            with RssSampler(proc.pid) as rss:
-                results[n] = asyncio.run(run_level(base, n, new_tokens))
-            steps_after, cpu_after = step_totals(base), resource.getrusage(resource.RUSAGE_SELF)
-            results[n]["peak_rss_mib"] = rss.peak_kib / 1024
-            results[n]["step_ms"] = 1000 * (steps_after[0] - steps_before[0]) / (steps_after[1] - steps_before[1])
-            results[n]["client_cpu_s"] = (cpu_after.ru_utime + cpu_after.ru_stime) - (
-                cpu_before.ru_utime + cpu_before.ru_stime
-            )
-            print(f"  http n={n}: {results[n]['tok_s']:.1f} tok/s", flush=True)
+            results[n] = median_run([measure_level(proc.pid, base, n, new_tokens) for _ in range(repeats)])
     finally:
         stop_server(proc)
     return results
 
 
-def generate_baseline(levels: list[int], new_tokens: int, dtype: str) -> dict[int, float]:
+def measure_level(pid: int, base: str, n: int, new_tokens: int) -> dict[str, float]:
+    steps_before, cpu_before = step_totals(base), resource.getrusage(resource.RUSAGE_SELF)
+    with RssSampler(pid) as rss:
+        result = asyncio.run(run_level(base, n, new_tokens))
+    steps_after, cpu_after = step_totals(base), resource.getrusage(resource.RUSAGE_SELF)
+    result["peak_rss_mib"] = rss.peak_kib / 1024
+    result["step_ms"] = 1000 * (steps_after[0] - steps_before[0]) / (steps_after[1] - steps_before[1])
+    result["client_cpu_s"] = (cpu_after.ru_utime + cpu_after.ru_stime) - (cpu_before.ru_utime + cpu_before.ru_stime)
+    print(f"  http n={n}: {result['tok_s']:.1f} tok/s", flush=True)
+    return result
+
+
+def generate_baseline(levels: list[int], new_tokens: int, dtype: str, repeats: int) -> dict[int, float]:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -170,12 +180,14 @@ def generate_baseline(levels: list[int], new_tokens: int, dtype: str) -> dict[in
         batch = tokenizer(prompts(n), return_tensors="pt", padding=True)
         with torch.inference_mode():
             model.generate(**batch, max_new_tokens=2, do_sample=False)  # warm-up
-            started = time.perf_counter()
-            out = model.generate(**batch, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
-            wall = time.perf_counter() - started
-        assert out.shape[1] - batch["input_ids"].shape[1] == new_tokens
-        results[n] = n * new_tokens / wall
-        print(f"  generate ({dtype}) n={n}: {results[n]:.1f} tok/s", flush=True)
+            runs = []
+            for _ in range(repeats):
+                started = time.perf_counter()
+                out = model.generate(**batch, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
+                runs.append(n * new_tokens / (time.perf_counter() - started))
+                assert out.shape[1] - batch["input_ids"].shape[1] == new_tokens
+                print(f"  generate ({dtype}) n={n}: {runs[-1]:.1f} tok/s", flush=True)
+        results[n] = sorted(runs)[len(runs) // 2]
     return results
 
 
@@ -226,15 +238,18 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--baseline-dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--server-args", nargs=argparse.REMAINDER, default=[], help="extra flags for python -m app")
+    parser.add_argument(
+        "--repeats", type=int, default=3, help="runs of each level on each side; the median run is reported (odd)"
+    )
     parser.add_argument("--step-context", action="store_true", help="only the decode-step-vs-context measurement")
     args = parser.parse_args()
     if args.step_context:
         step_context()
         return
     print("serving over HTTP:", flush=True)
-    http = serving(args.concurrency, args.new_tokens, args.server_args)
+    http = serving(args.concurrency, args.new_tokens, args.server_args, args.repeats)
     print("plain generate, static batches:", flush=True)
-    base = generate_baseline(args.concurrency, args.new_tokens, args.baseline_dtype)
+    base = generate_baseline(args.concurrency, args.new_tokens, args.baseline_dtype, args.repeats)
     print()
     print(
         "| streams | HTTP tok/s | generate tok/s | ratio | TTFT p50 / p99 (s) | ITL p50 / p99 (ms) "

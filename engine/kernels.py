@@ -1,4 +1,4 @@
-"""Native CPU kernels, compiled from ``engine/csrc`` on first use with the compiler torch's C++ extensions use.
+"""Native CPU ops, compiled from ``engine/csrc`` on first use with the compiler torch's C++ extensions use.
 
 The build takes ~15 s once and is cached under torch's extensions directory. Where there is no compiler, or
 ``SMOLSERVE_NATIVE_KERNELS=0``, callers get ``None`` and fall back to torch's own operators.
@@ -12,18 +12,20 @@ import logging
 import os
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
 log = logging.getLogger(__name__)
 
-_SOURCE = Path(__file__).parent / "csrc" / "decode_attention.cpp"
+_SOURCES = [Path(__file__).parent / "csrc" / name for name in ("decode_attention.cpp", "fused_ops.cpp")]
 _FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]
 
 
 @functools.cache
-def decode_attention() -> Callable[..., torch.Tensor] | None:
-    """``decode_attention(query, keys, values, lengths, scale)``: see ``csrc/decode_attention.cpp``."""
+def native_ops() -> Any | None:
+    """``torch.ops.smolserve``: ``decode_attention`` (``csrc/decode_attention.cpp``) and the fused
+    element-wise ops of ``csrc/fused_ops.cpp``; ``None`` where they cannot be built."""
     if os.environ.get("SMOLSERVE_NATIVE_KERNELS", "1") == "0":
         return None
     from torch.utils.cpp_extension import load
@@ -31,14 +33,19 @@ def decode_attention() -> Callable[..., torch.Tensor] | None:
     try:
         # The name carries the CPU's identity: a build for one machine's -march=native must not be
         # loaded on another that shares the cache directory.
-        load(
-            name=f"smolserve_kernels_{_cpu_tag()}", sources=[str(_SOURCE)], extra_cflags=_FLAGS, is_python_module=False
-        )
+        name = f"smolserve_kernels_{_cpu_tag()}"
+        load(name=name, sources=[str(source) for source in _SOURCES], extra_cflags=_FLAGS, is_python_module=False)
     except Exception as exc:  # no compiler, no headers: the fallback is correct, only slower
-        log.warning("native decode attention unavailable, using torch's attention instead: %s", exc)
+        log.warning("native kernels unavailable, using torch's ops instead: %s", exc)
         return None
-    log.info("native decode attention ready")
-    return torch.ops.smolserve.decode_attention
+    log.info("native kernels ready")
+    return torch.ops.smolserve
+
+
+def decode_attention() -> Callable[..., torch.Tensor] | None:
+    """``decode_attention(query, keys, values, lengths, scale)``: see ``csrc/decode_attention.cpp``."""
+    ops = native_ops()
+    return None if ops is None else ops.decode_attention
 
 
 def _cpu_tag() -> str:

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface, PreTrainedModel
 
+from engine import kernels
 from engine.kv_cache import ATTENTION_NAME, StepBatch, attend, slot_attention
 
 AttentionInterface.register(ATTENTION_NAME, slot_attention)
@@ -110,6 +111,13 @@ class LlamaRunner:
         # outside (oneDNN's prepacked weights are opaque to it), each compiled call cost 50-120 us against
         # 10-70 us eager, and whole steps came out no faster for ~30 s more start-up.
         self.layers = [self._fuse(layer) for layer in inner.layers]
+        # bfloat16 on the CPU: the element-wise steps between the matmuls as one native op each (~30 torch
+        # ops a layer otherwise). float32 keeps torch's ops, token-identical to `generate`.
+        native = model.device.type == "cpu" and model.dtype == torch.bfloat16
+        ops = kernels.native_ops() if native else None
+        self._add_norm = _add_norm if ops is None else ops.add_rms_norm
+        self._rope = _rope if ops is None else ops.rope
+        self._silu_mul = _silu_mul if ops is None else ops.silu_mul
 
     @staticmethod
     def _fuse(layer: torch.nn.Module) -> _LlamaLayer:
@@ -129,32 +137,22 @@ class LlamaRunner:
         self, token_ids: torch.Tensor, positions: torch.Tensor, batch: StepBatch, rows: torch.Tensor | None
     ) -> torch.Tensor:
         hidden = F.embedding(token_ids, self.embed)
-        cos, sin = self.rotary(hidden, positions[None])
-        cos, sin = cos[0, :, None, :], sin[0, :, None, :]  # [rows, 1, dim]: shared by every head
+        cos, sin = (table[0] for table in self.rotary(hidden, positions[None]))  # [rows, dim]: shared by every head
         normed = _rms_norm(hidden, self.layers[0].input_norm, self.eps)
         # The next norm's weight after each layer: the following layer's input norm, then the final norm.
         next_norms = [layer.input_norm for layer in self.layers[1:]] + [self.norm]
         for index, (layer, next_norm) in enumerate(zip(self.layers, next_norms, strict=True)):
-            qkv = linear(normed, layer.qkv)
-            q, k, v = _split_rope(qkv, cos, sin, self.num_heads, self.num_kv_heads)
+            heads = linear(normed, layer.qkv).view(hidden.shape[0], self.num_heads + 2 * self.num_kv_heads, -1)
+            qk = self._rope(heads[:, : self.num_heads + self.num_kv_heads], cos, sin)  # q and k in one pass
+            q, k, v = qk[:, : self.num_heads], qk[:, self.num_heads :], heads[:, self.num_heads + self.num_kv_heads :]
             attended = attend(batch, index, q, k, v, self.scale)
             output = linear(attended.reshape(hidden.shape[0], -1), layer.o)
-            hidden, normed = _add_norm(hidden, output, layer.post_norm, self.eps)
-            output = linear(_silu_mul(linear(normed, layer.gate_up)), layer.down)
-            hidden, normed = _add_norm(hidden, output, next_norm, self.eps)
+            hidden, normed = self._add_norm(hidden, output, layer.post_norm, self.eps)
+            output = linear(self._silu_mul(linear(normed, layer.gate_up)), layer.down)
+            hidden, normed = self._add_norm(hidden, output, next_norm, self.eps)
         if rows is not None:
             normed = normed[rows]
         return linear(normed, self.lm_head).float()
-
-
-def _split_rope(
-    qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int, num_kv_heads: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The fused projection's ``[rows, (heads + 2 * kv_heads) * dim]`` as q, k, v ``[rows, heads, dim]``,
-    RoPE applied to q and k."""
-    heads = qkv.view(qkv.shape[0], num_heads + 2 * num_kv_heads, -1)
-    rotated = _rope(heads[:, : num_heads + num_kv_heads], cos, sin)  # q and k in one pass
-    return rotated[:, :num_heads], rotated[:, num_heads:], heads[:, num_heads + num_kv_heads :]
 
 
 def _add_norm(
@@ -176,9 +174,10 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor
 
 
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """``x`` ``[rows, heads, dim]`` rotated by its rows' ``cos``, ``sin`` ``[rows, dim]``."""
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+    return x * cos[:, None] + rotated * sin[:, None]
 
 
 def _stack_into_views(linears: list[torch.nn.Linear]) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""The native decode-attention kernel against torch's attention, and the engine without it."""
+"""The native ops against the torch code they replace, and the switch that turns them off."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from engine import kernels
+from engine.model_runner import _add_norm, _rope, _silu_mul
 
 
 def _reference(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, lengths: list[int]) -> torch.Tensor:
@@ -47,8 +48,35 @@ def test_kernel_rejects_lengths_beyond_the_cache() -> None:
 
 def test_disabled_by_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("SMOLSERVE_NATIVE_KERNELS", "0")
-    kernels.decode_attention.cache_clear()
+    kernels.native_ops.cache_clear()
     try:
+        assert kernels.native_ops() is None
         assert kernels.decode_attention() is None
     finally:
-        kernels.decode_attention.cache_clear()
+        kernels.native_ops.cache_clear()
+
+
+@pytest.mark.parametrize("rows", [1, 32, 300])
+def test_fused_element_wise_ops_match_torch(rows: int) -> None:
+    """bfloat16 results within one rounding of torch's (the sums of squares add up in another order)."""
+    ops = kernels.native_ops()
+    assert ops is not None
+    torch.manual_seed(rows)
+    bf16 = torch.bfloat16
+    hidden, delta, weight = torch.randn(rows, 576, dtype=bf16), torch.randn(rows, 576, dtype=bf16), torch.randn(576)
+    expected = _add_norm(hidden, delta, weight.to(bf16), 1e-5)
+    for got, want in zip(ops.add_rms_norm(hidden, delta, weight.to(bf16), 1e-5), expected, strict=True):
+        torch.testing.assert_close(got, want, atol=1e-2, rtol=1e-2)
+    # RoPE over the q and k heads of a fused projection: a view whose rows are strided.
+    heads = torch.randn(rows, 15, 64, dtype=bf16)[:, :12]
+    cos, sin = torch.randn(rows, 64, dtype=bf16), torch.randn(rows, 64, dtype=bf16)
+    torch.testing.assert_close(ops.rope(heads, cos, sin), _rope(heads, cos, sin), atol=1e-2, rtol=1e-2)
+    gate_up = torch.randn(rows, 2 * 1536, dtype=bf16)
+    torch.testing.assert_close(ops.silu_mul(gate_up), _silu_mul(gate_up), atol=1e-2, rtol=1e-2)
+
+
+def test_fused_ops_reject_other_dtypes() -> None:
+    ops = kernels.native_ops()
+    assert ops is not None
+    with pytest.raises(RuntimeError, match="bfloat16"):
+        ops.silu_mul(torch.zeros(2, 8))
