@@ -59,15 +59,11 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& hidden, const 
   at::parallel_for(0, rows, grain(width), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const int64_t o = r * width;
+      for (int64_t i = 0; i < width; ++i) s[o + i] = narrow(widen(h[o + i]) + widen(d[o + i]));
       float squares = 0.0f;
 #pragma omp simd reduction(+ : squares)
-      for (int64_t i = 0; i < width; ++i) {
-        const bf16 value = narrow(widen(h[o + i]) + widen(d[o + i]));
-        s[o + i] = value;
-        squares += widen(value) * widen(value);
-      }
+      for (int64_t i = 0; i < width; ++i) squares += widen(s[o + i]) * widen(s[o + i]);
       const float inverse = 1.0f / std::sqrt(squares / static_cast<float>(width) + static_cast<float>(eps));
-#pragma omp simd
       for (int64_t i = 0; i < width; ++i) n[o + i] = narrow(widen(w[i]) * widen(narrow(widen(s[o + i]) * inverse)));
     }
   });
