@@ -38,6 +38,7 @@ def build(config: EngineConfig) -> ServedModel:
 def _build_hf(config: EngineConfig, engine_thread: ThreadPoolExecutor) -> ServedModel:
     from engine import loader
     from engine.hf_engine import HFEngine
+    from engine.kv_cache import trim_heap
 
     loaded = loader.load(config.model, config.dtype)
     max_model_len = min(config.max_model_len or loaded.max_position_embeddings, loaded.max_position_embeddings)
@@ -49,5 +50,9 @@ def _build_hf(config: EngineConfig, engine_thread: ThreadPoolExecutor) -> Served
         kv_cache_bytes=int(config.kv_cache_gib * 2**30),
         max_num_batched_tokens=config.max_num_batched_tokens,
     )
-    tokenizer = HFTokenizer(loaded.tokenizer, loaded.eos_token_ids)
-    return ServedModel(loaded.name, hf_engine, tokenizer, engine_thread)
+    served = ServedModel(loaded.name, hf_engine, HFTokenizer(loaded.tokenizer, loaded.eos_token_ids), engine_thread)
+    # The engine runs on its own (prepacked) copies of the weights; the loaded model is freed here, and
+    # without a trim glibc kept its ~280 MB resident (RSS after start-up: 1057 MiB, trimmed 778 MiB).
+    del loaded
+    trim_heap()
+    return served

@@ -123,7 +123,7 @@ class SlotKVCache:
         """Free the storage (no sequence is decoding) and hand freed heap memory back to the OS."""
         if self.kv is not None:
             self.kv = None
-            _trim_heap()
+            trim_heap()
 
 
 def attend(
@@ -206,9 +206,10 @@ def _prefill_attention(
     return attended.transpose(0, 1)
 
 
-def _trim_heap() -> None:
-    # glibc keeps freed blocks of the many mid-sized step tensors in its arenas; without a trim an idle
-    # server's RSS stays at its busiest. A no-op where there is no glibc.
+def trim_heap() -> None:
+    """Hand freed heap memory back to the OS. glibc keeps freed blocks (the many mid-sized step tensors, a
+    model freed after loading) in its arenas; without a trim RSS stays at its high-water mark. A no-op where
+    there is no glibc."""
     with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL("libc.so.6").malloc_trim(0)
 
