@@ -112,6 +112,8 @@ class LlamaRunner:
         # outside (oneDNN's prepacked weights are opaque to it), each compiled call cost 50-120 us against
         # 10-70 us eager, and whole steps came out no faster for ~30 s more start-up.
         self.layers = [self._fuse(layer) for layer in inner.layers]
+        # The norm after each layer: the following layer's input norm, then the final norm.
+        self._next_norms = [layer.input_norm for layer in self.layers[1:]] + [self.norm]
         # bfloat16 on the CPU: the element-wise steps between the matmuls as one native op each (~30 torch
         # ops a layer otherwise). float32 keeps torch's ops, token-identical to `generate`.
         native = model.device.type == "cpu" and model.dtype == torch.bfloat16
@@ -140,9 +142,7 @@ class LlamaRunner:
         hidden = F.embedding(token_ids, self.embed)
         cos, sin = (table[0] for table in self.rotary(hidden, positions[None]))  # [rows, dim]: shared by every head
         normed = _rms_norm(hidden, self.layers[0].input_norm, self.eps)
-        # The next norm's weight after each layer: the following layer's input norm, then the final norm.
-        next_norms = [layer.input_norm for layer in self.layers[1:]] + [self.norm]
-        for index, (layer, next_norm) in enumerate(zip(self.layers, next_norms, strict=True)):
+        for index, (layer, next_norm) in enumerate(zip(self.layers, self._next_norms, strict=True)):
             heads = linear(normed, layer.qkv).view(hidden.shape[0], self.num_heads + 2 * self.num_kv_heads, -1)
             qk = self._rope(heads[:, : self.num_heads + self.num_kv_heads], cos, sin)  # q and k in one pass
             q, k, v = qk[:, : self.num_heads], qk[:, self.num_heads :], heads[:, self.num_heads + self.num_kv_heads :]
