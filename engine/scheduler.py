@@ -178,8 +178,7 @@ class Scheduler:
             # in the waiting queue and in the engine, so the queue bound counts only those truly waiting.
             self._admit_waiting()
             aborts, self._pending_aborts = self._pending_aborts, []
-            batch_size = self.engine.num_active()
-            outputs, error, seconds = await loop.run_in_executor(self._executor, self._step, aborts)
+            outputs, error, seconds, batch_size = await loop.run_in_executor(self._executor, self._step, aborts)
             if self.on_step is not None:
                 self.on_step(seconds, batch_size)
             if error is not None:
@@ -207,17 +206,20 @@ class Scheduler:
                 continue
             self._running[stream.seq_id] = stream
 
-    def _step(self, aborts: list[int]) -> tuple[list[StepOutput], Exception | None, float]:
-        """On the engine thread: drop aborted sequences, then step once. Also returns the step's duration."""
+    def _step(self, aborts: list[int]) -> tuple[list[StepOutput], Exception | None, float, int]:
+        """On the engine thread: drop aborted sequences, then step once. Also returns the step's duration and
+        the sequences it ran."""
         started = time.perf_counter()
+        batch_size = 0
         try:
             for seq_id in aborts:
                 self.engine.abort(seq_id)
-            return self.engine.step(), None, time.perf_counter() - started
+            batch_size = self.engine.num_active()
+            return self.engine.step(), None, time.perf_counter() - started, batch_size
         except Exception as exc:
             log.exception("engine step failed; resetting the engine")
             self.engine.reset()
-            return [], exc, time.perf_counter() - started
+            return [], exc, time.perf_counter() - started, batch_size
 
     def _hand_out(self, outputs: list[StepOutput]) -> None:
         for output in outputs:
