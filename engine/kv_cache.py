@@ -8,10 +8,14 @@ moves into its hole (one sequence's KV, once per departure). The tensor grows in
 needed, amortized, and is freed when no sequence is left, so memory follows what is held.
 
 Decode rows attend in the native kernel (``engine/csrc/decode_attention.cpp``) where it could be built,
-else in torch's ``scaled_dot_product_attention``.
+else in torch's ``scaled_dot_product_attention``. For the kernel, keys are stored in tiles of 16 positions laid
+out ``[head_dim / 2][16][2]`` (``tile_keys``), so that it scores 16 positions at once with no horizontal sums;
+the tensor's shape is the same either way. The storage asks for transparent huge pages: a decode step streams
+the whole cache, and on 4 KiB pages that costs TLB misses and stalls the hardware prefetcher at every page.
 
-A newcomer's prompt is prefilled into a *staging* tensor of its own (``[layers, 2, kv_heads, prompt, dim]``),
-possibly over several steps, and copied into a slot once its prompt is complete.
+A newcomer's prompt is prefilled into a *staging* tensor of its own (``[layers, 2, kv_heads, prompt, dim]``,
+its positions rounded up to whole tiles), possibly over several steps, and copied into a slot once its prompt
+is complete.
 
 Rows of one step's forward are packed into a single sequence: first one row per decoding slot, in slot
 order, then each prefill chunk. ``slot_attention`` receives a ``StepBatch`` through the model's kwargs and
@@ -22,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -33,6 +38,10 @@ ATTENTION_NAME = "smolserve_slots"
 
 # Positions are allocated in multiples of this, so growth (a full copy) is rare.
 _POSITION_BLOCK = 256
+# Positions per tile of keys in the native kernel's layout; every count of positions held is a multiple of it.
+KEY_TILE = 16
+_HUGE_PAGE = 2 << 20
+_MADV_HUGEPAGE = 14
 # What the native decode-attention kernel computes in (on the CPU).
 _NATIVE_DTYPES = (torch.float32, torch.bfloat16)
 
@@ -74,8 +83,10 @@ class SlotKVCache:
         self.device = device
         self.kv: torch.Tensor | None = None
         # Built (or loaded from the build cache) now, so that no request waits for the compiler.
-        native = device.type == "cpu" and dtype in _NATIVE_DTYPES
+        native = device.type == "cpu" and dtype in _NATIVE_DTYPES and head_dim % 2 == 0
         self.native_attention = kernels.decode_attention() if native else None
+        # Keys in the kernel's tiles where it runs, else as torch's attention reads them.
+        self.tiled_keys = self.native_attention is not None
 
     @property
     def bytes_per_token(self) -> int:
@@ -92,31 +103,49 @@ class SlotKVCache:
 
     def reserve(self, num_slots: int, num_positions: int, max_slots: int, max_positions: int) -> None:
         """Make room for ``num_slots`` slots of ``num_positions`` positions, keeping what is stored."""
+        num_positions, max_positions = _round_up(num_positions, KEY_TILE), _round_up(max_positions, KEY_TILE)
         if num_slots <= self.num_slots and num_positions <= self.num_positions:
             return
         slots = self.num_slots if num_slots <= self.num_slots else min(_round_up(num_slots, 4), max_slots)
         positions = self.num_positions
         if num_positions > positions:
             positions = min(_round_up(max(num_positions, positions * 5 // 4), _POSITION_BLOCK), max_positions)
-        grown = torch.zeros(
-            (self.num_layers, 2, slots, self.num_kv_heads, positions, self.head_dim),
-            dtype=self.dtype,
-            device=self.device,
-        )
+        shape = (self.num_layers, 2, slots, self.num_kv_heads, positions, self.head_dim)
+        grown = _zeros_on_huge_pages(shape, self.dtype, self.device)
         if self.kv is not None:
             grown[:, :, : self.num_slots, :, : self.num_positions] = self.kv
         self.kv = grown
 
     def new_staging(self, prompt_len: int) -> torch.Tensor:
-        shape = (self.num_layers, 2, self.num_kv_heads, prompt_len, self.head_dim)
-        return torch.empty(shape, dtype=self.dtype, device=self.device)
+        # Zeros, not whatever memory held: the positions past the prompt reach the cache with it.
+        shape = (self.num_layers, 2, self.num_kv_heads, _round_up(prompt_len, KEY_TILE), self.head_dim)
+        return torch.zeros(shape, dtype=self.dtype, device=self.device)
 
     def insert(self, slot: int, staging: torch.Tensor) -> None:
         assert self.kv is not None
-        self.kv[:, :, slot, :, : staging.shape[3]] = staging
+        length = staging.shape[3]
+        keys = staging[:, 0]
+        self.kv[:, 0, slot, :, :length] = tile_keys(keys) if self.tiled_keys else keys
+        self.kv[:, 1, slot, :, :length] = staging[:, 1]
+
+    def write(
+        self, layer: int, slots: torch.Tensor, positions: torch.Tensor, key: torch.Tensor, value: torch.Tensor
+    ) -> None:
+        """Store one new token's ``key`` and ``value`` (``[rows, kv_heads, dim]``) per slot, at its position."""
+        assert self.kv is not None
+        keys = self.kv[layer, 0]
+        if self.tiled_keys:
+            num_slots, heads, num_positions, dim = keys.shape
+            tiles = keys.view(num_slots, heads, num_positions // KEY_TILE, dim // 2, KEY_TILE, 2)
+            tiles[slots, :, positions // KEY_TILE, :, positions % KEY_TILE] = key.unflatten(-1, (dim // 2, 2))
+        else:
+            keys[slots, :, positions] = key
+        self.kv[layer, 1][slots, :, positions] = value
 
     def move(self, src: int, dst: int, length: int) -> None:
+        """Copy slot ``src``'s first ``length`` positions to slot ``dst`` (whole tiles of keys)."""
         assert self.kv is not None
+        length = min(_round_up(length, KEY_TILE), self.num_positions)
         self.kv[:, :, dst, :, :length] = self.kv[:, :, src, :, :length]
 
     def release(self) -> None:
@@ -171,8 +200,7 @@ def _decode_attention(
     kv = batch.cache.kv
     assert kv is not None
     num_heads, num_kv_heads = query.shape[1], key.shape[1]
-    kv[layer, 0][batch.decode_slots, :, batch.decode_positions] = key
-    kv[layer, 1][batch.decode_slots, :, batch.decode_positions] = value
+    batch.cache.write(layer, batch.decode_slots, batch.decode_positions, key, value)
     # Grouped-query attention without repeating K/V: the query heads that share a KV head become that
     # head's "query length", which is free for a single new token per row.
     q = query.reshape(n, num_kv_heads, num_heads // num_kv_heads, -1)
@@ -204,6 +232,30 @@ def _prefill_attention(
         mask = positions[None, :] <= positions[chunk.start :, None]
         attended = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale, enable_gqa=True)
     return attended.transpose(0, 1)
+
+
+def tile_keys(keys: torch.Tensor) -> torch.Tensor:
+    """``keys`` ``[..., positions, dim]`` (positions a multiple of 16) copied into the native kernel's tiles:
+    the same shape, each 16 positions' memory laid out ``[dim / 2][16][2]``."""
+    *lead, positions, dim = keys.shape
+    tiles = keys.reshape(*lead, positions // KEY_TILE, KEY_TILE, dim // 2, 2).transpose(-3, -2)
+    return tiles.reshape(*lead, positions, dim)
+
+
+def _zeros_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """``torch.zeros(shape)``, its memory advised onto transparent huge pages (Linux, THP in "madvise" mode)
+    before it is first touched. Where that fails, plain pages."""
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    numel = math.prod(shape)
+    element = torch.empty((), dtype=dtype).element_size()
+    raw = torch.empty(numel + _HUGE_PAGE // element, dtype=dtype)
+    skip = -raw.data_ptr() % _HUGE_PAGE // element  # elements up to the first 2 MiB boundary
+    tensor = raw[skip : skip + numel].view(shape)
+    with contextlib.suppress(OSError, AttributeError):
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.madvise(ctypes.c_void_p(tensor.data_ptr()), ctypes.c_size_t(numel * element), _MADV_HUGEPAGE)
+    return tensor.zero_()
 
 
 def trim_heap() -> None:

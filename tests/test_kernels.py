@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from engine import kernels
+from engine.kv_cache import KEY_TILE, SlotKVCache, tile_keys
 from engine.model_runner import _add_norm, _rope, _silu_mul
 
 
@@ -22,17 +23,20 @@ def _reference(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, le
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize(("kv_heads", "groups", "dim"), [(3, 3, 64), (2, 1, 128), (1, 4, 24)])
+# Query heads per KV head past what one pass holds in registers (4 at dim 64, 2 at 128), and a head size the
+# kernel has no specialization for.
+@pytest.mark.parametrize(("kv_heads", "groups", "dim"), [(3, 3, 64), (1, 6, 64), (2, 1, 128), (1, 3, 128), (1, 4, 24)])
 def test_kernel_matches_torch_attention(dtype: torch.dtype, kv_heads: int, groups: int, dim: int) -> None:
     native = kernels.decode_attention()
     assert native is not None, "the kernel should build wherever the test suite runs (it has a C++ compiler)"
     torch.manual_seed(0)
-    lengths = [1, 63, 64, 65, 200]  # one position, and either side of the kernel's 64-position blocks
+    # One position, either side of a 16-position tile and of a 64-position block of scores, odd and even.
+    lengths = [1, 15, 16, 17, 63, 64, 65, 200]
     # Slot views as the cache holds them: more slots and positions than in use, so rows are strided.
     cache = torch.randn(2, len(lengths) + 2, kv_heads, 256, dim, dtype=dtype)
     query = torch.randn(len(lengths), kv_heads, groups, dim, dtype=dtype)
     keys, values = cache[0, : len(lengths)], cache[1, : len(lengths)]
-    out = native(query, keys, values, torch.tensor(lengths), dim**-0.5)
+    out = native(query, tile_keys(keys), values, torch.tensor(lengths), dim**-0.5)
     assert out.dtype == dtype and out.shape == query.shape
     tolerance = 1e-5 if dtype == torch.float32 else 1e-2
     torch.testing.assert_close(out.float(), _reference(query, keys, values, lengths), atol=tolerance, rtol=tolerance)
@@ -41,9 +45,9 @@ def test_kernel_matches_torch_attention(dtype: torch.dtype, kv_heads: int, group
 def test_kernel_rejects_lengths_beyond_the_cache() -> None:
     native = kernels.decode_attention()
     assert native is not None
-    cache = torch.zeros(2, 1, 1, 8, 16)
+    cache = torch.zeros(2, 1, 1, 16, 16)
     with pytest.raises(RuntimeError, match="length out of range"):
-        native(torch.zeros(1, 1, 1, 16), cache[0], cache[1], torch.tensor([9]), 0.25)
+        native(torch.zeros(1, 1, 1, 16), cache[0], cache[1], torch.tensor([17]), 0.25)
 
 
 def test_disabled_by_environment(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -80,3 +84,21 @@ def test_fused_ops_reject_other_dtypes() -> None:
     assert ops is not None
     with pytest.raises(RuntimeError, match="bfloat16"):
         ops.silu_mul(torch.zeros(2, 8))
+
+
+def test_tiled_keys_hold_each_tile_as_pairs_of_dims() -> None:
+    keys = torch.arange(2 * 32 * 4, dtype=torch.float32).reshape(2, 32, 4)  # [heads, positions, dim]
+    tiled = tile_keys(keys).reshape(2, 2, 4 // 2, KEY_TILE, 2)  # [heads, tile, dim pair, position, dim]
+    assert tiled.shape == (2, 2, 2, 16, 2)
+    for position in (0, 5, 16, 31):
+        for dim in range(4):
+            expected = keys[1, position, dim]
+            assert tiled[1, position // 16, dim // 2, position % 16, dim % 2] == expected
+
+
+def test_cache_storage_is_zeroed_and_aligned_for_huge_pages() -> None:
+    cache = SlotKVCache(num_layers=2, num_kv_heads=1, head_dim=64, dtype=torch.bfloat16, device=torch.device("cpu"))
+    cache.reserve(num_slots=3, num_positions=100, max_slots=8, max_positions=1000)
+    assert cache.kv is not None
+    assert cache.kv.shape == (2, 2, 4, 1, 256, 64) and not cache.kv.any()
+    assert cache.kv.data_ptr() % (2 << 20) == 0
