@@ -10,8 +10,7 @@ needed, amortized, and is freed when no sequence is left, so memory follows what
 Decode rows attend in the native kernel (``engine/csrc/decode_attention.cpp``) where it could be built,
 else in torch's ``scaled_dot_product_attention``. For the kernel, keys are stored in tiles of 16 positions laid
 out ``[head_dim / 2][16][2]`` (``tile_keys``), so that it scores 16 positions at once with no horizontal sums;
-the tensor's shape is the same either way. The storage asks for transparent huge pages: a decode step streams
-the whole cache, and on 4 KiB pages that costs TLB misses and stalls the hardware prefetcher at every page.
+the tensor's shape is the same either way.
 
 A newcomer's prompt is prefilled into a *staging* tensor of its own (``[layers, 2, kv_heads, prompt, dim]``,
 its positions rounded up to whole tiles), possibly over several steps, and copied into a slot once its prompt
@@ -26,7 +25,6 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import math
 from dataclasses import dataclass, field
 
 import torch
@@ -40,8 +38,6 @@ ATTENTION_NAME = "smolserve_slots"
 _POSITION_BLOCK = 256
 # Positions per tile of keys in the native kernel's layout; every count of positions held is a multiple of it.
 KEY_TILE = 16
-_HUGE_PAGE = 2 << 20
-_MADV_HUGEPAGE = 14
 # What the native decode-attention kernel computes in (on the CPU).
 _NATIVE_DTYPES = (torch.float32, torch.bfloat16)
 
@@ -111,7 +107,7 @@ class SlotKVCache:
         if num_positions > positions:
             positions = min(_round_up(max(num_positions, positions * 5 // 4), _POSITION_BLOCK), max_positions)
         shape = (self.num_layers, 2, slots, self.num_kv_heads, positions, self.head_dim)
-        grown = _zeros_on_huge_pages(shape, self.dtype, self.device)
+        grown = torch.zeros(shape, dtype=self.dtype, device=self.device)
         if self.kv is not None:
             grown[:, :, : self.num_slots, :, : self.num_positions] = self.kv
         self.kv = grown
@@ -240,22 +236,6 @@ def tile_keys(keys: torch.Tensor) -> torch.Tensor:
     *lead, positions, dim = keys.shape
     tiles = keys.reshape(*lead, positions // KEY_TILE, KEY_TILE, dim // 2, 2).transpose(-3, -2)
     return tiles.reshape(*lead, positions, dim)
-
-
-def _zeros_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """``torch.zeros(shape)``, its memory advised onto transparent huge pages (Linux, THP in "madvise" mode)
-    before it is first touched. Where that fails, plain pages."""
-    if device.type != "cpu":
-        return torch.zeros(shape, dtype=dtype, device=device)
-    numel = math.prod(shape)
-    element = torch.empty((), dtype=dtype).element_size()
-    raw = torch.empty(numel + _HUGE_PAGE // element, dtype=dtype)
-    skip = -raw.data_ptr() % _HUGE_PAGE // element  # elements up to the first 2 MiB boundary
-    tensor = raw[skip : skip + numel].view(shape)
-    with contextlib.suppress(OSError, AttributeError):
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.madvise(ctypes.c_void_p(tensor.data_ptr()), ctypes.c_size_t(numel * element), _MADV_HUGEPAGE)
-    return tensor.zero_()
 
 
 def trim_heap() -> None:

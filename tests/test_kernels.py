@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from engine import kernels
-from engine.kv_cache import KEY_TILE, SlotKVCache, tile_keys
+from engine.kv_cache import KEY_TILE, tile_keys
 from engine.model_runner import _add_norm, _rope, _silu_mul
 
 
@@ -94,11 +94,3 @@ def test_tiled_keys_hold_each_tile_as_pairs_of_dims() -> None:
         for dim in range(4):
             expected = keys[1, position, dim]
             assert tiled[1, position // 16, dim // 2, position % 16, dim % 2] == expected
-
-
-def test_cache_storage_is_zeroed_and_aligned_for_huge_pages() -> None:
-    cache = SlotKVCache(num_layers=2, num_kv_heads=1, head_dim=64, dtype=torch.bfloat16, device=torch.device("cpu"))
-    cache.reserve(num_slots=3, num_positions=100, max_slots=8, max_positions=1000)
-    assert cache.kv is not None
-    assert cache.kv.shape == (2, 2, 4, 1, 256, 64) and not cache.kv.any()
-    assert cache.kv.data_ptr() % (2 << 20) == 0
