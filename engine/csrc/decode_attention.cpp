@@ -221,10 +221,11 @@ void attend_paired(const bf16* query, const bf16* keys, const bf16* values, bf16
   }
 }
 
-// All `groups` query rows of one (sequence, KV head), as many at a time as keep their sums in registers.
+// All `groups` query rows of one (sequence, KV head), as many at a time as keep their sums in registers. Takes
+// attend_one's arguments; the head size is `Dim`.
 template <int64_t Dim>
 void attend_paired_groups(const bf16* query, const bf16* keys, const bf16* values, bf16* out, int64_t groups,
-                          int64_t length, int64_t value_stride, float scale) {
+                          int64_t /*dim*/, int64_t length, int64_t value_stride, float scale) {
   constexpr int kMost = Dim == 64 ? 4 : 2;
   for (int64_t first = 0; first < groups; first += kMost) {
     const int64_t n = std::min<int64_t>(kMost, groups - first);
@@ -246,18 +247,8 @@ auto pick_kernel(int64_t dim) {
   using Kernel = void (*)(const T*, const T*, const T*, T*, int64_t, int64_t, int64_t, int64_t, float);
 #if defined(__AVX512BF16__)
   if constexpr (std::is_same_v<T, bf16>) {
-    if (dim == 64) {
-      return static_cast<Kernel>([](const T* q, const T* k, const T* v, T* o, int64_t groups, int64_t,
-                                    int64_t length, int64_t value_stride, float scale) {
-        attend_paired_groups<64>(q, k, v, o, groups, length, value_stride, scale);
-      });
-    }
-    if (dim == 128) {
-      return static_cast<Kernel>([](const T* q, const T* k, const T* v, T* o, int64_t groups, int64_t,
-                                    int64_t length, int64_t value_stride, float scale) {
-        attend_paired_groups<128>(q, k, v, o, groups, length, value_stride, scale);
-      });
-    }
+    if (dim == 64) return attend_paired_groups<64>;
+    if (dim == 128) return attend_paired_groups<128>;
   }
 #endif
   return static_cast<Kernel>(dim == 64 ? attend_one<T, 64> : dim == 128 ? attend_one<T, 128> : attend_one<T, 0>);
