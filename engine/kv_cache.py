@@ -81,8 +81,11 @@ class SlotKVCache:
         # Built (or loaded from the build cache) now, so that no request waits for the compiler.
         native = device.type == "cpu" and dtype in _NATIVE_DTYPES and head_dim % 2 == 0
         self.native_attention = kernels.decode_attention() if native else None
-        # Keys in the kernel's tiles where it runs, else as torch's attention reads them.
-        self.tiled_keys = self.native_attention is not None
+
+    @property
+    def tiled_keys(self) -> bool:
+        """Keys are held in the native kernel's tiles where it runs, else as torch's attention reads them."""
+        return self.native_attention is not None
 
     @property
     def bytes_per_token(self) -> int:
