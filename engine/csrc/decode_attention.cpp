@@ -23,6 +23,8 @@
 #include <immintrin.h>
 #endif
 
+#include "block_softmax.h"
+
 namespace {
 
 constexpr int64_t kTile = 16;   // positions per tile of keys
@@ -66,25 +68,6 @@ inline void accumulate_block(const float* p, const T* values, int64_t value_stri
   }
 }
 
-// The online softmax's step for one query row and one block of scores: turns the scores into exp(s - max),
-// updates the running max and total, and returns the factor that rescales what was accumulated before.
-inline float softmax_block(float* scores, int64_t count, float& running_max, float& total) {
-  float block_max = -std::numeric_limits<float>::infinity();
-#pragma omp simd reduction(max : block_max)
-  for (int64_t t = 0; t < count; ++t) block_max = std::max(block_max, scores[t]);
-  const float new_max = std::max(running_max, block_max);
-  const float correction = std::exp(running_max - new_max);
-  float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-  for (int64_t t = 0; t < count; ++t) {
-    scores[t] = std::exp(scores[t] - new_max);
-    sum += scores[t];
-  }
-  total = total * correction + sum;
-  running_max = new_max;
-  return correction;
-}
-
 // One (sequence, KV head): `groups` query rows against `length` cached positions, in float32. `Dim` is the
 // head size when known at compile time (the loops over it then unroll and vectorize fully), or 0 for any size.
 template <typename T, int64_t Dim>
@@ -108,7 +91,7 @@ void attend_one(const T* query, const T* keys, const T* values, T* out, int64_t 
       for (int64_t t = 0; t < count; t += kTile) {
         score_tile<T, Dim>(&q[g * dim], keys + (start + t) * dim, dim, scores + t);
       }
-      const float correction = softmax_block(scores, count, running_max[g], total[g]);
+      const float correction = smolserve::softmax_block(scores, count, running_max[g], total[g]);
       for (int64_t d = 0; d < dim; ++d) a[d] *= correction;
       accumulate_block<T, Dim>(scores, values + start * value_stride, value_stride, count, dim, a);
     }
@@ -154,11 +137,10 @@ inline int64_t paired_dim(int64_t index) {
   return 32 * chunk + 8 * (lane / 4) + 4 * high + lane % 4;
 }
 
-// Scales one query row's sums by the softmax correction and rounds its probabilities to bfloat16, in pairs of
-// positions (`weights`), zero past the block's `count`.
+// Scales one query row's sums by the softmax correction and rounds its probabilities (zero past the block's
+// count) to bfloat16, in pairs of positions (`weights`).
 template <int64_t Chunks>
-inline void prepare_row(float* scores, int64_t count, float correction, uint32_t* weights, float (*acc)[16]) {
-  std::fill(scores + count, scores + kBlock, 0.0f);
+inline void prepare_row(const float* scores, float correction, uint32_t* weights, float (*acc)[16]) {
   for (int64_t t = 0; t < kBlock; t += 32) {
     const __m512bh bits = _mm512_cvtne2ps_pbh(_mm512_load_ps(scores + t + 16), _mm512_load_ps(scores + t));
     _mm512_store_si512(weights + t / 2, (__m512i)bits);
@@ -188,8 +170,8 @@ void attend_paired(const bf16* query, const bf16* keys, const bf16* values, bf16
       score_tile_paired<Dim, Groups>(query_pairs, keys + (start + t) * Dim, scale, scores, t);
     }
     for (int g = 0; g < Groups; ++g) {
-      const float correction = softmax_block(scores[g], count, running_max[g], total[g]);
-      prepare_row<kChunks>(scores[g], count, correction, weights[g], acc[g]);
+      const float correction = smolserve::softmax_block_avx512<kBlock>(scores[g], count, running_max[g], total[g]);
+      prepare_row<kChunks>(scores[g], correction, weights[g], acc[g]);
     }
     __m512 sums[Groups][2 * kChunks];
     for (int g = 0; g < Groups; ++g) {

@@ -1,0 +1,80 @@
+// The online softmax's step over one block of scores, shared by the decode-attention kernels: the scores
+// become exp(s - max), the running max and total are updated, and the factor that rescales what was
+// accumulated before is returned.
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+namespace smolserve {
+
+// Any count, plain loops.
+inline float softmax_block(float* scores, int64_t count, float& running_max, float& total) {
+  float block_max = -std::numeric_limits<float>::infinity();
+  for (int64_t t = 0; t < count; ++t) block_max = std::max(block_max, scores[t]);
+  const float new_max = std::max(running_max, block_max);
+  const float correction = std::exp(running_max - new_max);
+  float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t t = 0; t < count; ++t) {
+    scores[t] = std::exp(scores[t] - new_max);
+    sum += scores[t];
+  }
+  total = total * correction + sum;
+  running_max = new_max;
+  return correction;
+}
+
+#if defined(__AVX512F__)
+// exp(x) for 16 floats, x <= 0: 2^(x log2 e) split into a whole power (applied by scalef) and a fraction in
+// [-0.5, 0.5] taken by its Taylor polynomial (relative error ~1e-7). Below -87 the result is ~0.
+inline __m512 exp16(__m512 x) {
+  const __m512 t = _mm512_mul_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(1.44269504f));
+  const __m512 whole = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(t, whole);
+  __m512 p = _mm512_set1_ps(1.540353e-4f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.333355e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.618129e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550411e-2f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.402265e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931472e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(p, whole);
+}
+
+// softmax_block for a block of `Width` scores (a multiple of 16, 64-byte aligned), `count` of them in use:
+// the rest become zero.
+template <int64_t Width>
+inline float softmax_block_avx512(float* scores, int64_t count, float& running_max, float& total) {
+  constexpr int64_t kRegisters = Width / 16;
+  __mmask16 used[kRegisters];
+  __m512 s[kRegisters];
+  __m512 most = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  for (int64_t i = 0; i < kRegisters; ++i) {
+    const int64_t left = std::clamp<int64_t>(count - 16 * i, 0, 16);
+    used[i] = static_cast<__mmask16>((1u << left) - 1u);
+    s[i] = _mm512_load_ps(scores + 16 * i);
+    most = _mm512_mask_max_ps(most, used[i], most, s[i]);
+  }
+  const float new_max = std::max(running_max, _mm512_reduce_max_ps(most));
+  const float correction = std::exp(running_max - new_max);
+  const __m512 shift = _mm512_set1_ps(new_max);
+  __m512 sum = _mm512_setzero_ps();
+  for (int64_t i = 0; i < kRegisters; ++i) {
+    const __m512 e = _mm512_maskz_mov_ps(used[i], exp16(_mm512_sub_ps(s[i], shift)));
+    _mm512_store_ps(scores + 16 * i, e);
+    sum = _mm512_add_ps(sum, e);
+  }
+  total = total * correction + _mm512_reduce_add_ps(sum);
+  running_max = new_max;
+  return correction;
+}
+#endif
+
+}  // namespace smolserve
