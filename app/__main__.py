@@ -33,6 +33,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-model-len", type=int, default=None, help="longest prompt + completion")
     parser.add_argument("--kv-cache-gib", type=float, default=defaults.kv_cache_gib, help="KV cache memory bound")
     parser.add_argument(
+        "--kv-cache-dtype",
+        choices=["auto", "int8"],
+        default=defaults.kv_cache_dtype,
+        help="auto: the model's dtype; int8: half of bfloat16's memory, faster decode at long contexts (CPU)",
+    )
+    parser.add_argument(
         "--max-num-batched-tokens",
         type=int,
         default=defaults.max_num_batched_tokens,
@@ -52,18 +58,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def main(argv: list[str] | None = None) -> None:
-    args = parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    engine_config = EngineConfig(
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    return EngineConfig(
         model=args.model,
         dtype=args.dtype,
         max_batch_size=args.max_batch_size,
         max_model_len=args.max_model_len,
         kv_cache_gib=args.kv_cache_gib,
+        kv_cache_dtype=args.kv_cache_dtype,
         max_num_batched_tokens=args.max_num_batched_tokens,
     )
-    served = chooser.build(engine_config)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    served = chooser.build(engine_config(args))
     server_config = ServerConfig(
         served_model_name=args.served_model_name,
         max_queue=args.max_queue,

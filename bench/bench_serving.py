@@ -191,7 +191,13 @@ def generate_baseline(levels: list[int], new_tokens: int, dtype: str, repeats: i
     return results
 
 
-def step_context(batch: int = 8, contexts: tuple[int, ...] = (128, 2048), steps: int = 20, rounds: int = 3) -> None:
+def step_context(
+    kv_cache_dtype: str = "auto",
+    batch: int = 8,
+    contexts: tuple[int, ...] = (128, 2048),
+    steps: int = 20,
+    rounds: int = 3,
+) -> None:
     """Decode step time for `batch` sequences whose contexts hold `context` tokens: the contexts measured in
     turn, `rounds` times, and the median of each compared (this machine drifts between runs)."""
     import statistics
@@ -200,7 +206,8 @@ def step_context(batch: int = 8, contexts: tuple[int, ...] = (128, 2048), steps:
     from engine.config import EngineConfig
     from engine.types import GenerationRequest
 
-    served = chooser.build(EngineConfig(max_batch_size=batch, max_num_batched_tokens=4096))
+    config = EngineConfig(max_batch_size=batch, max_num_batched_tokens=4096, kv_cache_dtype=kv_cache_dtype)
+    served = chooser.build(config)
     engine = served.engine
 
     def measure(context: int) -> float:
@@ -242,9 +249,10 @@ def main() -> None:
         "--repeats", type=int, default=3, help="runs of each level on each side; the median run is reported (odd)"
     )
     parser.add_argument("--step-context", action="store_true", help="only the decode-step-vs-context measurement")
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8"], help="for --step-context")
     args = parser.parse_args()
     if args.step_context:
-        step_context()
+        step_context(args.kv_cache_dtype)
         return
     print("serving over HTTP:", flush=True)
     http = serving(args.concurrency, args.new_tokens, args.server_args, args.repeats)

@@ -49,6 +49,7 @@ def _build_hf(config: EngineConfig, engine_thread: ThreadPoolExecutor) -> Served
         max_model_len=max_model_len,
         kv_cache_bytes=int(config.kv_cache_gib * 2**30),
         max_num_batched_tokens=config.max_num_batched_tokens,
+        kv_cache_dtype=config.kv_cache_dtype,
     )
     served = ServedModel(loaded.name, hf_engine, HFTokenizer(loaded.tokenizer, loaded.eos_token_ids), engine_thread)
     # The engine runs on its own (prepacked) copies of the weights; the loaded model is freed here, and

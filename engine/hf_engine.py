@@ -61,6 +61,7 @@ class HFEngine(InferenceEngine):
         max_model_len: int,
         kv_cache_bytes: int,
         max_num_batched_tokens: int,
+        kv_cache_dtype: str = "auto",
     ) -> None:
         config = model.config
         self._runner = make_runner(model)
@@ -71,7 +72,9 @@ class HFEngine(InferenceEngine):
         self.max_num_batched_tokens = max_num_batched_tokens
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         num_kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-        self.cache = SlotKVCache(config.num_hidden_layers, num_kv_heads, head_dim, model.dtype, self._device)
+        self.cache = SlotKVCache(
+            config.num_hidden_layers, num_kv_heads, head_dim, model.dtype, self._device, kv_cache_dtype
+        )
         self.max_kv_tokens = kv_cache_bytes // self.cache.bytes_per_token
         if self.max_kv_tokens < max_model_len:
             raise ValueError(
@@ -192,7 +195,7 @@ class HFEngine(InferenceEngine):
         decode_len = max(decode_positions, default=-1) + 1
         mask = None
         # Rows of different lengths need a mask in torch's attention; the native kernel takes the lengths.
-        if n and self.cache.native_attention is None and min(decode_positions) != decode_len - 1:
+        if n and not self.cache.native_decode and min(decode_positions) != decode_len - 1:
             mask = torch.arange(decode_len, device=self._device)[None, :] <= positions[:, None]
             mask = mask[:, None, None, :]
         return StepBatch(self.cache, n, self._slot_ids[:n], positions, decode_len, positions + 1, mask, chunks)

@@ -18,14 +18,17 @@ import torch
 
 log = logging.getLogger(__name__)
 
-_SOURCES = [Path(__file__).parent / "csrc" / name for name in ("decode_attention.cpp", "fused_ops.cpp")]
+_SOURCES = [
+    Path(__file__).parent / "csrc" / name for name in ("decode_attention.cpp", "int8_attention.cpp", "fused_ops.cpp")
+]
 _FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]
 
 
 @functools.cache
 def native_ops() -> Any | None:
-    """``torch.ops.smolserve``: ``decode_attention`` (``csrc/decode_attention.cpp``) and the fused
-    element-wise ops of ``csrc/fused_ops.cpp``; ``None`` where they cannot be built."""
+    """``torch.ops.smolserve``: ``decode_attention`` (``csrc/decode_attention.cpp``), the 8-bit cache's
+    ``decode_attention_int8`` and ``write_kv_int8`` (``csrc/int8_attention.cpp``) and the fused element-wise
+    ops of ``csrc/fused_ops.cpp``; ``None`` where they cannot be built."""
     if os.environ.get("SMOLSERVE_NATIVE_KERNELS", "1") == "0":
         return None
     from torch.utils.cpp_extension import load

@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -70,17 +71,29 @@ class StepBatch:
 
 class SlotKVCache:
     def __init__(
-        self, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device
+        self,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        kv_cache_dtype: str = "auto",
     ) -> None:
+        """``dtype`` is the model's; ``kv_cache_dtype`` ``auto`` stores K/V in it, ``int8`` in 8 bits (see
+        ``csrc/int8_attention.cpp``): half the memory and reads of bfloat16, at a small cost in precision."""
         self.num_layers = num_layers
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.dtype = dtype
         self.device = device
         self.kv: torch.Tensor | None = None
+        # int8: one float32 scale per stored key and value, [layers, 2, slots, kv_heads, positions].
+        self.scales: torch.Tensor | None = None
+        self.quantized = kv_cache_dtype == "int8"
         # Built (or loaded from the build cache) now, so that no request waits for the compiler.
         native = device.type == "cpu" and dtype in _NATIVE_DTYPES and head_dim % 2 == 0
-        self.native_attention = kernels.decode_attention() if native else None
+        self.native_attention = kernels.decode_attention() if native and not self.quantized else None
+        self._int8_ops = _int8_ops(device, dtype, head_dim) if self.quantized else None
 
     @property
     def tiled_keys(self) -> bool:
@@ -88,9 +101,18 @@ class SlotKVCache:
         return self.native_attention is not None
 
     @property
+    def native_decode(self) -> bool:
+        """Decode rows attend in a native kernel, which takes each row's length (no mask needed)."""
+        return self.native_attention is not None or self.quantized
+
+    @property
+    def storage_dtype(self) -> torch.dtype:
+        return torch.uint8 if self.quantized else self.dtype
+
+    @property
     def bytes_per_token(self) -> int:
-        element = torch.empty((), dtype=self.dtype).element_size()
-        return self.num_layers * 2 * self.num_kv_heads * self.head_dim * element
+        per_head = self.head_dim * self.storage_dtype.itemsize + (4 if self.quantized else 0)  # + its scale
+        return self.num_layers * 2 * self.num_kv_heads * per_head
 
     @property
     def num_slots(self) -> int:
@@ -110,9 +132,14 @@ class SlotKVCache:
         if num_positions > positions:
             positions = min(_round_up(max(num_positions, positions * 5 // 4), _POSITION_BLOCK), max_positions)
         shape = (self.num_layers, 2, slots, self.num_kv_heads, positions, self.head_dim)
-        grown = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        grown = torch.zeros(shape, dtype=self.storage_dtype, device=self.device)
         if self.kv is not None:
             grown[:, :, : self.num_slots, :, : self.num_positions] = self.kv
+        if self.quantized:
+            scales = torch.ones(shape[:-1], device=self.device)
+            if self.scales is not None:
+                scales[:, :, : self.num_slots, :, : self.num_positions] = self.scales
+            self.scales = scales
         self.kv = grown
 
     def new_staging(self, prompt_len: int) -> torch.Tensor:
@@ -123,6 +150,13 @@ class SlotKVCache:
     def insert(self, slot: int, staging: torch.Tensor) -> None:
         assert self.kv is not None
         length = staging.shape[3]
+        if self.quantized:
+            slots = torch.full((length,), slot, device=self.device)
+            positions = torch.arange(length, device=self.device)
+            for layer in range(self.num_layers):
+                keys, values = (staging[layer, i].transpose(0, 1) for i in range(2))  # [positions, heads, dim]
+                self._write_int8(layer, slots, positions, keys, values)
+            return
         keys = staging[:, 0]
         self.kv[:, 0, slot, :, :length] = tile_keys(keys) if self.tiled_keys else keys
         self.kv[:, 1, slot, :, :length] = staging[:, 1]
@@ -132,6 +166,9 @@ class SlotKVCache:
     ) -> None:
         """Store one new token's ``key`` and ``value`` (``[rows, kv_heads, dim]``) per slot, at its position."""
         assert self.kv is not None
+        if self.quantized:
+            self._write_int8(layer, slots, positions, key, value)
+            return
         keys = self.kv[layer, 0]
         if self.tiled_keys:
             num_slots, heads, num_positions, dim = keys.shape
@@ -146,11 +183,28 @@ class SlotKVCache:
         assert self.kv is not None
         length = min(_round_up(length, KEY_TILE), self.num_positions)
         self.kv[:, :, dst, :, :length] = self.kv[:, :, src, :, :length]
+        if self.scales is not None:
+            self.scales[:, :, dst, :, :length] = self.scales[:, :, src, :, :length]
+
+    def attend_int8(self, layer: int, query: torch.Tensor, lengths: torch.Tensor, scale: float) -> torch.Tensor:
+        """Decode attention of ``query`` ``[n, kv_heads, groups, dim]`` over slots ``0..n-1`` of an int8 cache."""
+        assert self.kv is not None and self.scales is not None and self._int8_ops is not None
+        n = query.shape[0]
+        keys, values = self.kv[layer, 0, :n], self.kv[layer, 1, :n]
+        key_scales, value_scales = self.scales[layer, 0, :n], self.scales[layer, 1, :n]
+        return self._int8_ops.decode_attention_int8(query, keys, values, key_scales, value_scales, lengths, scale)
+
+    def _write_int8(
+        self, layer: int, slots: torch.Tensor, positions: torch.Tensor, key: torch.Tensor, value: torch.Tensor
+    ) -> None:
+        assert self.kv is not None and self.scales is not None and self._int8_ops is not None
+        kv, scales = self.kv[layer], self.scales[layer]
+        self._int8_ops.write_kv_int8(kv[0], kv[1], scales[0], scales[1], slots, positions, key, value)
 
     def release(self) -> None:
         """Free the storage (no sequence is decoding) and hand freed heap memory back to the OS."""
         if self.kv is not None:
-            self.kv = None
+            self.kv = self.scales = None
             trim_heap()
 
 
@@ -204,8 +258,10 @@ def _decode_attention(
     # head's "query length", which is free for a single new token per row.
     q = query.reshape(n, num_kv_heads, num_heads // num_kv_heads, -1)
     native = batch.cache.native_attention
+    scale = query.shape[-1] ** -0.5 if scale is None else scale
+    if batch.cache.quantized:
+        return batch.cache.attend_int8(layer, q, batch.decode_lengths, scale).reshape(n, num_heads, -1)
     if native is not None:
-        scale = query.shape[-1] ** -0.5 if scale is None else scale
         return native(q, kv[layer, 0, :n], kv[layer, 1, :n], batch.decode_lengths, scale).reshape(n, num_heads, -1)
     keys = kv[layer, 0, :n, :, : batch.decode_len]
     values = kv[layer, 1, :n, :, : batch.decode_len]
@@ -239,6 +295,16 @@ def tile_keys(keys: torch.Tensor) -> torch.Tensor:
     *lead, positions, dim = keys.shape
     tiles = keys.reshape(*lead, positions // KEY_TILE, KEY_TILE, dim // 2, 2).transpose(-3, -2)
     return tiles.reshape(*lead, positions, dim)
+
+
+def _int8_ops(device: torch.device, dtype: torch.dtype, head_dim: int) -> Any:
+    ops = kernels.native_ops() if device.type == "cpu" and dtype in _NATIVE_DTYPES else None
+    if ops is None or head_dim % 4 or head_dim > 256:
+        raise ValueError(
+            "an int8 KV cache needs the native CPU kernels (a C++ compiler), a float32 or bfloat16 model and a "
+            f"head size that is a multiple of 4 up to 256 (this one: {head_dim}, {dtype} on {device.type})"
+        )
+    return ops
 
 
 def trim_heap() -> None:

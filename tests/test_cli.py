@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from app.__main__ import parse_args
+from app.__main__ import engine_config, parse_args
 
 
 def test_defaults_serve_the_default_model_on_localhost_8000() -> None:
@@ -11,6 +11,7 @@ def test_defaults_serve_the_default_model_on_localhost_8000() -> None:
     assert args.max_batch_size >= 16
     assert args.dtype == "auto"
     assert args.served_model_name is None
+    assert engine_config(args).kv_cache_dtype == "auto"
 
 
 def test_flags_are_parsed() -> None:
@@ -21,3 +22,9 @@ def test_flags_are_parsed() -> None:
 def test_unknown_dtype_is_refused() -> None:
     with pytest.raises(SystemExit):
         parse_args(["--dtype", "int4"])
+
+
+def test_kv_cache_dtype_reaches_the_engine() -> None:
+    assert engine_config(parse_args(["--kv-cache-dtype", "int8"])).kv_cache_dtype == "int8"
+    with pytest.raises(SystemExit):
+        parse_args(["--kv-cache-dtype", "fp8"])

@@ -12,12 +12,13 @@ from transformers import AutoModelForCausalLM, PreTrainedModel
 from engine import chooser, kernels
 from engine.config import EngineConfig
 from engine.hf_engine import HFEngine
+from engine.kv_cache import SlotKVCache
 from engine.scheduler import Scheduler
 from engine.tokenizer import HFTokenizer
 from engine.types import GenerationRequest
 
 
-def make_engine(model: PreTrainedModel, eos: frozenset[int], **overrides: int | bool) -> HFEngine:
+def make_engine(model: PreTrainedModel, eos: frozenset[int], **overrides: int | str) -> HFEngine:
     options = {"capacity": 8, "max_model_len": 512, "kv_cache_bytes": 1 << 28, "max_num_batched_tokens": 512}
     options.update(overrides)
     return HFEngine(model, eos_token_ids=eos, **options)
@@ -68,18 +69,21 @@ def _prompt(seed: int, length: int) -> tuple[int, ...]:
     return tuple((seed * 31 + i * 17) % 290 + 8 for i in range(length))
 
 
-@pytest.mark.parametrize("attention", ["native", "torch"])
+@pytest.mark.parametrize("attention", ["native", "torch", "int8"])
 @pytest.mark.parametrize("chunk_budget", [512, 24], ids=["whole-prompts", "chunked-prefill"])
 def test_tiny_model_parity_with_staggered_arrivals(
     tiny_pair, chunk_budget: int, attention: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Decode attention runs in the native kernel, or in torch's attention where it cannot be built."""
+    """Decode attention runs in the native kernel, or in torch's attention where it cannot be built, or over
+    the 8-bit cache (whose rounding is too small to move these tiny models' greedy choices)."""
     if attention == "torch":
         monkeypatch.setattr(kernels, "decode_attention", lambda: None)
     else:
         assert kernels.decode_attention() is not None
     model, ref_model = tiny_pair
-    engine = make_engine(model, frozenset({7}), max_num_batched_tokens=chunk_budget)
+    kv_cache_dtype = "int8" if attention == "int8" else "auto"
+    engine = make_engine(model, frozenset({7}), max_num_batched_tokens=chunk_budget, kv_cache_dtype=kv_cache_dtype)
+    assert engine.cache.quantized == (attention == "int8")
     arrivals = [
         (0, GenerationRequest(_prompt(1, 5), 20, ignore_eos=True)),
         (0, GenerationRequest(_prompt(2, 70), 9, ignore_eos=True)),  # spans several chunks at budget 24
@@ -184,4 +188,58 @@ def test_served_engine_is_built_and_stepped_on_one_thread() -> None:
     asyncio.run(generate())
     assert stepped_on == {build_thread}
     served.engine_thread.submit(lambda: None).result()  # the scheduler left the shared thread running
+    served.engine_thread.shutdown()
+
+
+def test_int8_cache_keeps_each_slot_through_insert_write_growth_and_move() -> None:
+    """What a slot of the 8-bit cache attends over is what was stored there: prompts inserted from staging,
+    tokens written one by one, kept when the cache grows, and carried by a move into another slot."""
+    torch.manual_seed(0)
+    layers, heads, groups, dim = 2, 2, 3, 16
+    cache = SlotKVCache(layers, heads, dim, torch.float32, torch.device("cpu"), "int8")
+    assert cache.quantized and cache.bytes_per_token == layers * 2 * heads * (dim + 4)
+    cache.reserve(2, 32, max_slots=4, max_positions=512)
+    stored: list[torch.Tensor] = []  # per slot: [layers, 2, heads, positions, dim]
+    for slot, prompt_len in enumerate((18, 5)):
+        staging = cache.new_staging(prompt_len)
+        staging[:, :, :, :prompt_len] = torch.randn(layers, 2, heads, prompt_len, dim)
+        cache.insert(slot, staging)
+        stored.append(staging[:, :, :, :prompt_len].clone())
+    for _ in range(2):  # two decode steps: one new token per slot
+        new = torch.randn(layers, 2, 2, heads, dim)  # [layers, key/value, slot, heads, dim]
+        positions = torch.tensor([seq.shape[3] for seq in stored])
+        for layer in range(layers):
+            cache.write(layer, torch.arange(2), positions, new[layer, 0], new[layer, 1])
+        stored = [torch.cat([seq, new[:, :, slot, :, None]], dim=3) for slot, seq in enumerate(stored)]
+    cache.reserve(2, 300, max_slots=4, max_positions=512)  # grows: a copy of everything held
+    cache.move(1, 0, stored[1].shape[3])  # slot 0 leaves; slot 1's sequence takes its place
+    query = torch.randn(1, heads, groups, dim)
+    for layer in range(layers):
+        got = cache.attend_int8(layer, query, torch.tensor([stored[1].shape[3]]), dim**-0.5)
+        keys, values = stored[1][layer]
+        want = torch.nn.functional.scaled_dot_product_attention(query, keys[None], values[None])
+        torch.testing.assert_close(got, want, atol=6e-2, rtol=6e-2)
+
+
+def test_int8_cache_refuses_a_head_size_its_kernels_do_not_take() -> None:
+    with pytest.raises(ValueError, match="multiple of 4"):
+        SlotKVCache(2, 1, 6, torch.float32, torch.device("cpu"), "int8")
+
+
+@pytest.mark.real_model
+def test_real_model_serves_from_an_int8_cache() -> None:
+    served = chooser.build(EngineConfig(max_batch_size=2, kv_cache_dtype="int8"))
+    assert isinstance(served.engine, HFEngine) and served.engine.cache.quantized
+    assert served.engine_thread is not None
+    prompt = tuple(served.tokenizer.encode("The capital of France is"))
+
+    async def generate() -> str:
+        scheduler = Scheduler(served.engine, served.tokenizer, engine_thread=served.engine_thread)
+        await scheduler.start()
+        stream = scheduler.submit(GenerationRequest(prompt, 8))
+        text = "".join([delta.text async for delta in stream.deltas()])
+        await scheduler.stop()
+        return text
+
+    assert "Paris" in asyncio.run(generate())
     served.engine_thread.shutdown()

@@ -94,3 +94,72 @@ def test_tiled_keys_hold_each_tile_as_pairs_of_dims() -> None:
         for dim in range(4):
             expected = keys[1, position, dim]
             assert tiled[1, position // 16, dim // 2, position % 16, dim % 2] == expected
+
+
+# -- the 8-bit KV cache -------------------------------------------------------------------------------------
+
+
+def _int8_cache(keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """``keys``, ``values`` ``[n, kv_heads, positions, dim]`` written into an 8-bit cache by the native op, as
+    the engine writes each token: (keys, values, key_scales, value_scales)."""
+    ops = kernels.native_ops()
+    assert ops is not None
+    n, heads, positions, dim = keys.shape
+    cache_keys, cache_values = (torch.zeros(n, heads, positions, dim, dtype=torch.uint8) for _ in range(2))
+    key_scales, value_scales = torch.zeros(n, heads, positions), torch.zeros(n, heads, positions)
+    slots, rows = torch.arange(n).repeat_interleave(positions), torch.arange(positions).repeat(n)
+    as_rows = [t.transpose(1, 2).reshape(n * positions, heads, dim) for t in (keys, values)]
+    ops.write_kv_int8(cache_keys, cache_values, key_scales, value_scales, slots, rows, *as_rows)
+    return cache_keys, cache_values, key_scales, value_scales
+
+
+def dequantize(
+    keys: torch.Tensor, values: torch.Tensor, key_scales: torch.Tensor, value_scales: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The 8-bit cache's layouts, undone: keys offset by 128 in tiles of 16 positions laid out [dim / 4][16][4],
+    values in pairs of positions laid out [dim][2]; each row times its scale."""
+    *lead, positions, dim = keys.shape
+    k = keys.reshape(*lead, positions // 16, dim // 4, 16, 4).transpose(-3, -2).reshape(*lead, positions, dim)
+    v = values.view(torch.int8).reshape(*lead, positions // 2, dim, 2).transpose(-2, -1).reshape(keys.shape)
+    return (k.float() - 128) * key_scales[..., None], v.float() * value_scales[..., None]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int8_write_quantizes_each_row_by_its_largest(dtype: torch.dtype) -> None:
+    torch.manual_seed(1)
+    keys, values = torch.randn(2, 3, 48, 64, dtype=dtype), torch.randn(2, 3, 48, 64, dtype=dtype) * 5
+    cache = _int8_cache(keys, values)
+    for original, restored, scales in zip((keys, values), dequantize(*cache), cache[2:], strict=True):
+        torch.testing.assert_close(scales, original.float().abs().amax(-1) / 127)
+        assert ((restored - original.float()).abs() <= scales[..., None] * 0.5001).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+# Head sizes 64 and 128 take the VNNI kernel (query heads per KV head past one pass: 6 at 64, 3 at 128),
+# 24 the portable loops.
+@pytest.mark.parametrize(("kv_heads", "groups", "dim"), [(3, 3, 64), (1, 6, 64), (2, 1, 128), (1, 3, 128), (1, 4, 24)])
+def test_int8_kernel_matches_attention_over_its_cache(dtype: torch.dtype, kv_heads: int, groups: int, dim: int) -> None:
+    """Against exact attention over the dequantized cache: what is left is the kernel's own rounding of the
+    query (8 bits, a scale per 32 dims) and of the probabilities (15 bits)."""
+    ops = kernels.native_ops()
+    assert ops is not None
+    torch.manual_seed(0)
+    lengths = [1, 2, 3, 15, 16, 17, 63, 64, 65, 200]
+    keys, values = (torch.randn(len(lengths), kv_heads, 208, dim, dtype=dtype) for _ in range(2))
+    query = torch.randn(len(lengths), kv_heads, groups, dim, dtype=dtype)
+    cache = _int8_cache(keys, values)
+    out = ops.decode_attention_int8(query, *cache, torch.tensor(lengths), dim**-0.5)
+    assert out.dtype == dtype and out.shape == query.shape
+    restored = dequantize(*cache)
+    torch.testing.assert_close(out.float(), _reference(query, *restored, lengths), atol=3e-2, rtol=3e-2)
+    torch.testing.assert_close(out.float(), _reference(query, keys, values, lengths), atol=6e-2, rtol=6e-2)
+
+
+def test_int8_kernel_rejects_a_cache_of_another_dtype() -> None:
+    ops = kernels.native_ops()
+    assert ops is not None
+    cache = torch.zeros(1, 1, 16, 16)
+    with pytest.raises(RuntimeError, match="uint8"):
+        ops.decode_attention_int8(
+            torch.zeros(1, 1, 1, 16), cache, cache, cache[..., 0], cache[..., 0], torch.tensor([1]), 1.0
+        )
