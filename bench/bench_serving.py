@@ -8,8 +8,8 @@ The server is started as a user would start it (`python -m app`). Each client st
 `--new-tokens` tokens with `ignore_eos`. Reported: aggregate tokens/s, time to first token and inter-token
 latency (p50/p99), the server's mean engine step and peak RSS, and the benchmark's own CPU time, during that
 concurrency level; then the offline baseline, a static batch of the same size through `model.generate`, and the
-ratio. Each side runs every level `--repeats` times (3) and reports its median run: this machine drifts by
-15-20% between runs.
+ratio. Each side runs every level `--repeats` times (3), the two sides alternating, and reports its median
+run: this machine drifts by 15-20% between runs.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import asyncio
 import json
 import re
 import resource
+import statistics
 import sys
 import threading
 import time
@@ -140,17 +141,25 @@ def median_run(runs: list[dict[str, float]]) -> dict[str, float]:
     return sorted(runs, key=lambda run: run["tok_s"])[len(runs) // 2]
 
 
-def serving(levels: list[int], new_tokens: int, server_args: list[str], repeats: int) -> dict[int, dict[str, float]]:
+def compare(
+    levels: list[int], new_tokens: int, server_args: list[str], repeats: int, baseline: Baseline
+) -> tuple[dict[int, dict[str, float]], dict[int, float]]:
+    """Each level's HTTP runs and `generate` runs, alternated so that both sides see the same drift of this
+    machine; the server sits idle while `generate` runs. Returns the median run of each side."""
     flags = ["--model", MODEL, "--max-batch-size", str(max(levels)), "--log-level", "warning", *server_args]
     proc, base = start_server(*flags)
-    results = {}
+    http, offline = {}, {}
     try:
         asyncio.run(run_level(base, 2, 8))  # warm-up
         for n in levels:
-            results[n] = median_run([measure_level(proc.pid, base, n, new_tokens) for _ in range(repeats)])
+            http_runs, offline_runs = [], []
+            for _ in range(repeats):
+                http_runs.append(measure_level(proc.pid, base, n, new_tokens))
+                offline_runs.append(baseline.tok_s(n, new_tokens))
+            http[n], offline[n] = median_run(http_runs), sorted(offline_runs)[repeats // 2]
     finally:
         stop_server(proc)
-    return results
+    return http, offline
 
 
 def measure_level(pid: int, base: str, n: int, new_tokens: int) -> dict[str, float]:
@@ -165,78 +174,97 @@ def measure_level(pid: int, base: str, n: int, new_tokens: int) -> dict[str, flo
     return result
 
 
-def generate_baseline(levels: list[int], new_tokens: int, dtype: str, repeats: int) -> dict[int, float]:
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+class Baseline:
+    """Plain `model.generate` on static batches of the benchmark's prompts, in this process."""
 
-    from engine import loader
+    def __init__(self, dtype: str) -> None:
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    source = str(loader._converted(loader._default_gguf()))
-    tokenizer = AutoTokenizer.from_pretrained(source)
-    tokenizer.padding_side = "left"
-    model = AutoModelForCausalLM.from_pretrained(source, dtype=getattr(torch, dtype)).eval()
-    results = {}
-    for n in levels:
-        batch = tokenizer(prompts(n), return_tensors="pt", padding=True)
+        from engine import loader
+
+        source = str(loader._converted(loader._default_gguf()))
+        self.tokenizer = AutoTokenizer.from_pretrained(source)
+        self.tokenizer.padding_side = "left"
+        self.model = AutoModelForCausalLM.from_pretrained(source, dtype=getattr(torch, dtype)).eval()
+        self.dtype = dtype
+        self._warm: set[int] = set()
+
+    def tok_s(self, n: int, new_tokens: int) -> float:
+        import torch
+
+        batch = self.tokenizer(prompts(n), return_tensors="pt", padding=True)
         with torch.inference_mode():
-            model.generate(**batch, max_new_tokens=2, do_sample=False)  # warm-up
-            runs = []
-            for _ in range(repeats):
-                started = time.perf_counter()
-                out = model.generate(**batch, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
-                runs.append(n * new_tokens / (time.perf_counter() - started))
-                assert out.shape[1] - batch["input_ids"].shape[1] == new_tokens
-                print(f"  generate ({dtype}) n={n}: {runs[-1]:.1f} tok/s", flush=True)
-        results[n] = sorted(runs)[len(runs) // 2]
-    return results
+            if n not in self._warm:
+                self.model.generate(**batch, max_new_tokens=2, do_sample=False)
+                self._warm.add(n)
+            started = time.perf_counter()
+            out = self.model.generate(**batch, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
+            result = n * new_tokens / (time.perf_counter() - started)
+        assert out.shape[1] - batch["input_ids"].shape[1] == new_tokens
+        print(f"  generate ({self.dtype}) n={n}: {result:.1f} tok/s", flush=True)
+        return result
 
 
-def step_context(
-    kv_cache_dtype: str = "auto",
-    batch: int = 8,
-    contexts: tuple[int, ...] = (128, 2048),
-    steps: int = 20,
-    rounds: int = 3,
-) -> None:
-    """Decode step time for `batch` sequences whose contexts hold `context` tokens: the contexts measured in
-    turn, `rounds` times, and the median of each compared (this machine drifts between runs)."""
-    import statistics
+def step_context(kv_cache_dtype: str = "auto", batch: int = 8, contexts: tuple[int, ...] = (128, 2048)) -> None:
+    """Decode step time for `batch` sequences whose contexts hold `context` tokens. One engine per context,
+    built from the same loaded model, stepped in turn (a step of each, `STEPS` times) so that every context
+    sees the same state of this machine, whose speed drifts by 15-30% from one minute to the next; the median
+    steps are compared. All on one thread, as the server steps its engine (a second OpenMP team slows every
+    step)."""
+    from concurrent.futures import ThreadPoolExecutor
 
-    from engine import chooser
-    from engine.config import EngineConfig
-    from engine.types import GenerationRequest
-
-    config = EngineConfig(max_batch_size=batch, max_num_batched_tokens=4096, kv_cache_dtype=kv_cache_dtype)
-    served = chooser.build(config)
-    engine = served.engine
-
-    def measure(context: int) -> float:
-        requests = [
-            GenerationRequest(tuple((i * 7919 + j * 31) % 40000 + 100 for j in range(context)), steps + 5, True)
-            for i in range(batch)
-        ]
-        engine.admit(requests)
-        while engine.num_active() and any(seq.slot is None for seq in engine._seqs.values()):
-            engine.step()  # prefill
-        engine.step()
-        started = time.perf_counter()
-        for _ in range(steps):
-            engine.step()
-        engine.reset()
-        return (time.perf_counter() - started) / steps * 1000
-
-    times: dict[int, list[float]] = {context: [] for context in contexts}
-    for _ in range(rounds):
-        for context in contexts:
-            # On the engine's own thread, as the server steps it (a second OpenMP team slows every step).
-            times[context].append(served.engine_thread.submit(measure, context).result())
-            print(f"  batch {batch}, context {context}: {times[context][-1]:.1f} ms/step", flush=True)
+    with ThreadPoolExecutor(max_workers=1) as engine_thread:
+        times = engine_thread.submit(_step_times, kv_cache_dtype, batch, contexts).result()
     median = {context: statistics.median(values) for context, values in times.items()}
+    for context, values in times.items():
+        quartiles = statistics.quantiles(values, n=4)
+        print(
+            f"  batch {batch}, context {context}: median {median[context]:.1f} ms/step (quartiles "
+            f"{quartiles[0]:.1f} / {quartiles[2]:.1f}) over {len(values)} steps"
+        )
     first, last = contexts[0], contexts[-1]
     print(
         f"median step: context {first} {median[first]:.1f} ms, context {last} {median[last]:.1f} ms; "
         f"ratio {median[last] / median[first]:.2f}x"
     )
+
+
+STEPS = 60
+
+
+def _step_times(kv_cache_dtype: str, batch: int, contexts: tuple[int, ...]) -> dict[int, list[float]]:
+    from engine import loader
+    from engine.config import EngineConfig
+    from engine.hf_engine import HFEngine
+    from engine.types import GenerationRequest
+
+    loaded = loader.load(MODEL, "auto")
+    engines = {}
+    for context in contexts:
+        engine = HFEngine(
+            loaded.model,
+            eos_token_ids=loaded.eos_token_ids,
+            capacity=batch,
+            max_model_len=context + STEPS + 8,
+            kv_cache_bytes=int(EngineConfig().kv_cache_gib * 2**30),
+            max_num_batched_tokens=4096,
+            kv_cache_dtype=kv_cache_dtype,
+        )
+        prompts = [tuple((i * 7919 + j * 31) % 40000 + 100 for j in range(context)) for i in range(batch)]
+        engine.admit([GenerationRequest(prompt, STEPS + 4, ignore_eos=True) for prompt in prompts])
+        started: set[int] = set()
+        while len(started) < batch:  # prefill, until every sequence has its first token
+            started.update(out.seq_id for out in engine.step())
+        engine.step()
+        engines[context] = engine
+    times: dict[int, list[float]] = {context: [] for context in contexts}
+    for _ in range(STEPS):
+        for context, engine in engines.items():
+            began = time.perf_counter()
+            engine.step()
+            times[context].append((time.perf_counter() - began) * 1000)
+    return times
 
 
 def main() -> None:
@@ -254,10 +282,9 @@ def main() -> None:
     if args.step_context:
         step_context(args.kv_cache_dtype)
         return
-    print("serving over HTTP:", flush=True)
-    http = serving(args.concurrency, args.new_tokens, args.server_args, args.repeats)
-    print("plain generate, static batches:", flush=True)
-    base = generate_baseline(args.concurrency, args.new_tokens, args.baseline_dtype, args.repeats)
+    print("serving over HTTP, alternated with plain generate on static batches:", flush=True)
+    baseline = Baseline(args.baseline_dtype)
+    http, base = compare(args.concurrency, args.new_tokens, args.server_args, args.repeats, baseline)
     print()
     print(
         "| streams | HTTP tok/s | generate tok/s | ratio | TTFT p50 / p99 (s) | ITL p50 / p99 (ms) "

@@ -12,6 +12,10 @@ else in torch's ``scaled_dot_product_attention``. For the kernel, keys are store
 out ``[head_dim / 2][16][2]`` (``tile_keys``), so that it scores 16 positions at once with no horizontal sums;
 the tensor's shape is the same either way.
 
+With ``kv_cache_dtype="int8"`` the same tensor holds uint8 (keys offset by 128, in tiles of 16 positions laid out
+``[head_dim / 4][16][4]``; values in pairs of positions laid out ``[head_dim][2]``) and ``scales`` holds one
+float32 per stored key and value; ``csrc/int8_attention.cpp`` writes and reads both.
+
 A newcomer's prompt is prefilled into a *staging* tensor of its own (``[layers, 2, kv_heads, prompt, dim]``,
 its positions rounded up to whole tiles), possibly over several steps, and copied into a slot once its prompt
 is complete.

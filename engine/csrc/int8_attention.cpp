@@ -24,7 +24,6 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
-#include <type_traits>
 
 #include "block_softmax.h"
 
@@ -35,8 +34,8 @@
 
 namespace {
 
-constexpr int64_t kTile = 16;      // positions per tile of keys
-constexpr int64_t kBlock = 64;     // positions per block of scores and weights (whole tiles)
+constexpr int64_t kTile = 16;        // positions per tile of keys
+constexpr int64_t kBlock = 64;       // positions per block of scores and weights (whole tiles)
 constexpr int64_t kQueryChunk = 32;  // dims per scale of the quantized query
 constexpr int64_t kMaxGroups = 16;
 constexpr int64_t kMaxDim = 256;
