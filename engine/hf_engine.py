@@ -169,7 +169,8 @@ class HFEngine(InferenceEngine):
         longest = max(
             [seq.num_cached + 1 for seq in plan.decoding] + [seq.prompt_len for seq, _ in plan.completing], default=0
         )
-        self.cache.reserve(len(plan.decoding) + len(plan.completing), longest, self.capacity, self.max_model_len)
+        slots = len(plan.decoding) + len(plan.completing)
+        self.cache.reserve(slots, longest, self.capacity, self.max_model_len, self.max_kv_tokens)
         token_ids = [seq.output_ids[-1] for seq in plan.decoding]
         positions = [seq.num_cached for seq in plan.decoding]
         for seq, chunk in plan.chunks:

@@ -126,15 +126,24 @@ class SlotKVCache:
     def num_positions(self) -> int:
         return 0 if self.kv is None else self.kv.shape[4]
 
-    def reserve(self, num_slots: int, num_positions: int, max_slots: int, max_positions: int) -> None:
-        """Make room for ``num_slots`` slots of ``num_positions`` positions, keeping what is stored."""
+    def reserve(
+        self, num_slots: int, num_positions: int, max_slots: int, max_positions: int, max_tokens: int | None = None
+    ) -> None:
+        """Make room for ``num_slots`` slots of ``num_positions`` positions, keeping what is stored. Both grow
+        geometrically, so that a burst of arrivals grows the cache a few times (each growth copies all it
+        holds: at 64 slots, 300-700 ms here), not once per handful of newcomers; spare slots never take the
+        cache past ``max_tokens`` (slots x positions)."""
         num_positions, max_positions = _round_up(num_positions, KEY_TILE), _round_up(max_positions, KEY_TILE)
         if num_slots <= self.num_slots and num_positions <= self.num_positions:
             return
-        slots = self.num_slots if num_slots <= self.num_slots else min(_round_up(num_slots, 4), max_slots)
+        slots = self.num_slots
+        if num_slots > slots:
+            slots = min(max(_round_up(num_slots, 4), 2 * slots), max_slots)
         positions = self.num_positions
         if num_positions > positions:
             positions = min(_round_up(max(num_positions, positions * 5 // 4), _POSITION_BLOCK), max_positions)
+        if max_tokens is not None:
+            slots = min(slots, max(num_slots, self.num_slots, max_tokens // positions))
         shape = (self.num_layers, 2, slots, self.num_kv_heads, positions, self.head_dim)
         grown = torch.zeros(shape, dtype=self.storage_dtype, device=self.device)
         if self.kv is not None:

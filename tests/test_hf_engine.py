@@ -243,3 +243,16 @@ def test_real_model_serves_from_an_int8_cache() -> None:
 
     assert "Paris" in asyncio.run(generate())
     served.engine_thread.shutdown()
+
+
+def test_cache_grows_in_slots_geometrically_within_the_token_budget() -> None:
+    """Each growth copies everything held, so a burst of arrivals must not grow the cache once per handful of
+    newcomers; spare slots stay within the KV budget."""
+    cache = SlotKVCache(2, 1, 16, torch.float32, torch.device("cpu"))
+    grown = []
+    for arrived in range(1, 41):
+        cache.reserve(arrived, 100, max_slots=64, max_positions=512, max_tokens=48 * 256)
+        if not grown or grown[-1] != cache.num_slots:
+            grown.append(cache.num_slots)
+    assert grown == [4, 8, 16, 32, 48]  # 64 would pass the budget of 48 slots of 256 positions
+    assert cache.num_positions == 256
