@@ -154,6 +154,10 @@ def compare(
         for n in levels:
             http_runs, offline_runs = [], []
             for _ in range(repeats):
+                # The server sat idle while `generate` ran; a short burst first, so that the run measures
+                # serving at this concurrency rather than the first burst after a pause (slower here, see
+                # bench/README.md).
+                asyncio.run(run_level(base, n, 8))
                 http_runs.append(measure_level(proc.pid, base, n, new_tokens))
                 offline_runs.append(baseline.tok_s(n, new_tokens))
             http[n], offline[n] = median_run(http_runs), sorted(offline_runs)[repeats // 2]
