@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
+from pathlib import Path
 
 import pytest
 import torch
@@ -256,3 +258,31 @@ def test_cache_grows_in_slots_geometrically_within_the_token_budget() -> None:
             grown.append(cache.num_slots)
     assert grown == [4, 8, 16, 32, 48]  # 64 would pass the budget of 48 slots of 256 positions
     assert cache.num_positions == 256
+
+
+def _vm_flags(address: int) -> list[str]:
+    """The VmFlags of the mapping of this process that holds ``address`` (Linux)."""
+    inside = False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()[0]
+        if "-" in head and not head.endswith(":"):
+            start, end = (int(part, 16) for part in head.split("-"))
+            inside = start <= address < end
+        elif inside and head == "VmFlags:":
+            return line.split()[1:]
+    raise AssertionError("no mapping holds the address")
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/smaps"), reason="needs Linux's /proc")
+def test_large_kv_storage_is_zeroed_and_asked_for_huge_pages() -> None:
+    from engine.kv_cache import zeros_in_huge_pages
+
+    shape = (2, 2, 8, 3, 1024, 64)  # 12 MiB
+    kv = zeros_in_huge_pages(shape, torch.bfloat16, torch.device("cpu"))
+    assert kv.shape == shape and kv.dtype == torch.bfloat16 and kv.is_contiguous()
+    assert not kv.any()
+    assert kv.data_ptr() % (2 << 20) == 0
+    assert "hg" in _vm_flags(kv.data_ptr())  # madvise(MADV_HUGEPAGE) reached the kernel
+    cache = SlotKVCache(2, 3, 64, torch.bfloat16, torch.device("cpu"))
+    cache.reserve(8, 1024, 8, 1024)
+    assert cache.kv is not None and "hg" in _vm_flags(cache.kv.data_ptr())

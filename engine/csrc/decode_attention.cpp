@@ -24,6 +24,7 @@
 #endif
 
 #include "block_softmax.h"
+#include "prefetch.h"
 
 namespace {
 
@@ -63,6 +64,7 @@ inline void accumulate_block(const float* p, const T* values, int64_t value_stri
   const int64_t dim = Dim ? Dim : dynamic_dim;
   for (int64_t t = 0; t < count; ++t) {
     const T* value = values + t * value_stride;
+    smolserve::prefetch_ahead(value, dim * sizeof(T));
 #pragma omp simd
     for (int64_t d = 0; d < dim; ++d) acc[d] += p[t] * widen(value[d]);
   }
@@ -89,6 +91,7 @@ void attend_one(const T* query, const T* keys, const T* values, T* out, int64_t 
     for (int64_t g = 0; g < groups; ++g) {
       float* a = &acc[g * dim];
       for (int64_t t = 0; t < count; t += kTile) {
+        if (g == 0) smolserve::prefetch_ahead(keys + (start + t) * dim, kTile * dim * sizeof(T));
         score_tile<T, Dim>(&q[g * dim], keys + (start + t) * dim, dim, scores + t);
       }
       const float correction = smolserve::softmax_block(scores, count, running_max[g], total[g]);
@@ -167,6 +170,7 @@ void attend_paired(const bf16* query, const bf16* keys, const bf16* values, bf16
   for (int64_t start = 0; start < length; start += kBlock) {
     const int64_t count = std::min(kBlock, length - start);
     for (int64_t t = 0; t < count; t += kTile) {
+      smolserve::prefetch_ahead(keys + (start + t) * Dim, kTile * Dim * sizeof(bf16));
       score_tile_paired<Dim, Groups>(query_pairs, keys + (start + t) * Dim, scale, scores, t);
     }
     for (int g = 0; g < Groups; ++g) {
@@ -181,6 +185,7 @@ void attend_paired(const bf16* query, const bf16* keys, const bf16* values, bf16
     for (int64_t t = 0; t < count; t += 2) {
       const bf16* first = block + t * value_stride;
       const bf16* second = t + 1 < count ? first + value_stride : first;  // an odd last one pairs with itself
+      smolserve::prefetch_ahead(first, 2 * Dim * sizeof(bf16));
       __m512bh pair[Groups];
       for (int g = 0; g < Groups; ++g) pair[g] = (__m512bh)_mm512_set1_epi32(static_cast<int>(weights[g][t / 2]));
       for (int64_t c = 0; c < kChunks; ++c) {

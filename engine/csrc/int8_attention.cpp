@@ -26,6 +26,7 @@
 #include <limits>
 
 #include "block_softmax.h"
+#include "prefetch.h"
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512F__)
 #include <immintrin.h>
@@ -220,6 +221,7 @@ void attend_vnni(const Item<T>& item, const QuantizedQuery<T>& query, int64_t fi
   for (int64_t start = 0; start < item.length; start += kBlock) {
     const int64_t count = std::min(kBlock, item.length - start);
     for (int64_t t = 0; t < count; t += kTile) {
+      smolserve::prefetch_ahead(item.keys + (start + t) * Dim, kTile * Dim);
       score_tile<Dim, Groups>(query_quads, query, first, item.keys + (start + t) * Dim, item.key_scales + start + t,
                               scores, t);
     }
@@ -234,6 +236,7 @@ void attend_vnni(const Item<T>& item, const QuantizedQuery<T>& query, int64_t fi
     }
     const int8_t* block = item.values + start * Dim;
     for (int64_t t = 0; t < count; t += 2) {
+      smolserve::prefetch_ahead(block + t * Dim, 2 * Dim);
       __m512i pair[Groups];
       for (int g = 0; g < Groups; ++g) {
         uint32_t packed;
