@@ -1,6 +1,6 @@
-// The online softmax's step over one block of scores, shared by the decode-attention kernels: the scores
-// become exp(s - max), the running max and total are updated, and the factor that rescales what was
-// accumulated before is returned.
+// The decode-attention kernels' softmax: over whole rows of scores (the bfloat16 and float32 kernels), or the
+// online softmax's step over one block of scores (the 8-bit kernel), where the scores become exp(s - max),
+// the running max and total are updated, and the factor that rescales what was accumulated before is returned.
 #pragma once
 
 #include <algorithm>
@@ -29,6 +29,18 @@ inline float softmax_block(float* scores, int64_t count, float& running_max, flo
   total = total * correction + sum;
   running_max = new_max;
   return correction;
+}
+
+// The softmax's numerators over a whole row of `count` scores: exp(s - max) in place. Returns their sum.
+inline float softmax_row(float* scores, int64_t count) {
+  const float row_max = *std::max_element(scores, scores + count);
+  float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t t = 0; t < count; ++t) {
+    scores[t] = std::exp(scores[t] - row_max);
+    sum += scores[t];
+  }
+  return sum;
 }
 
 #if defined(__AVX512F__)
@@ -75,6 +87,34 @@ inline float softmax_block_avx512(float* scores, int64_t count, float& running_m
   running_max = new_max;
   return correction;
 }
+// The softmax's numerators over a whole row of `count` scores in `width` floats (a multiple of 64, 64-byte
+// aligned): exp(s - max) in place, zero from `count` on. Returns their sum.
+inline float softmax_row_avx512(float* scores, int64_t count, int64_t width) {
+  const auto used = [count](int64_t at) {
+    return static_cast<__mmask16>((1u << std::clamp<int64_t>(count - at, 0, 16)) - 1u);
+  };
+  __m512 most[4];
+  for (auto& m : most) m = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  for (int64_t t = 0; t < width; t += 64) {
+    for (int i = 0; i < 4; ++i) {
+      most[i] = _mm512_mask_max_ps(most[i], used(t + 16 * i), most[i], _mm512_load_ps(scores + t + 16 * i));
+    }
+  }
+  const __m512 shift = _mm512_set1_ps(
+      _mm512_reduce_max_ps(_mm512_max_ps(_mm512_max_ps(most[0], most[1]), _mm512_max_ps(most[2], most[3]))));
+  __m512 sum[4];
+  for (auto& s : sum) s = _mm512_setzero_ps();
+  for (int64_t t = 0; t < width; t += 64) {
+    for (int i = 0; i < 4; ++i) {
+      float* at = scores + t + 16 * i;
+      const __m512 e = _mm512_maskz_mov_ps(used(t + 16 * i), exp16(_mm512_sub_ps(_mm512_load_ps(at), shift)));
+      _mm512_store_ps(at, e);
+      sum[i] = _mm512_add_ps(sum[i], e);
+    }
+  }
+  return _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(sum[0], sum[1]), _mm512_add_ps(sum[2], sum[3])));
+}
 #endif
+
 
 }  // namespace smolserve
