@@ -1,18 +1,27 @@
-// The decode-attention kernels' softmax: over whole rows of scores (the bfloat16 and float32 kernels), or the
-// online softmax's step over one block of scores (the 8-bit kernel), where the scores become exp(s - max),
-// the running max and total are updated, and the factor that rescales what was accumulated before is returned.
+// The decode-attention kernels' softmax: over whole rows of scores, held per thread (`score_rows`), or, in the
+// 8-bit kernel's portable path, the online softmax's step over one block of scores, where the scores become
+// exp(s - max), the running max and total are updated, and the factor that rescales what was accumulated
+// before is returned.
 #pragma once
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <vector>
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 
 namespace smolserve {
+
+// Per-thread room for `floats` scores, 64-byte aligned, kept between calls.
+inline float* score_rows(int64_t floats) {
+  thread_local std::vector<float> buffer;
+  if (static_cast<int64_t>(buffer.size()) < floats + 16) buffer.resize(floats + 16);
+  return buffer.data() + ((-reinterpret_cast<uintptr_t>(buffer.data()) / sizeof(float)) & 15);
+}
 
 // Any count, plain loops.
 inline float softmax_block(float* scores, int64_t count, float& running_max, float& total) {
@@ -60,33 +69,6 @@ inline __m512 exp16(__m512 x) {
   return _mm512_scalef_ps(p, whole);
 }
 
-// softmax_block for a block of `Width` scores (a multiple of 16, 64-byte aligned), `count` of them in use:
-// the rest become zero.
-template <int64_t Width>
-inline float softmax_block_avx512(float* scores, int64_t count, float& running_max, float& total) {
-  constexpr int64_t kRegisters = Width / 16;
-  __mmask16 used[kRegisters];
-  __m512 s[kRegisters];
-  __m512 most = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-  for (int64_t i = 0; i < kRegisters; ++i) {
-    const int64_t left = std::clamp<int64_t>(count - 16 * i, 0, 16);
-    used[i] = static_cast<__mmask16>((1u << left) - 1u);
-    s[i] = _mm512_load_ps(scores + 16 * i);
-    most = _mm512_mask_max_ps(most, used[i], most, s[i]);
-  }
-  const float new_max = std::max(running_max, _mm512_reduce_max_ps(most));
-  const float correction = std::exp(running_max - new_max);
-  const __m512 shift = _mm512_set1_ps(new_max);
-  __m512 sum = _mm512_setzero_ps();
-  for (int64_t i = 0; i < kRegisters; ++i) {
-    const __m512 e = _mm512_maskz_mov_ps(used[i], exp16(_mm512_sub_ps(s[i], shift)));
-    _mm512_store_ps(scores + 16 * i, e);
-    sum = _mm512_add_ps(sum, e);
-  }
-  total = total * correction + _mm512_reduce_add_ps(sum);
-  running_max = new_max;
-  return correction;
-}
 // The softmax's numerators over a whole row of `count` scores in `width` floats (a multiple of 64, 64-byte
 // aligned): exp(s - max) in place, zero from `count` on. Returns their sum.
 inline float softmax_row_avx512(float* scores, int64_t count, int64_t width) {

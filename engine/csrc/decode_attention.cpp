@@ -19,7 +19,6 @@
 #include <cstring>
 #include <limits>
 #include <type_traits>
-#include <vector>
 
 #if defined(__AVX512BF16__)
 #include <immintrin.h>
@@ -58,13 +57,6 @@ inline void score_tile(const float* scaled_query, const T* tile, int64_t dynamic
   std::copy(sums, sums + kTile, scores);
 }
 
-// Per-thread room for `floats` scores, 64-byte aligned, kept between calls.
-inline float* score_rows(int64_t floats) {
-  thread_local std::vector<float> buffer;
-  if (static_cast<int64_t>(buffer.size()) < floats + 16) buffer.resize(floats + 16);
-  return buffer.data() + ((-reinterpret_cast<uintptr_t>(buffer.data()) / sizeof(float)) & 15);
-}
-
 // One (sequence, KV head): `groups` query rows against `length` cached positions, in float32, in three passes:
 // every score from one stream of keys, the softmax over whole rows, the weighted sum from one stream of values
 // (each value row loaded once for all query rows). `Dim` is the head size when known at compile time (the
@@ -76,7 +68,7 @@ void attend_one(const T* query, const T* keys, const T* values, T* out, int64_t 
   const int64_t width = (length + kTile - 1) / kTile * kTile;
   alignas(64) float q[kMaxGroups * kMaxDim];
   alignas(64) float acc[kMaxGroups * kMaxDim];
-  float* scores = score_rows(groups * width);
+  float* scores = smolserve::score_rows(groups * width);
   for (int64_t g = 0; g < groups; ++g) {
     for (int64_t d = 0; d < dim; ++d) q[g * dim + d] = widen(query[g * dim + d]) * scale;
     std::fill(&acc[g * dim], &acc[g * dim] + dim, 0.0f);
@@ -161,7 +153,7 @@ void attend_paired(const bf16* query, const bf16* keys, const bf16* values, bf16
   std::memcpy(query_pairs, query, sizeof(query_pairs));
   const int64_t width = (length + kBlock - 1) / kBlock * kBlock;
   float* scores[Groups];
-  scores[0] = score_rows(Groups * width);
+  scores[0] = smolserve::score_rows(Groups * width);
   for (int g = 1; g < Groups; ++g) scores[g] = scores[g - 1] + width;
   for (int64_t t = 0; t < length; t += kTile) {
     score_tile_paired<Dim, Groups>(query_pairs, keys + t * Dim, scale, scores, t);

@@ -156,7 +156,7 @@ void attend_portable(const Item<T>& item) {
 }
 
 #if defined(SMOLSERVE_VNNI)
-// quantize_weights for a whole block of probabilities, zero past `count` (as softmax_block_avx512 leaves them).
+// quantize_weights for a whole block of probabilities, zero past `count` (as softmax_row_avx512 leaves them).
 inline float quantize_weights_avx512(const float* p, const float* value_scales, int64_t count, int16_t* weights) {
   constexpr int64_t kRegisters = kBlock / 16;
   __m512 scaled[kRegisters];
@@ -179,7 +179,7 @@ inline float quantize_weights_avx512(const float* p, const float* value_scales, 
 // One tile's scores for `Groups` query rows: a vpdpbusd per four dims and row, one sum per 32 dims.
 template <int64_t Dim, int Groups, typename T>
 inline void score_tile(const uint32_t (*query_quads)[Dim / 4], const QuantizedQuery<T>& query, int64_t first,
-                       const uint8_t* tile, const float* key_scales, float (*scores)[kBlock], int64_t offset) {
+                       const uint8_t* tile, const float* key_scales, float* const* scores, int64_t offset) {
   constexpr int64_t kChunks = Dim / kQueryChunk;
   __m512i sums[Groups][kChunks];
   for (int g = 0; g < Groups; ++g) {
@@ -199,36 +199,35 @@ inline void score_tile(const uint32_t (*query_quads)[Dim / 4], const QuantizedQu
       const __m512i dot = _mm512_sub_epi32(sums[g][c], _mm512_set1_epi32(query.correction[first + g][c]));
       score = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_set1_ps(query.factor[first + g][c]), score);
     }
-    _mm512_store_ps(&scores[g][offset], _mm512_mul_ps(score, scales));
+    _mm512_store_ps(scores[g] + offset, _mm512_mul_ps(score, scales));
   }
 }
 
-// `Groups` query rows of head size `Dim` at once: each tile of keys and pair of values is loaded once for all
-// of them, and their sums stay in registers.
+// `Groups` query rows of head size `Dim` at once, in three passes as the bfloat16 kernel takes them: every
+// score from one stream of keys, the softmax over whole rows, then the weighted sum from one stream of values,
+// whose probabilities are quantized per block of kBlock positions. Each tile of keys and pair of values is
+// loaded once for all rows, and their sums stay in registers.
 template <typename T, int64_t Dim, int Groups>
 void attend_vnni(const Item<T>& item, const QuantizedQuery<T>& query, int64_t first) {
   constexpr int64_t kRows = Dim / 16;  // 16 dims of a pair of positions widen to one register
   alignas(64) uint32_t query_quads[Groups][Dim / 4];
-  alignas(64) float scores[Groups][kBlock];
   alignas(64) int16_t weights[Groups][kBlock];
   alignas(64) float acc[Groups][Dim] = {};
-  float running_max[Groups], total[Groups], factor[Groups];
-  for (int g = 0; g < Groups; ++g) {
-    std::memcpy(query_quads[g], query.q[first + g], Dim);
-    running_max[g] = -std::numeric_limits<float>::infinity();
-    total[g] = 0.0f;
+  for (int g = 0; g < Groups; ++g) std::memcpy(query_quads[g], query.q[first + g], Dim);
+  const int64_t width = (item.length + kBlock - 1) / kBlock * kBlock;
+  float* scores[Groups];
+  scores[0] = smolserve::score_rows(Groups * width);
+  for (int g = 1; g < Groups; ++g) scores[g] = scores[g - 1] + width;
+  for (int64_t t = 0; t < item.length; t += kTile) {
+    smolserve::prefetch_ahead(item.keys + t * Dim, kTile * Dim);
+    score_tile<Dim, Groups>(query_quads, query, first, item.keys + t * Dim, item.key_scales + t, scores, t);
   }
+  float total[Groups], factor[Groups];
+  for (int g = 0; g < Groups; ++g) total[g] = smolserve::softmax_row_avx512(scores[g], item.length, width);
   for (int64_t start = 0; start < item.length; start += kBlock) {
     const int64_t count = std::min(kBlock, item.length - start);
-    for (int64_t t = 0; t < count; t += kTile) {
-      smolserve::prefetch_ahead(item.keys + (start + t) * Dim, kTile * Dim);
-      score_tile<Dim, Groups>(query_quads, query, first, item.keys + (start + t) * Dim, item.key_scales + start + t,
-                              scores, t);
-    }
     for (int g = 0; g < Groups; ++g) {
-      const float correction = smolserve::softmax_block_avx512<kBlock>(scores[g], count, running_max[g], total[g]);
-      factor[g] = quantize_weights_avx512(scores[g], item.value_scales + start, count, weights[g]);
-      for (int64_t d = 0; d < Dim; ++d) acc[g][d] *= correction;
+      factor[g] = quantize_weights_avx512(scores[g] + start, item.value_scales + start, count, weights[g]);
     }
     __m512i sums[Groups][kRows];
     for (int g = 0; g < Groups; ++g) {
