@@ -46,6 +46,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--max-queue", type=int, default=ServerConfig().max_queue, help="waiting requests before 429")
     parser.add_argument(
+        "--kv-cache-idle-release",
+        type=float,
+        default=ServerConfig().kv_cache_idle_release_s,
+        metavar="SECONDS",
+        help="idle time after which the KV cache's memory is handed back (kept until then for the next requests)",
+    )
+    parser.add_argument(
         "--api-key",
         default=os.environ.get("SMOLSERVE_API_KEY"),
         help="require `Authorization: Bearer <key>` on /v1/* (default: $SMOLSERVE_API_KEY)",
@@ -77,6 +84,7 @@ def main(argv: list[str] | None = None) -> None:
     server_config = ServerConfig(
         served_model_name=args.served_model_name,
         max_queue=args.max_queue,
+        kv_cache_idle_release_s=args.kv_cache_idle_release,
         api_key=args.api_key,
         cors_origins=tuple(args.cors_origins),
     )

@@ -45,6 +45,8 @@ class ServerConfig:
     served_model_name: str | None = None
     #: Requests allowed to wait for a batch slot before new ones get 429.
     max_queue: int = 256
+    #: Seconds the engine may sit idle before it hands back the KV memory it keeps for the next requests.
+    kv_cache_idle_release_s: float = 30.0
     #: When set, ``Authorization: Bearer <key>`` is required on /v1/* and /tokenize, /detokenize.
     api_key: str | None = None
     #: Origins allowed by CORS; empty means no CORS headers.
@@ -59,7 +61,11 @@ class _State:
         self.tokenizer = served.tokenizer
         self.max_model_len = served.max_model_len
         self.scheduler = Scheduler(
-            served.engine, served.tokenizer, max_queue=config.max_queue, engine_thread=served.engine_thread
+            served.engine,
+            served.tokenizer,
+            max_queue=config.max_queue,
+            engine_thread=served.engine_thread,
+            idle_release_s=config.kv_cache_idle_release_s,
         )
         self.metrics = Metrics(lambda: self.scheduler.num_running, lambda: self.scheduler.num_waiting)
         self.scheduler.on_step = self.metrics.observe_step

@@ -128,15 +128,25 @@ class SlotKVCache:
         return 0 if self.kv is None else self.kv.shape[4]
 
     def reserve(
-        self, num_slots: int, num_positions: int, max_slots: int, max_positions: int, max_tokens: int | None = None
+        self,
+        num_slots: int,
+        num_positions: int,
+        max_slots: int,
+        max_positions: int,
+        max_tokens: int | None = None,
+        live_slots: int | None = None,
     ) -> None:
-        """Make room for ``num_slots`` slots of ``num_positions`` positions, keeping what is stored. Both grow
-        geometrically, so that a burst of arrivals grows the cache a few times (each growth copies all it
-        holds: at 64 slots, 300-700 ms here), not once per handful of newcomers; spare slots never take the
-        cache past ``max_tokens`` (slots x positions)."""
+        """Make room for ``num_slots`` slots of ``num_positions`` positions, keeping what the first
+        ``live_slots`` (default: all) hold. Both grow geometrically, so that a burst of arrivals grows the
+        cache a few times (each growth copies what is live: at 64 slots, 300-700 ms here), not once per handful
+        of newcomers; spare slots never take the cache past ``max_tokens`` (slots x positions). With no live
+        slot, storage kept from an earlier burst is reused where it fits and otherwise replaced, not copied."""
         num_positions, max_positions = _round_up(num_positions, KEY_TILE), _round_up(max_positions, KEY_TILE)
         if num_slots <= self.num_slots and num_positions <= self.num_positions:
             return
+        if live_slots == 0:
+            self.kv = self.scales = None  # nothing to keep: its memory can serve the new storage
+        live = self.num_slots if live_slots is None else min(live_slots, self.num_slots)
         slots = self.num_slots
         if num_slots > slots:
             slots = min(max(_round_up(num_slots, 4), 2 * slots), max_slots)
@@ -148,11 +158,11 @@ class SlotKVCache:
         shape = (self.num_layers, 2, slots, self.num_kv_heads, positions, self.head_dim)
         grown = zeros_in_huge_pages(shape, self.storage_dtype, self.device)
         if self.kv is not None:
-            grown[:, :, : self.num_slots, :, : self.num_positions] = self.kv
+            grown[:, :, :live, :, : self.num_positions] = self.kv[:, :, :live]
         if self.quantized:
             scales = torch.ones(shape[:-1], device=self.device)
             if self.scales is not None:
-                scales[:, :, : self.num_slots, :, : self.num_positions] = self.scales
+                scales[:, :, :live, :, : self.num_positions] = self.scales[:, :, :live]
             self.scales = scales
         self.kv = grown
 

@@ -99,12 +99,15 @@ class Scheduler:
         *,
         max_queue: int = 256,
         engine_thread: ThreadPoolExecutor | None = None,
+        idle_release_s: float | None = 30.0,
     ) -> None:
         """``engine_thread``: a one-worker executor to step the engine on (the one it was built on); by
-        default the scheduler starts its own."""
+        default the scheduler starts its own. ``idle_release_s``: how long the engine may sit idle before it
+        is asked to hand back the memory it keeps for reuse (None: never)."""
         self.engine = engine
         self.tokenizer = tokenizer
         self.max_queue = max_queue
+        self.idle_release_s = idle_release_s
         self._waiting: deque[RequestStream] = deque()
         self._running: dict[int, RequestStream] = {}
         self._pending_aborts: list[int] = []
@@ -187,9 +190,22 @@ class Scheduler:
                 self._hand_out(outputs)
 
     async def _wait_for_work(self) -> None:
+        """Return once there is something to do; after ``idle_release_s`` of nothing, release idle memory."""
+        release_after = self.idle_release_s
         while not (self._waiting or self._running or self._pending_aborts):
             self._wakeup.clear()
-            await self._wakeup.wait()
+            try:  # not asyncio.wait_for: before Python 3.12 it can swallow a cancel that races the wakeup
+                async with asyncio.timeout(release_after):
+                    await self._wakeup.wait()
+            except TimeoutError:
+                release_after = None  # once per idle period
+                await asyncio.get_running_loop().run_in_executor(self._executor, self._release_idle_memory)
+
+    def _release_idle_memory(self) -> None:
+        try:
+            self.engine.release_idle_memory()
+        except Exception:  # memory kept is not worth the server
+            log.exception("the engine failed to release idle memory")
 
     def _admit_waiting(self) -> None:
         """Admit from the head of the queue while the engine has room (FIFO: no overtaking).

@@ -98,7 +98,9 @@ def test_tiny_model_parity_with_staggered_arrivals(
     got = run_staggered(engine, arrivals)
     for index, (_, request) in enumerate(arrivals):
         assert got[index] == reference(ref_model, request), f"request {index}"
-    assert engine.cache.kv is None  # idle: KV memory released
+    assert engine.cache.kv is not None  # idle: KV memory kept for the next requests...
+    engine.release_idle_memory()
+    assert engine.cache.kv is None  # ...until the scheduler asks for it back
 
 
 def test_kv_budget_makes_admission_wait(tiny_pair) -> None:
@@ -286,3 +288,20 @@ def test_large_kv_storage_is_zeroed_and_asked_for_huge_pages() -> None:
     cache = SlotKVCache(2, 3, 64, torch.bfloat16, torch.device("cpu"))
     cache.reserve(8, 1024, 8, 1024)
     assert cache.kv is not None and "hg" in _vm_flags(cache.kv.data_ptr())
+
+
+def test_growth_keeps_only_live_slots_and_idle_storage_is_reused() -> None:
+    cache = SlotKVCache(2, 1, 4, torch.float32, torch.device("cpu"))
+    cache.reserve(2, 16, max_slots=16, max_positions=64)
+    assert cache.kv is not None and cache.num_slots == 4
+    cache.kv[:, :, 0] = 1.0
+    cache.kv[:, :, 1] = 2.0
+    cache.reserve(6, 16, max_slots=16, max_positions=64, live_slots=1)  # slot 1's sequence has left
+    assert cache.num_slots == 8
+    assert bool((cache.kv[:, :, 0] == 1.0).all()) and bool((cache.kv[:, :, 1:] == 0.0).all())
+    cache.kv.fill_(3.0)
+    storage = cache.kv.data_ptr()
+    cache.reserve(5, 16, max_slots=16, max_positions=64, live_slots=0)  # a new burst that fits: same storage
+    assert cache.kv.data_ptr() == storage
+    cache.reserve(12, 16, max_slots=16, max_positions=64, live_slots=0)  # one that does not: fresh, not copied
+    assert cache.num_slots == 12 and bool((cache.kv == 0.0).all())  # sized afresh

@@ -201,3 +201,47 @@ def test_stop_string_cuts_the_text_and_the_sequence_leaves_the_engine() -> None:
         assert engine.num_tokens < 40  # neither ran on to its budget of 20
 
     run(engine, body)
+
+
+class ReleasingEngine(FakeEngine):
+    """Records each time the scheduler asks it to release idle memory, with how many sequences it held."""
+
+    def __init__(self, **kwargs: float) -> None:
+        super().__init__(**kwargs)  # type: ignore[arg-type]
+        self.releases: list[int] = []
+
+    def release_idle_memory(self) -> None:
+        self.releases.append(self.num_active())
+
+
+async def until(condition: Callable[[], bool]) -> None:
+    while not condition():
+        await asyncio.sleep(0.02)
+
+
+def test_idle_memory_is_released_once_per_idle_period_and_never_while_running() -> None:
+    engine = ReleasingEngine(step_delay=0.05)
+
+    async def body(s: Scheduler) -> None:
+        deltas = await collect(s.submit(req(20)))  # ~1 s of steps, past the idle threshold
+        assert len(deltas) == 20 and engine.releases == []
+        await until(lambda: engine.releases == [0])
+        await asyncio.sleep(0.8)
+        assert engine.releases == [0]  # once per idle period, not every threshold
+        await collect(s.submit(req(2)))
+        await until(lambda: engine.releases == [0, 0])
+
+    run(engine, body, idle_release_s=0.3)
+
+
+def test_a_failing_release_leaves_the_scheduler_serving() -> None:
+    class Failing(FakeEngine):
+        def release_idle_memory(self) -> None:
+            raise RuntimeError("boom")
+
+    async def body(s: Scheduler) -> None:
+        await collect(s.submit(req(2)))
+        await asyncio.sleep(0.2)  # the release has failed by now
+        assert text_of(await collect(s.submit(req(3)))) == "abc"
+
+    run(Failing(), body, idle_release_s=0.05)
