@@ -23,6 +23,13 @@ inline float* score_rows(int64_t floats) {
   return buffer.data() + ((-reinterpret_cast<uintptr_t>(buffer.data()) / sizeof(float)) & 15);
 }
 
+// `Groups` rows of `width` scores each (whole blocks of 64 floats) in that per-thread room.
+template <int Groups>
+inline void score_rows(int64_t width, float* (&rows)[Groups]) {
+  rows[0] = score_rows(Groups * width);
+  for (int g = 1; g < Groups; ++g) rows[g] = rows[g - 1] + width;
+}
+
 // Any count, plain loops.
 inline float softmax_block(float* scores, int64_t count, float& running_max, float& total) {
   float block_max = -std::numeric_limits<float>::infinity();

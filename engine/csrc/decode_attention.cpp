@@ -153,8 +153,7 @@ void attend_paired(const bf16* query, const bf16* keys, const bf16* values, bf16
   std::memcpy(query_pairs, query, sizeof(query_pairs));
   const int64_t width = (length + kBlock - 1) / kBlock * kBlock;
   float* scores[Groups];
-  scores[0] = smolserve::score_rows(Groups * width);
-  for (int g = 1; g < Groups; ++g) scores[g] = scores[g - 1] + width;
+  smolserve::score_rows(width, scores);
   for (int64_t t = 0; t < length; t += kTile) {
     score_tile_paired<Dim, Groups>(query_pairs, keys + t * Dim, scale, scores, t);
   }

@@ -216,8 +216,7 @@ void attend_vnni(const Item<T>& item, const QuantizedQuery<T>& query, int64_t fi
   for (int g = 0; g < Groups; ++g) std::memcpy(query_quads[g], query.q[first + g], Dim);
   const int64_t width = (item.length + kBlock - 1) / kBlock * kBlock;
   float* scores[Groups];
-  scores[0] = smolserve::score_rows(Groups * width);
-  for (int g = 1; g < Groups; ++g) scores[g] = scores[g - 1] + width;
+  smolserve::score_rows(width, scores);
   for (int64_t t = 0; t < item.length; t += kTile) {
     smolserve::prefetch_ahead(item.keys + t * Dim, kTile * Dim);
     score_tile<Dim, Groups>(query_quads, query, first, item.keys + t * Dim, item.key_scales + t, scores, t);
