@@ -23,11 +23,14 @@ inline float* score_rows(int64_t floats) {
   return buffer.data() + ((-reinterpret_cast<uintptr_t>(buffer.data()) / sizeof(float)) & 15);
 }
 
-// `Groups` rows of `width` scores each (whole blocks of 64 floats) in that per-thread room.
+// `Groups` rows for `length` scores each in that per-thread room, padded to whole blocks of 64 floats (as
+// softmax_row_avx512 takes them). Returns the padded width.
 template <int Groups>
-inline void score_rows(int64_t width, float* (&rows)[Groups]) {
+inline int64_t score_rows(int64_t length, float* (&rows)[Groups]) {
+  const int64_t width = (length + 63) / 64 * 64;
   rows[0] = score_rows(Groups * width);
   for (int g = 1; g < Groups; ++g) rows[g] = rows[g - 1] + width;
+  return width;
 }
 
 // Any count, plain loops.
@@ -104,6 +107,5 @@ inline float softmax_row_avx512(float* scores, int64_t count, int64_t width) {
   return _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(sum[0], sum[1]), _mm512_add_ps(sum[2], sum[3])));
 }
 #endif
-
 
 }  // namespace smolserve

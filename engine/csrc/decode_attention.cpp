@@ -17,7 +17,6 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <limits>
 #include <type_traits>
 
 #if defined(__AVX512BF16__)
@@ -29,7 +28,6 @@
 namespace {
 
 constexpr int64_t kTile = 16;   // positions per tile of keys
-constexpr int64_t kBlock = 64;  // the paired path's rows of scores are padded to whole blocks
 constexpr int64_t kMaxDim = 256;
 constexpr int64_t kMaxGroups = 16;
 
@@ -151,9 +149,8 @@ void attend_paired(const bf16* query, const bf16* keys, const bf16* values, bf16
   constexpr int64_t kChunks = Dim / 32;
   alignas(64) uint32_t query_pairs[Groups][Dim / 2];
   std::memcpy(query_pairs, query, sizeof(query_pairs));
-  const int64_t width = (length + kBlock - 1) / kBlock * kBlock;
   float* scores[Groups];
-  smolserve::score_rows(width, scores);
+  const int64_t width = smolserve::score_rows(length, scores);
   for (int64_t t = 0; t < length; t += kTile) {
     score_tile_paired<Dim, Groups>(query_pairs, keys + t * Dim, scale, scores, t);
   }

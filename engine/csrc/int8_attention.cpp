@@ -214,9 +214,8 @@ void attend_vnni(const Item<T>& item, const QuantizedQuery<T>& query, int64_t fi
   alignas(64) int16_t weights[Groups][kBlock];
   alignas(64) float acc[Groups][Dim] = {};
   for (int g = 0; g < Groups; ++g) std::memcpy(query_quads[g], query.q[first + g], Dim);
-  const int64_t width = (item.length + kBlock - 1) / kBlock * kBlock;
   float* scores[Groups];
-  smolserve::score_rows(width, scores);
+  const int64_t width = smolserve::score_rows(item.length, scores);
   for (int64_t t = 0; t < item.length; t += kTile) {
     smolserve::prefetch_ahead(item.keys + t * Dim, kTile * Dim);
     score_tile<Dim, Groups>(query_quads, query, first, item.keys + t * Dim, item.key_scales + t, scores, t);
