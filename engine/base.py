@@ -48,6 +48,10 @@ class InferenceEngine(ABC):
     def reset(self) -> None:
         """Drop all active sequences and KV state after a failure; the model survives."""
 
+    def describe_step(self) -> str:
+        """What the step being run (or the last one) held, for the log line of a step that failed."""
+        return ""
+
     def release_idle_memory(self) -> None:  # noqa: B027 - optional: an engine may keep nothing for reuse
         """Hand back memory kept for reuse between sequences; called by the scheduler once it has been idle
         for a while. An engine with no such memory need not override it."""

@@ -64,7 +64,7 @@ class HFEngine(InferenceEngine):
         kv_cache_dtype: str = "auto",
     ) -> None:
         config = model.config
-        self._runner = make_runner(model)
+        self._runner = make_runner(model, max_model_len)
         self._device = model.device
         self.eos_token_ids = eos_token_ids
         self.capacity = capacity
@@ -86,6 +86,7 @@ class HFEngine(InferenceEngine):
         self._decoding: list[_Seq] = []  # index == slot
         self._prefilling: list[_Seq] = []  # FIFO
         self._next_seq_id = 0
+        self._plan_now: _Plan | None = None  # the step being run, for describe_step
 
     # -- the seam -------------------------------------------------------------------------------------
 
@@ -117,15 +118,40 @@ class HFEngine(InferenceEngine):
         return [seq.seq_id for seq in seqs]
 
     def step(self) -> list[StepOutput]:
-        plan = self._plan()
+        plan = self._plan_now = self._plan()
         if not plan.decoding and not plan.chunks:
             return []
+        # A step may hold prompt chunks alone, none of them complete (a prompt longer than the step's budget
+        # on an idle engine): then no row is sampled, and the step only fills KV.
         sampled = plan.decoding + [seq for seq, _ in plan.completing]  # in the order of the logits' rows
         scored = [(seq, chunk) for seq, chunk in plan.chunks if seq.prompt_logprobs is not None]
         logits = self._forward(plan, scored)
-        tokens, logprobs = select_tokens(logits[: len(sampled)], [self._row(seq) for seq in sampled])
+        next_tokens: list[tuple[int, TokenLogprob | None]] = []
+        if sampled:
+            tokens, logprobs = select_tokens(logits[: len(sampled)], [self._row(seq) for seq in sampled])
+            next_tokens = list(zip(tokens.tolist(), logprobs, strict=True))
         self._score_prompts(scored, logits[len(sampled) :])
-        return self._commit(plan, list(zip(tokens.tolist(), logprobs, strict=True)))
+        return self._commit(plan, next_tokens)
+
+    def describe_step(self) -> str:
+        """What the last step held: its rows, each sequence's prompt, position and chunk, the budget, the
+        dtype and the kernels; logged when a step fails."""
+        plan = self._plan_now
+        if plan is None:
+            return "no step yet"
+        decoding = [f"seq {s.seq_id}: prompt {s.prompt_len}, position {s.num_cached}" for s in plan.decoding]
+        chunks = [
+            f"seq {s.seq_id}: prompt {s.prompt_len}, rows {c.row}..{c.row + c.length - 1} = positions "
+            f"{c.start}..{c.start + c.length - 1}{' (completes)' if c.start + c.length == s.prompt_len else ''}"
+            for s, c in plan.chunks
+        ]
+        rows = len(plan.decoding) + sum(c.length for _, c in plan.chunks)
+        attention = "int8" if self.cache.quantized else "native" if self.cache.native_attention else "torch"
+        return (
+            f"{rows} rows ({len(plan.decoding)} decoding, {len(plan.chunks)} prompt chunks); step budget "
+            f"{self.max_num_batched_tokens} tokens; {self.cache.dtype}, {attention} attention, "
+            f"{type(self._runner).__name__}; decoding [{'; '.join(decoding)}]; chunks [{'; '.join(chunks)}]"
+        )
 
     def abort(self, seq_id: int) -> None:
         seq = self._seqs.pop(seq_id, None)
@@ -185,10 +211,10 @@ class HFEngine(InferenceEngine):
             rows += [row for _, chunk in scored for row in range(chunk.row, chunk.row + chunk.length)]
         with torch.inference_mode():
             return self._runner.forward(
-                torch.tensor(token_ids, device=self._device),
-                torch.tensor(positions, device=self._device),
+                torch.tensor(token_ids, dtype=torch.long, device=self._device),
+                torch.tensor(positions, dtype=torch.long, device=self._device),
                 batch,
-                None if rows is None else torch.tensor(rows, device=self._device),
+                None if rows is None else torch.tensor(rows, dtype=torch.long, device=self._device),
             )
 
     def _step_batch(self, decode_positions: list[int], chunks: list[PrefillChunk]) -> StepBatch:

@@ -10,15 +10,17 @@ needed, amortized, and is freed when no sequence is left, so memory follows what
 Decode rows attend in the native kernel (``engine/csrc/decode_attention.cpp``) where it could be built,
 else in torch's ``scaled_dot_product_attention``. For the kernel, keys are stored in tiles of 16 positions laid
 out ``[head_dim / 2][16][2]`` (``tile_keys``), so that it scores 16 positions at once with no horizontal sums;
-the tensor's shape is the same either way.
+the tensor's shape is the same either way. Prompt rows attend in the same kernel, each as a decode row at its
+position would: a row's attention is then one fixed sequence of operations, whatever else the step holds and
+however its prompt was split into chunks (batch-invariant greedy decoding rests on it).
 
 With ``kv_cache_dtype="int8"`` the same tensor holds uint8 (keys offset by 128, in tiles of 16 positions laid out
 ``[head_dim / 4][16][4]``; values in pairs of positions laid out ``[head_dim][2]``) and ``scales`` holds one
 float32 per stored key and value; ``csrc/int8_attention.cpp`` writes and reads both.
 
 A newcomer's prompt is prefilled into a *staging* tensor of its own (``[layers, 2, kv_heads, prompt, dim]``,
-its positions rounded up to whole tiles), possibly over several steps, and copied into a slot once its prompt
-is complete.
+its positions rounded up to whole tiles, keys laid out as in a slot), possibly over several steps, and copied
+into a slot once its prompt is complete.
 
 Rows of one step's forward are packed into a single sequence: first one row per decoding slot, in slot
 order, then each prefill chunk. ``slot_attention`` receives a ``StepBatch`` through the model's kwargs and
@@ -167,6 +169,8 @@ class SlotKVCache:
         self.kv = grown
 
     def new_staging(self, prompt_len: int) -> torch.Tensor:
+        """A prompt's own KV while it is prefilled, ``[layers, 2, kv_heads, positions, dim]``; keys in the
+        native kernel's tiles where it runs, as in a slot."""
         # Zeros, not whatever memory held: the positions past the prompt reach the cache with it.
         shape = (self.num_layers, 2, self.num_kv_heads, _round_up(prompt_len, KEY_TILE), self.head_dim)
         return torch.zeros(shape, dtype=self.dtype, device=self.device)
@@ -181,9 +185,7 @@ class SlotKVCache:
                 keys, values = (staging[layer, i].transpose(0, 1) for i in range(2))  # [positions, heads, dim]
                 self._write_int8(layer, slots, positions, keys, values)
             return
-        keys = staging[:, 0]
-        self.kv[:, 0, slot, :, :length] = tile_keys(keys) if self.tiled_keys else keys
-        self.kv[:, 1, slot, :, :length] = staging[:, 1]
+        self.kv[:, :, slot, :, :length] = staging  # keys already in the layout the slot holds
 
     def write(
         self, layer: int, slots: torch.Tensor, positions: torch.Tensor, key: torch.Tensor, value: torch.Tensor
@@ -195,9 +197,7 @@ class SlotKVCache:
             return
         keys = self.kv[layer, 0]
         if self.tiled_keys:
-            num_slots, heads, num_positions, dim = keys.shape
-            tiles = keys.view(num_slots, heads, num_positions // KEY_TILE, dim // 2, KEY_TILE, 2)
-            tiles[slots, :, positions // KEY_TILE, :, positions % KEY_TILE] = key.unflatten(-1, (dim // 2, 2))
+            write_tiled(keys, (slots, slice(None), positions), key)
         else:
             keys[slots, :, positions] = key
         self.kv[layer, 1][slots, :, positions] = value
@@ -245,7 +245,7 @@ def attend(
         out[:n] = _decode_attention(batch, layer, query[:n], key[:n], value[:n], scale)
     for chunk in batch.chunks:
         rows = slice(chunk.row, chunk.row + chunk.length)
-        out[rows] = _prefill_attention(chunk, layer, query[rows], key[rows], value[rows], scale)
+        out[rows] = _prefill_attention(batch, chunk, layer, query[rows], key[rows], value[rows], scale)
     return out
 
 
@@ -294,23 +294,57 @@ def _decode_attention(
 
 
 def _prefill_attention(
-    chunk: PrefillChunk, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float | None
+    batch: StepBatch,
+    chunk: PrefillChunk,
+    layer: int,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    scale: float | None,
 ) -> torch.Tensor:
-    """A chunk of prompt rows, attending causally over the prompt so far (its staging tensor)."""
+    """A chunk of prompt rows, attending causally over the prompt so far (its staging tensor).
+
+    Where the native kernel runs, each prompt row is attended exactly as a decode row at that position would
+    be (the same kernel, the same order of every sum), so a prompt's rows come out the same however it is
+    split into chunks and whatever shares its steps, and the same as if its tokens had been decoded one by
+    one. Elsewhere torch's attention runs over the chunk."""
     end = chunk.start + chunk.length
-    chunk.staging[layer, 0, :, chunk.start : end] = key.transpose(0, 1)
-    chunk.staging[layer, 1, :, chunk.start : end] = value.transpose(0, 1)
-    keys = chunk.staging[layer, 0, :, :end]
-    values = chunk.staging[layer, 1, :, :end]
+    native = batch.cache.native_attention
+    scale = query.shape[-1] ** -0.5 if scale is None else scale
+    keys, values = chunk.staging[layer, 0], chunk.staging[layer, 1]  # [kv_heads, positions, dim]
+    values[:, chunk.start : end] = value.transpose(0, 1)
+    if native is not None:
+        write_tiled(keys, (slice(None), torch.arange(chunk.start, end, device=key.device)), key)
+        rows, num_kv_heads = query.shape[0], key.shape[1]
+        q = query.reshape(rows, num_kv_heads, query.shape[1] // num_kv_heads, -1)
+        lengths = torch.arange(chunk.start + 1, end + 1, device=query.device)
+        shared = (rows, *keys.shape)  # every row reads the same staging: a stride-0 view, no copy
+        attended = native(q, keys.expand(shared), values.expand(shared), lengths, scale)
+        return attended.reshape(rows, query.shape[1], -1)
+    keys[:, chunk.start : end] = key.transpose(0, 1)
     q = query.transpose(0, 1)
     if chunk.start == 0:
-        attended = F.scaled_dot_product_attention(q, keys, values, is_causal=True, scale=scale, enable_gqa=True)
+        attended = F.scaled_dot_product_attention(
+            q, keys[:, :end], values[:, :end], is_causal=True, scale=scale, enable_gqa=True
+        )
     else:
         # Row i sits at prompt position start + i and sees positions 0..start + i.
         positions = torch.arange(end, device=q.device)
         mask = positions[None, :] <= positions[chunk.start :, None]
-        attended = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale, enable_gqa=True)
+        attended = F.scaled_dot_product_attention(
+            q, keys[:, :end], values[:, :end], attn_mask=mask, scale=scale, enable_gqa=True
+        )
     return attended.transpose(0, 1)
+
+
+def write_tiled(keys: torch.Tensor, where: tuple[Any, ...], key: torch.Tensor) -> None:
+    """Store ``key`` into ``keys`` (``[..., positions, dim]`` in the native kernel's tiles) at ``where``: one
+    index per dim of ``keys`` but the last, the last a tensor of positions. ``key`` is shaped as
+    ``keys[where]`` would be in torch's indexing (the indexed rows first: ``[rows, heads, dim]``)."""
+    *lead, positions, dim = keys.shape
+    tiles = keys.view(*lead, positions // KEY_TILE, dim // 2, KEY_TILE, 2)
+    *outer, position = where
+    tiles[(*outer, position // KEY_TILE, slice(None), position % KEY_TILE)] = key.unflatten(-1, (dim // 2, 2))
 
 
 def tile_keys(keys: torch.Tensor) -> torch.Tensor:

@@ -10,6 +10,8 @@ function.
 
 from __future__ import annotations
 
+import functools
+import logging
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -21,6 +23,7 @@ from engine import kernels
 from engine.kv_cache import ATTENTION_NAME, StepBatch, attend, slot_attention
 
 AttentionInterface.register(ATTENTION_NAME, slot_attention)
+log = logging.getLogger(__name__)
 
 
 class ModelRunner(Protocol):
@@ -31,10 +34,11 @@ class ModelRunner(Protocol):
         ...
 
 
-def make_runner(model: PreTrainedModel) -> ModelRunner:
+def make_runner(model: PreTrainedModel, max_positions: int) -> ModelRunner:
+    """The runner for ``model``, for sequences of up to ``max_positions`` positions."""
     model.eval()
     if LlamaRunner.supports(model):
-        return LlamaRunner(model)
+        return LlamaRunner(model, max_positions)
     return HFRunner(model)
 
 
@@ -50,6 +54,8 @@ class HFRunner:
         hidden = self._decoder(
             input_ids=token_ids[None], position_ids=positions[None], use_cache=False, step_batch=batch
         ).last_hidden_state[0]
+        if rows is not None and not len(rows):  # prompt chunks only, none of them complete
+            return hidden.new_empty((0, self._lm_head.weight.shape[0]), dtype=torch.float32)
         return self._lm_head(hidden if rows is None else hidden[rows]).float()
 
 
@@ -58,8 +64,16 @@ def prepack(weight: torch.Tensor) -> torch.Tensor:
     blocked layout, reordered once here instead of inside every plain ``F.linear`` call: decode steps ran
     1.3-1.9x faster with it on this project's CPU. Elsewhere the weight is returned as it is."""
     if weight.device.type == "cpu" and weight.dtype in _PACKABLE and torch.backends.mkldnn.is_available():
-        return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), _PACK_ROWS_HINT)
+        try:
+            return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), _PACK_ROWS_HINT)
+        except RuntimeError as exc:  # e.g. bfloat16 on a CPU without AVX-512: oneDNN has no such kernel
+            _warn_unpacked(weight.dtype, exc)
     return weight
+
+
+@functools.cache
+def _warn_unpacked(dtype: torch.dtype, exc: Exception) -> None:
+    log.warning("%s weights stay unpacked (plain matmuls, slower steps): %s", dtype, exc)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -94,9 +108,11 @@ class LlamaRunner:
             and not getattr(config, "attention_bias", False)
             and not getattr(config, "mlp_bias", False)
             and getattr(config, "hidden_act", "silu") == "silu"
+            # RoPE from a table of every position: not for scalings that change with the sequence's length
+            and (getattr(config, "rope_parameters", None) or {}).get("rope_type", "default") != "dynamic"
         )
 
-    def __init__(self, model: PreTrainedModel) -> None:
+    def __init__(self, model: PreTrainedModel, max_positions: int) -> None:
         config = model.config
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
@@ -105,9 +121,14 @@ class LlamaRunner:
         self.eps = config.rms_norm_eps
         inner = model.model
         self.embed = inner.embed_tokens.weight
-        self.rotary = inner.rotary_emb
+        # RoPE's cos and sin for every position, computed once: a row's rotation is then a lookup, the same
+        # whatever other rows share its step (element-wise cos/sin may round a tensor's tail differently).
+        positions = torch.arange(max_positions, device=model.device)[None]
+        dummy = torch.empty(0, dtype=model.dtype, device=model.device)
+        self.cos, self.sin = (table[0] for table in inner.rotary_emb(dummy, positions))  # [positions, dim]
         self.norm = inner.norm.weight
         self.lm_head = prepack(model.lm_head.weight)
+        self.vocab_size = model.lm_head.weight.shape[0]
         # torch.compile of the element-wise work between the matmuls was tried and dropped: with the matmuls
         # outside (oneDNN's prepacked weights are opaque to it), each compiled call cost 50-120 us against
         # 10-70 us eager, and whole steps came out no faster for ~30 s more start-up.
@@ -140,7 +161,7 @@ class LlamaRunner:
         self, token_ids: torch.Tensor, positions: torch.Tensor, batch: StepBatch, rows: torch.Tensor | None
     ) -> torch.Tensor:
         hidden = F.embedding(token_ids, self.embed)
-        cos, sin = (table[0] for table in self.rotary(hidden, positions[None]))  # [rows, dim]: shared by every head
+        cos, sin = self.cos[positions], self.sin[positions]  # [rows, dim]: shared by every head
         normed = _rms_norm(hidden, self.layers[0].input_norm, self.eps)
         for index, (layer, next_norm) in enumerate(zip(self.layers, self._next_norms, strict=True)):
             heads = linear(normed, layer.qkv).view(hidden.shape[0], self.num_heads + 2 * self.num_kv_heads, -1)
@@ -152,6 +173,8 @@ class LlamaRunner:
             output = linear(self._silu_mul(linear(normed, layer.gate_up)), layer.down)
             hidden, normed = self._add_norm(hidden, output, next_norm, self.eps)
         if rows is not None:
+            if not len(rows):  # prompt chunks only, none of them complete
+                return normed.new_empty((0, self.vocab_size), dtype=torch.float32)
             normed = normed[rows]
         return linear(normed, self.lm_head).float()
 

@@ -233,9 +233,15 @@ class Scheduler:
             batch_size = self.engine.num_active()
             return self.engine.step(), None, time.perf_counter() - started, batch_size
         except Exception as exc:
-            log.exception("engine step failed; resetting the engine")
+            log.exception("engine step failed; resetting the engine. The step held: %s", self._describe_step())
             self.engine.reset()
             return [], exc, time.perf_counter() - started, batch_size
+
+    def _describe_step(self) -> str:
+        try:
+            return self.engine.describe_step() or "(the engine does not say)"
+        except Exception as exc:  # the description must not hide the failure it describes
+            return f"(no description: {type(exc).__name__}: {exc})"
 
     def _hand_out(self, outputs: list[StepOutput]) -> None:
         for output in outputs:

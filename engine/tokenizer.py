@@ -9,9 +9,18 @@ class Tokenizer(Protocol):
     eos_token_ids: frozenset[int]
     vocab_size: int
 
-    def encode(self, text: str) -> list[int]: ...
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
 
-    def decode(self, token_ids: list[int]) -> str: ...
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str: ...
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one token stands for, a special token's text included; for a byte-level vocabulary a
+        token may hold part of a UTF-8 character."""
+        ...
+
+    def info(self) -> dict[str, Any]:
+        """vLLM's ``/tokenizer_info``: the special tokens and chat template a client needs to tokenize alike."""
+        ...
 
     def chat_prompt(self, messages: list[dict[str, str]]) -> list[int]:
         """Render chat messages with the model's template, ending where the assistant's reply begins."""
@@ -25,12 +34,43 @@ class HFTokenizer:
         self._tok = hf_tokenizer
         self.eos_token_ids = eos_token_ids
         self.vocab_size = len(hf_tokenizer)
+        backend = getattr(hf_tokenizer, "backend_tokenizer", None)
+        self._byte_level = type(getattr(backend, "decoder", None)).__name__ == "ByteLevel"
+        self._added = frozenset(hf_tokenizer.added_tokens_decoder)  # special and added tokens: text, not bytes
+        self._bytes: dict[int, bytes] = {}
 
-    def encode(self, text: str) -> list[int]:
-        return list(self._tok.encode(text))
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(self._tok.encode(text, add_special_tokens=add_special_tokens))
 
-    def decode(self, token_ids: list[int]) -> str:
-        return self._tok.decode(token_ids, skip_special_tokens=True)
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self._tok.decode(token_ids, skip_special_tokens=skip_special_tokens)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        cached = self._bytes.get(token_id)
+        if cached is None:
+            cached = self._bytes[token_id] = self._token_bytes(token_id)
+        return cached
+
+    def _token_bytes(self, token_id: int) -> bytes:
+        if self._byte_level and token_id not in self._added:
+            # A byte-level BPE piece spells its bytes one character each (GPT-2's table): exact also for a piece
+            # that holds part of a character, which decode() would turn into U+FFFD.
+            piece = self._tok.convert_ids_to_tokens(token_id)
+            if all(char in _BYTE_OF for char in piece):
+                return bytes(_BYTE_OF[char] for char in piece)
+        return self._tok.decode([token_id], skip_special_tokens=False).encode("utf-8")
+
+    def info(self) -> dict[str, Any]:
+        tok = self._tok
+        return {
+            "tokenizer_class": type(tok).__name__,
+            "bos_token": tok.bos_token,
+            "eos_token": tok.eos_token,
+            "pad_token": tok.pad_token,
+            "unk_token": tok.unk_token,
+            "chat_template": tok.chat_template,
+            "vocab_size": self.vocab_size,
+        }
 
     def chat_prompt(self, messages: list[dict[str, str]]) -> list[int]:
         if not self._tok.chat_template:
@@ -49,11 +89,37 @@ class ByteTokenizer:
         self.eos_token_ids = frozenset({self.EOS})
         self.vocab_size = 257
 
-    def encode(self, text: str) -> list[int]:
+    EOS_TEXT = "<eos>"
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(text.encode("utf-8"))
 
-    def decode(self, token_ids: list[int]) -> str:
-        return bytes(t for t in token_ids if t < 256).decode("utf-8", errors="replace")
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+        return b"".join(self.token_bytes(t) for t in token_ids if t < 256 or not skip_special_tokens).decode(
+            "utf-8", errors="replace"
+        )
+
+    def token_bytes(self, token_id: int) -> bytes:
+        return bytes([token_id]) if token_id < 256 else self.EOS_TEXT.encode()
+
+    def info(self) -> dict[str, Any]:
+        return {"tokenizer_class": type(self).__name__, "eos_token": self.EOS_TEXT, "vocab_size": self.vocab_size}
 
     def chat_prompt(self, messages: list[dict[str, str]]) -> list[int]:
         return self.encode("".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant: ")
+
+
+def _byte_table() -> dict[str, int]:
+    """GPT-2's byte-level alphabet: the character that stands for each byte in a byte-level BPE vocabulary."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars = list(printable)
+    extra = 0
+    for byte in range(256):
+        if byte not in printable:
+            printable.append(byte)
+            chars.append(256 + extra)
+            extra += 1
+    return {chr(char): byte for byte, char in zip(printable, chars, strict=True)}
+
+
+_BYTE_OF = _byte_table()
