@@ -59,6 +59,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--cors-origins", nargs="*", default=[], help="origins allowed by CORS, e.g. '*'")
     parser.add_argument(
+        "--sse-keepalive",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="send an SSE comment line (': ping') on a stream quiet for this long (default: never, as OpenAI)",
+    )
+    parser.add_argument(
         "--shutdown-timeout", type=float, default=30.0, help="seconds in-flight requests get to finish on SIGTERM"
     )
     parser.add_argument("--log-level", default="info")
@@ -87,6 +94,7 @@ def main(argv: list[str] | None = None) -> None:
         kv_cache_idle_release_s=args.kv_cache_idle_release,
         api_key=args.api_key,
         cors_origins=tuple(args.cors_origins),
+        sse_keepalive_s=args.sse_keepalive,
     )
     app = create_app(served, server_config)
     serve(app, args.host, args.port, shutdown_timeout=args.shutdown_timeout, log_level=args.log_level)

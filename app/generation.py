@@ -3,7 +3,8 @@
 A request becomes ``len(prompts) * best_of`` sequences, each its own ``RequestStream``, sharing the batch
 with everyone else's. Choice ``prompt_index * n + sample_index`` is built from sample ``sample_index`` of
 prompt ``prompt_index``; with ``best_of > n`` the ``n`` samples with the highest cumulative logprob win.
-The endpoint's wire format is a ``Format``: completions and chat differ only in how a choice is shaped.
+The endpoint's wire format is a ``Format`` (``formats.py``): completions and chat differ only in how a choice
+is shaped. Every chunk of a stream, and the whole response, carry the same ``created``: when the request came.
 """
 
 from __future__ import annotations
@@ -14,47 +15,15 @@ import json
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 from app import protocol
 from app.errors import APIError, error_body
+from app.formats import Choice, Format
 from app.metrics import Metrics
 from engine.scheduler import Delta, EngineError, RequestStream, Scheduler
 from engine.tokenizer import Tokenizer
-from engine.types import FinishReason, GenerationRequest, TokenLogprob
-
-
-@dataclass(slots=True)
-class Choice:
-    """One sequence's output so far."""
-
-    prompt_index: int
-    prefix: str = ""  # the echoed prompt
-    parts: list[str] = field(default_factory=list)
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[TokenLogprob] = field(default_factory=list)
-    finish_reason: FinishReason | None = None
-    prompt_logprobs: list[TokenLogprob | None] | None = None  # echo with logprobs
-    prompt_only: bool = False  # max_tokens 0: the sequence runs only to score the prompt
-    stream: RequestStream | None = None  # None when there is nothing to run (echo alone)
-
-    @property
-    def text(self) -> str:
-        return self.prefix + "".join(self.parts)
-
-    @property
-    def cumulative_logprob(self) -> float:
-        return sum(entry.logprob for entry in self.logprobs)
-
-
-class Format(Protocol):
-    object_name: str
-    chunk_object_name: str
-    id_prefix: str
-
-    def choice(self, index: int, choice: Choice, want_logprobs: bool) -> dict[str, Any]: ...
-
-    def delta(self, index: int, choice: Choice, delta: Delta, want_logprobs: bool, first: bool) -> dict[str, Any]: ...
+from engine.types import GenerationRequest
 
 
 @dataclass(slots=True)
@@ -72,9 +41,11 @@ class Generation:
     arrived: float
     choices: list[Choice] = field(default_factory=list)
     request_id: str = ""
+    created: int = 0  # seconds since the epoch, one value for the whole response
 
     def __post_init__(self) -> None:
         self.request_id = f"{self.fmt.id_prefix}-{protocol.new_id()}"
+        self.created = int(time.time())
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -154,7 +125,7 @@ class Generation:
         return {
             "id": self.request_id,
             "object": self.fmt.object_name,
-            "created": int(time.time()),
+            "created": self.created,
             "model": self.model_name,
             "choices": [self.fmt.choice(i, choice, want_logprobs) for i, choice in enumerate(winners)],
             "usage": protocol.usage(self.num_prompt_tokens, sum(len(c.token_ids) for c in winners)),
@@ -238,7 +209,7 @@ class Generation:
         chunk: dict[str, Any] = {
             "id": self.request_id,
             "object": self.fmt.chunk_object_name,
-            "created": int(time.time()),
+            "created": self.created,
             "model": self.model_name,
             "choices": choices,
         }
@@ -246,83 +217,3 @@ class Generation:
             continuous = self.options.continuous_usage and usage is None
             chunk["usage"] = usage if usage is not None else (self.usage() if continuous else None)
         return json.dumps(chunk, ensure_ascii=False)
-
-
-# -- the two wire formats -----------------------------------------------------------------------------------
-
-
-@dataclass(slots=True)
-class CompletionFormat:
-    tokenizer: Tokenizer
-    prompts: list[list[int]]
-    object_name: str = "text_completion"
-    chunk_object_name: str = "text_completion"
-    id_prefix: str = "cmpl"
-
-    def choice(self, index: int, choice: Choice, want_logprobs: bool) -> dict[str, Any]:
-        logprobs = None
-        if want_logprobs:
-            logprobs = self._logprobs(self._prompt_entries(choice) + list(choice.logprobs))
-        return {"index": index, "text": choice.text, "logprobs": logprobs, "finish_reason": choice.finish_reason}
-
-    def delta(self, index: int, choice: Choice, delta: Delta, want_logprobs: bool, first: bool) -> dict[str, Any]:
-        text, logprobs = delta.text, None
-        if want_logprobs:
-            entries = list(delta.logprobs or [])
-            if first and choice.prompt_logprobs is not None:  # echo with logprobs: the prompt comes first
-                text = choice.prefix + text
-                entries = self._prompt_entries(choice) + entries
-            offset = 0 if first else len(choice.text) - len(delta.text)
-            logprobs = self._logprobs(entries, offset)
-        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": delta.finish_reason}
-
-    def _prompt_entries(self, choice: Choice) -> list[TokenLogprob | int]:
-        """The scored prompt, its first token (which has no logprob) as a bare id."""
-        if choice.prompt_logprobs is None:
-            return []
-        return [self.prompts[choice.prompt_index][0], *choice.prompt_logprobs[1:]]  # type: ignore[list-item]
-
-    def _logprobs(self, entries: list[TokenLogprob | int], offset: int = 0) -> dict[str, list[Any]]:
-        result: dict[str, list[Any]] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
-        for entry in entries:
-            scored = isinstance(entry, TokenLogprob)
-            token = self.tokenizer.decode([entry.token_id if scored else entry])  # type: ignore[union-attr]
-            result["tokens"].append(token)
-            result["token_logprobs"].append(entry.logprob if scored else None)  # type: ignore[union-attr]
-            top = {self.tokenizer.decode([t]): lp for t, lp in entry.top} if scored else None  # type: ignore[union-attr]
-            result["top_logprobs"].append(top)
-            result["text_offset"].append(offset)
-            offset += len(token)
-        return result
-
-
-@dataclass(slots=True)
-class ChatFormat:
-    tokenizer: Tokenizer
-    object_name: str = "chat.completion"
-    chunk_object_name: str = "chat.completion.chunk"
-    id_prefix: str = "chatcmpl"
-
-    def choice(self, index: int, choice: Choice, want_logprobs: bool) -> dict[str, Any]:
-        return {
-            "index": index,
-            "message": {"role": "assistant", "content": choice.text},
-            "logprobs": {"content": self._logprobs(choice.logprobs)} if want_logprobs else None,
-            "finish_reason": choice.finish_reason,
-        }
-
-    def delta(self, index: int, choice: Choice, delta: Delta, want_logprobs: bool, first: bool) -> dict[str, Any]:
-        content: dict[str, Any] = {"role": "assistant", "content": delta.text} if first else {"content": delta.text}
-        return {
-            "index": index,
-            "delta": content,
-            "logprobs": {"content": self._logprobs(delta.logprobs or [])} if want_logprobs else None,
-            "finish_reason": delta.finish_reason,
-        }
-
-    def _logprobs(self, entries: list[TokenLogprob]) -> list[dict[str, Any]]:
-        def token(token_id: int, logprob: float) -> dict[str, Any]:
-            text = self.tokenizer.decode([token_id])
-            return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
-
-        return [{**token(e.token_id, e.logprob), "top_logprobs": [token(t, lp) for t, lp in e.top]} for e in entries]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import uuid
 from dataclasses import dataclass
 from typing import Any
@@ -54,20 +55,52 @@ class ChatRequest:
 
 
 def parse_json_object(raw: bytes) -> dict[str, Any]:
+    """The request body as a JSON object whose every string is valid Unicode; else a 400."""
     try:
         body = json.loads(raw)
     except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError, and integers of over 4300 digits
         raise bad_request(f"the request body is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise bad_request("the request body is nested too deeply") from None
     if not isinstance(body, dict):
         raise bad_request("the request body must be a JSON object")
+    _check_unicode(body)
     return body
+
+
+# JSON may escape half of a UTF-16 surrogate pair ("\udbff") on its own: valid JSON, but no character, so no
+# tokenizer can encode it. Every text field arrives through the body, so one check here covers them all.
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _check_unicode(body: dict[str, Any]) -> None:
+    """A 400 naming the first field (``messages[0].content``) that holds an unpaired surrogate."""
+    pending: list[tuple[str, Any]] = [("", body)]
+    while pending:  # not recursive: a deeply nested body must not exhaust the stack
+        path, value = pending.pop()
+        if isinstance(value, str):
+            found = _SURROGATE.search(value)
+            if found:
+                raise bad_request(
+                    f"{path} is not valid Unicode: it holds an unpaired surrogate "
+                    f"(\\u{ord(found.group()):04x} at character {found.start()})",
+                    path,
+                )
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                if _SURROGATE.search(key):
+                    field = path or "the body"
+                    raise bad_request(f"a key of {field} is not valid Unicode: it holds an unpaired surrogate", path)
+                pending.append((f"{path}.{key}" if path else key, item))
+        elif isinstance(value, list):
+            pending.extend((f"{path}[{index}]", item) for index, item in enumerate(value))
 
 
 def parse_completion_request(body: dict[str, Any]) -> CompletionRequest:
     if body.get("suffix") is not None:
         raise bad_request("suffix is not supported", "suffix")
-    echo = _optional(body, "echo", bool, False)
-    logprobs = _optional(body, "logprobs", int, None)
+    echo = optional(body, "echo", bool, False)
+    logprobs = optional(body, "logprobs", int, None)
     if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
         raise bad_request(f"logprobs must be between 0 and {MAX_LOGPROBS}, got {logprobs}", "logprobs")
     options = _generation_options(body, body.get("max_tokens"), "max_tokens", logprobs, allow_zero=echo)
@@ -81,8 +114,8 @@ def parse_chat_request(body: dict[str, Any]) -> ChatRequest:
     for message in messages:
         _check_message(message)
     logprobs = None
-    if _optional(body, "logprobs", bool, False):
-        logprobs = _optional(body, "top_logprobs", int, 0)
+    if optional(body, "logprobs", bool, False):
+        logprobs = optional(body, "top_logprobs", int, 0)
         if not 0 <= logprobs <= MAX_LOGPROBS:
             raise bad_request(f"top_logprobs must be between 0 and {MAX_LOGPROBS}", "top_logprobs")
     elif body.get("top_logprobs") is not None:
@@ -123,14 +156,14 @@ def _generation_options(
     allow_zero: bool,
     default_max_tokens: int | None = DEFAULT_MAX_TOKENS,
 ) -> GenerationOptions:
-    stream = _optional(body, "stream", bool, False)
-    stream_options = _optional(body, "stream_options", dict, None)
+    stream = optional(body, "stream", bool, False)
+    stream_options = optional(body, "stream_options", dict, None)
     if stream_options is not None and not stream:
         raise bad_request("stream_options needs stream: true", "stream_options")
     stream_options = stream_options or {}
-    include_usage = _optional(stream_options, "include_usage", bool, False, param="stream_options")
-    continuous = _optional(stream_options, "continuous_usage_stats", bool, False, param="stream_options")
-    max_tokens = _optional({max_tokens_param: max_tokens}, max_tokens_param, int, default_max_tokens)
+    include_usage = optional(stream_options, "include_usage", bool, False, param="stream_options")
+    continuous = optional(stream_options, "continuous_usage_stats", bool, False, param="stream_options")
+    max_tokens = optional({max_tokens_param: max_tokens}, max_tokens_param, int, default_max_tokens)
     if max_tokens is not None and max_tokens < (0 if allow_zero else 1):
         limit = "at least 1 (0 only with echo)" if not allow_zero else "at least 0"
         raise bad_request(f"{max_tokens_param} must be {limit}, got {max_tokens}", max_tokens_param)
@@ -149,10 +182,10 @@ def _generation_options(
         continuous_usage=continuous,
         logprobs=logprobs,
         stop=_stop(body),
-        include_stop=_optional(body, "include_stop_str_in_output", bool, False),
+        include_stop=optional(body, "include_stop_str_in_output", bool, False),
         stop_token_ids=frozenset(stop_token_ids),
         min_tokens=min_tokens,
-        ignore_eos=_optional(body, "ignore_eos", bool, False),
+        ignore_eos=optional(body, "ignore_eos", bool, False),
         sampling=_sampling(body),
     )
 
@@ -168,10 +201,10 @@ def _stop(body: dict[str, Any]) -> tuple[str, ...]:
 
 
 def _sampling(body: dict[str, Any]) -> SamplingParams:
-    top_k = _optional(body, "top_k", int, 0)  # vLLM's: -1 or 0 turn it off
+    top_k = optional(body, "top_k", int, 0)  # vLLM's: -1 or 0 turn it off
     if top_k < -1:
         raise bad_request(f"top_k must be -1 (off), 0 (off) or positive, got {top_k}", "top_k")
-    seed = _optional(body, "seed", int, None)
+    seed = optional(body, "seed", int, None)
     if seed is not None and not -(2**63) <= seed < 2**64:
         raise bad_request("seed must fit in 64 bits", "seed")
     return SamplingParams(
@@ -188,7 +221,7 @@ def _sampling(body: dict[str, Any]) -> SamplingParams:
 
 
 def _logit_bias(body: dict[str, Any]) -> tuple[tuple[int, float], ...]:
-    bias = _optional(body, "logit_bias", dict, {})
+    bias = optional(body, "logit_bias", dict, {})
     parsed = []
     for key, value in bias.items():
         # "²".isdigit() holds but int("²") fails; int() also refuses over 4300 digits.
@@ -199,7 +232,7 @@ def _logit_bias(body: dict[str, Any]) -> tuple[tuple[int, float], ...]:
 
 
 def _bounded_int(body: dict[str, Any], name: str, default: int, low: int, high: int) -> int:
-    value = _optional(body, name, int, default)
+    value = optional(body, name, int, default)
     if not low <= value <= high:
         raise bad_request(f"{name} must be between {low} and {high}, got {value}", name)
     return value
@@ -253,7 +286,7 @@ def token_ids(value: Any, param: str) -> list[int]:
 
 
 def parse_model(body: dict[str, Any]) -> str | None:
-    return _optional(body, "model", str, None)
+    return optional(body, "model", str, None)
 
 
 def _is_int(value: Any) -> bool:
@@ -263,7 +296,7 @@ def _is_int(value: Any) -> bool:
 _TYPE_NAMES = {bool: "a boolean", int: "an integer", str: "a string", dict: "an object", list: "a list"}
 
 
-def _optional(body: dict[str, Any], name: str, kind: type, default: Any, *, param: str | None = None) -> Any:
+def optional(body: dict[str, Any], name: str, kind: type, default: Any, *, param: str | None = None) -> Any:
     """``body[name]`` checked to be of ``kind`` (JSON null means absent); a wrong type is a 400."""
     value = body.get(name)
     if value is None:

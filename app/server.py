@@ -29,7 +29,8 @@ from app.errors import (
     handle_http_exception,
     handle_unexpected,
 )
-from app.generation import ChatFormat, CompletionFormat, Format, Generation
+from app.formats import ChatFormat, CompletionFormat, Format
+from app.generation import Generation
 from app.metrics import Metrics
 from app.middleware import APIKeyMiddleware, RequestIdMiddleware
 from engine.chooser import ServedModel
@@ -51,6 +52,9 @@ class ServerConfig:
     api_key: str | None = None
     #: Origins allowed by CORS; empty means no CORS headers.
     cors_origins: tuple[str, ...] = ()
+    #: Seconds between SSE comment lines (``: ping``) on a quiet stream; ``None`` sends none, as OpenAI does
+    #: (simple ``data:``-only parsers choke on them), but a proxy that cuts idle connections may need them.
+    sse_keepalive_s: float | None = None
 
 
 class _State:
@@ -70,8 +74,18 @@ class _State:
         self.metrics = Metrics(lambda: self.scheduler.num_running, lambda: self.scheduler.num_waiting)
         self.scheduler.on_step = self.metrics.observe_step
         self.created = int(time.time())
+        self.sse_ping = config.sse_keepalive_s or 0  # sse-starlette: 0 sends no pings
         #: Set when shutdown begins: new requests get 503 while in-flight ones finish.
         self.draining = False
+
+    def model_card(self) -> dict[str, Any]:
+        return {
+            "id": self.model_name,
+            "object": "model",
+            "created": self.created,
+            "owned_by": "smolserve",
+            "max_model_len": self.max_model_len,
+        }
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
@@ -136,7 +150,8 @@ class _State:
         self.metrics.prompt_tokens.inc(generation.num_prompt_tokens)
         request.state.usage = (generation.num_prompt_tokens, 0)
         if generation.options.stream:
-            return EventSourceResponse(_logged(request, generation, generation.events()), sep="\n")
+            events = _logged(request, generation, generation.events())
+            return EventSourceResponse(events, sep="\n", ping=self.sse_ping)
         complete = asyncio.ensure_future(generation.complete())
         hangup = asyncio.ensure_future(_wait_for_disconnect(request))
         try:
@@ -179,14 +194,14 @@ def create_app(served: ServedModel, config: ServerConfig | None = None) -> Starl
         return Response(state.metrics.render(), media_type=state.metrics.content_type)
 
     async def models(request: Request) -> Response:
-        card = {
-            "id": state.model_name,
-            "object": "model",
-            "created": state.created,
-            "owned_by": "smolserve",
-            "max_model_len": state.max_model_len,
-        }
-        return JSONResponse({"object": "list", "data": [card]})
+        return JSONResponse({"object": "list", "data": [state.model_card()]})
+
+    async def model(request: Request) -> Response:
+        state.check_model(request.path_params["model_id"])
+        return JSONResponse(state.model_card())
+
+    async def tokenizer_info(request: Request) -> Response:
+        return JSONResponse({**state.tokenizer.info(), "model_max_length": state.max_model_len})
 
     async def completions(request: Request) -> Response:
         arrived = time.perf_counter()
@@ -195,7 +210,9 @@ def create_app(served: ServedModel, config: ServerConfig | None = None) -> Starl
         prompts = [state.prompt_ids(p) for p in req.prompts]
         echo_texts = None
         if req.echo:
-            echo_texts = [p if isinstance(p, str) else state.tokenizer.decode(p) for p in req.prompts]
+            # Token prompts are echoed with their special tokens' text, so that logprobs' tokens join to it.
+            decode = state.tokenizer.decode
+            echo_texts = [p if isinstance(p, str) else decode(p, skip_special_tokens=False) for p in req.prompts]
         fmt = CompletionFormat(state.tokenizer, prompts)
         return await state.respond(request, state.generation(fmt, req.options, prompts, echo_texts, arrived))
 
@@ -221,7 +238,10 @@ def create_app(served: ServedModel, config: ServerConfig | None = None) -> Starl
             prompts = protocol.parse_completion_request({"prompt": body.get("prompt")}).prompts
             if len(prompts) != 1:
                 raise bad_request("tokenize takes one prompt", "prompt")
-            tokens = state.prompt_ids(prompts[0])
+            add_special = protocol.optional(body, "add_special_tokens", bool, True)  # vLLM's default
+            prompt = prompts[0]
+            is_text = isinstance(prompt, str)
+            tokens = state.tokenizer.encode(prompt, add_special) if is_text else state.prompt_ids(prompt)
         return JSONResponse({"tokens": tokens, "count": len(tokens), "max_model_len": state.max_model_len})
 
     async def detokenize(request: Request) -> Response:
@@ -234,6 +254,8 @@ def create_app(served: ServedModel, config: ServerConfig | None = None) -> Starl
         Route("/health", health, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
         Route("/v1/models", models, methods=["GET"]),
+        Route("/v1/models/{model_id:path}", model, methods=["GET"]),
+        Route("/tokenizer_info", tokenizer_info, methods=["GET"]),
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
         Route("/tokenize", tokenize, methods=["POST"]),
