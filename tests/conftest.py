@@ -53,3 +53,19 @@ def tiny_gpt2_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
     path = tmp_path_factory.mktemp("tiny-gpt2")
     GPT2LMHeadModel(config).save_pretrained(path)
     return str(path)
+
+
+@pytest.fixture(scope="session")
+def served_model():
+    """The default model as `make serve` loads it: dtype `auto` (bfloat16 where this CPU runs it faster)."""
+    from engine import loader
+
+    return loader.load(loader.DEFAULT_MODEL, "auto")
+
+
+@pytest.fixture(scope="session")
+def real_reference_model(real_model):
+    """An untouched float32 copy of the default model, for `generate`."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(real_model.model.name_or_path).eval()

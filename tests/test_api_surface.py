@@ -187,3 +187,57 @@ def test_every_rejected_parameter_is_a_400_naming_it(client: TestClient, path: s
 
 def test_user_and_unknown_fields_are_accepted(client: TestClient) -> None:
     assert post(client, {"prompt": "x", "max_tokens": 1, "user": "u-1", "whatever": {"a": 1}})["choices"]
+
+
+SURROGATE = "\\udbff"  # as the JSON body spells it: valid JSON, no character
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "param"),
+    [
+        ("/v1/completions", f'{{"prompt": "a{SURROGATE}b"}}', "prompt"),
+        ("/v1/completions", f'{{"prompt": ["ok", "{SURROGATE}"]}}', "prompt[1]"),
+        ("/v1/completions", f'{{"prompt": "x", "stop": ["{SURROGATE}"]}}', "stop[0]"),
+        (
+            "/v1/chat/completions",
+            f'{{"messages": [{{"role": "user", "content": "{SURROGATE}"}}]}}',
+            "messages[0].content",
+        ),
+        (
+            "/v1/chat/completions",
+            f'{{"messages": [{{"role": "user", "content": [{{"type": "text", "text": "hi {SURROGATE}"}}]}}]}}',
+            "messages[0].content[0].text",
+        ),
+        ("/tokenize", f'{{"prompt": "{SURROGATE}"}}', "prompt"),
+        ("/tokenize", f'{{"messages": [{{"role": "user", "content": "{SURROGATE}"}}]}}', "messages[0].content"),
+        ("/v1/completions", f'{{"prompt": "x", "logit_bias": {{"{SURROGATE}": 1}}}}', "logit_bias"),
+        ("/v1/completions", f'{{"prompt": "x", "user": "{SURROGATE}"}}', "user"),
+    ],
+)
+def test_text_that_is_not_unicode_is_a_400_naming_its_field(client: TestClient, path: str, body: str, param: str):
+    """An unpaired surrogate reached the tokenizer (500) or passed silently (stop); now every field is checked
+    where the body enters."""
+    response = client.post(path, content=body, headers={"content-type": "application/json"})
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == param and "surrogate" in error["message"]
+
+
+def test_a_surrogate_pair_is_a_character_like_any_other(client: TestClient) -> None:
+    body = '{"prompt": "\\ud83d\\ude00", "max_tokens": 1}'  # U+1F600, escaped as JSON must for UTF-16
+    response = client.post("/v1/completions", content=body, headers={"content-type": "application/json"})
+    assert response.status_code == 200 and response.json()["usage"]["prompt_tokens"] == len("😀".encode())
+
+
+def test_a_deeply_nested_body_is_a_400(client: TestClient) -> None:
+    body = '{"prompt": ' + "[" * 100_000 + "]" * 100_000 + "}"
+    response = client.post("/v1/completions", content=body, headers={"content-type": "application/json"})
+    assert response.status_code == 400 and "nested" in response.json()["error"]["message"]
+
+
+def test_tokenize_honours_add_special_tokens_and_tokenizer_info_describes_the_tokenizer(client: TestClient) -> None:
+    """What lm-eval's remote tokenizer needs: /tokenizer_info's eos_token, and /tokenize without added tokens."""
+    info = client.get("/tokenizer_info").json()
+    assert info["eos_token"] == ByteTokenizer.EOS_TEXT and info["model_max_length"] == 128
+    assert post(client, {"prompt": "hi", "add_special_tokens": False}, "/tokenize")["tokens"] == [104, 105]
+    assert client.post("/tokenize", json={"prompt": "hi", "add_special_tokens": "no"}).status_code == 400

@@ -264,3 +264,40 @@ def test_draining_server_answers_503(client: TestClient) -> None:
     error = assert_envelope(client.post("/v1/completions", json={"prompt": "x"}), 503)
     assert error["code"] == "shutting_down"
     assert client.get("/health").json() == {"status": "draining"}
+
+
+def test_every_chunk_of_a_stream_carries_the_created_of_its_request() -> None:
+    """A stream longer than a second crossed a second boundary and its chunks disagreed on `created`."""
+    with make_client(FakeEngine(max_model_len=64, step_delay=0.08)) as client:
+        body = {"prompt": "hi", "max_tokens": 16, "stream": True, "stream_options": {"include_usage": True}}
+        chunks = [json.loads(e) for e in sse_events(client, body)[:-1]]
+    assert len(chunks) == 17  # one per token, then usage; 16 steps of 80 ms span more than one second
+    assert len({c["created"] for c in chunks}) == 1
+
+
+def test_a_model_is_retrieved_by_id_and_an_unknown_one_is_404(client: TestClient) -> None:
+    card = client.get(f"/v1/models/{MODEL}").json()
+    assert card == client.get("/v1/models").json()["data"][0]
+    assert card["id"] == MODEL and card["object"] == "model"
+    assert assert_envelope(client.get("/v1/models/gpt-4"), 404, "model")["code"] == "model_not_found"
+    assert_envelope(client.get("/v1/models/org/other-model"), 404, "model")  # ids may hold slashes
+
+
+def _stream_lines(client: TestClient) -> list[str]:
+    body = {"prompt": "hi", "max_tokens": 6, "stream": True}
+    with client.stream("POST", "/v1/completions", json=body) as response:
+        return [line for line in response.iter_lines() if line]
+
+
+def test_streams_carry_no_sse_comments_unless_asked(monkeypatch: pytest.MonkeyPatch) -> None:
+    """sse-starlette pinged every 15 s by default; OpenAI sends no comment lines and data-only parsers choke on
+    them. Pings are made frequent here so that a short stream would carry some."""
+    from sse_starlette import EventSourceResponse
+
+    monkeypatch.setattr(EventSourceResponse, "DEFAULT_PING_INTERVAL", 0.02)
+    with make_client(FakeEngine(max_model_len=64, step_delay=0.05)) as client:
+        assert all(line.startswith("data: ") for line in _stream_lines(client))
+    with make_client(FakeEngine(max_model_len=64, step_delay=0.05), sse_keepalive_s=0.02) as client:
+        lines = _stream_lines(client)
+    assert any(line.startswith(":") for line in lines)  # --sse-keepalive asked for them
+    assert "".join(json.loads(line[6:])["choices"][0]["text"] for line in lines[:-1] if line.startswith("data: {"))

@@ -18,14 +18,17 @@ from engine.tokenizer import ByteTokenizer
 KEYS = [
     "model", "prompt", "max_tokens", "stream", "stream_options", "include_usage", "ignore_eos", "messages",
     "temperature", "top_p", "n", "stop", "logprobs", "echo", "seed", "logit_bias", "user", "tokens",
+    "add_special_tokens", "role", "content",
 ]  # fmt: skip
 
-scalars = st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.floats(allow_nan=False) | st.text(max_size=20)
+# Any code point, unpaired surrogates included: JSON may escape one ("\\udbff") though it is no character.
+texts = st.text(st.characters(exclude_categories=()), max_size=20)
+scalars = st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.floats(allow_nan=False) | texts
 json_values = st.recursive(
-    scalars, lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
+    scalars, lambda inner: st.lists(inner, max_size=4) | st.dictionaries(texts, inner, max_size=4),
     max_leaves=12,
 )  # fmt: skip
-bodies = json_values | st.dictionaries(st.sampled_from(KEYS) | st.text(max_size=8), json_values, max_size=6)
+bodies = json_values | st.dictionaries(st.sampled_from(KEYS) | texts, json_values, max_size=6)
 
 
 @pytest.fixture(scope="module")

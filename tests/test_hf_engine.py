@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from engine_helpers import make_engine, prompt_ids, reference, run_staggered
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from engine import chooser, kernels
@@ -20,55 +21,12 @@ from engine.tokenizer import HFTokenizer
 from engine.types import GenerationRequest
 
 
-def make_engine(model: PreTrainedModel, eos: frozenset[int], **overrides: int | str) -> HFEngine:
-    options = {"capacity": 8, "max_model_len": 512, "kv_cache_bytes": 1 << 28, "max_num_batched_tokens": 512}
-    options.update(overrides)
-    return HFEngine(model, eos_token_ids=eos, **options)
-
-
-def reference(model: PreTrainedModel, request: GenerationRequest) -> list[int]:
-    """What plain `generate` produces for this prompt alone, greedy."""
-    prompt = torch.tensor([request.prompt_ids])
-    with torch.inference_mode():
-        out = model.generate(
-            prompt,
-            attention_mask=torch.ones_like(prompt),
-            max_new_tokens=request.max_new_tokens,
-            do_sample=False,
-            pad_token_id=0,
-            # ignore_eos means: emit EOS like any token, but do not stop on it.
-            **({"eos_token_id": []} if request.ignore_eos else {}),
-        )
-    return out[0, len(request.prompt_ids) :].tolist()
-
-
-def run_staggered(engine: HFEngine, arrivals: list[tuple[int, GenerationRequest]]) -> dict[int, list[int]]:
-    """Admit each request at its step number; return each request's tokens, by its index in `arrivals`."""
-    tokens: dict[int, list[int]] = {}
-    seq_to_index: dict[int, int] = {}
-    step = 0
-    while len(tokens) < len(arrivals) or engine.num_active():
-        for index, (at, request) in enumerate(arrivals):
-            if at == step:
-                seq_to_index[engine.admit([request])[0]] = index
-                tokens[index] = []
-        for out in engine.step():
-            tokens[seq_to_index[out.seq_id]].extend(out.token_ids)
-        step += 1
-        assert step < 500
-    return tokens
-
-
 @pytest.fixture(scope="module", params=["llama", "gpt2"])
 def tiny_pair(request: pytest.FixtureRequest) -> tuple[PreTrainedModel, PreTrainedModel]:
     """The engine's copy of a tiny model and an untouched copy for `generate`. llama runs through the lean
     LlamaRunner, gpt2 through transformers' own forward (HFRunner)."""
     path = request.getfixturevalue(f"tiny_{request.param}_dir")
     return AutoModelForCausalLM.from_pretrained(path), AutoModelForCausalLM.from_pretrained(path)
-
-
-def _prompt(seed: int, length: int) -> tuple[int, ...]:
-    return tuple((seed * 31 + i * 17) % 290 + 8 for i in range(length))
 
 
 @pytest.mark.parametrize("attention", ["native", "torch", "int8"])
@@ -87,13 +45,13 @@ def test_tiny_model_parity_with_staggered_arrivals(
     engine = make_engine(model, frozenset({7}), max_num_batched_tokens=chunk_budget, kv_cache_dtype=kv_cache_dtype)
     assert engine.cache.quantized == (attention == "int8")
     arrivals = [
-        (0, GenerationRequest(_prompt(1, 5), 20, ignore_eos=True)),
-        (0, GenerationRequest(_prompt(2, 70), 9, ignore_eos=True)),  # spans several chunks at budget 24
-        (2, GenerationRequest(_prompt(3, 1), 15, ignore_eos=True)),
-        (3, GenerationRequest(_prompt(4, 33), 1, ignore_eos=True)),
-        (3, GenerationRequest(_prompt(5, 120), 12, ignore_eos=True)),
-        (7, GenerationRequest(_prompt(6, 9), 30, ignore_eos=True)),
-        (8, GenerationRequest(_prompt(7, 13), 25)),  # may stop early on EOS, like generate
+        (0, GenerationRequest(prompt_ids(1, 5), 20, ignore_eos=True)),
+        (0, GenerationRequest(prompt_ids(2, 70), 9, ignore_eos=True)),  # spans several chunks at budget 24
+        (2, GenerationRequest(prompt_ids(3, 1), 15, ignore_eos=True)),
+        (3, GenerationRequest(prompt_ids(4, 33), 1, ignore_eos=True)),
+        (3, GenerationRequest(prompt_ids(5, 120), 12, ignore_eos=True)),
+        (7, GenerationRequest(prompt_ids(6, 9), 30, ignore_eos=True)),
+        (8, GenerationRequest(prompt_ids(7, 13), 25)),  # may stop early on EOS, like generate
     ]
     got = run_staggered(engine, arrivals)
     for index, (_, request) in enumerate(arrivals):
@@ -106,13 +64,13 @@ def test_tiny_model_parity_with_staggered_arrivals(
 def test_kv_budget_makes_admission_wait(tiny_pair) -> None:
     model, _ = tiny_pair
     engine = make_engine(model, frozenset({7}), max_model_len=100, kv_cache_bytes=100 * engine_bytes_per_token(model))
-    first = GenerationRequest(_prompt(1, 30), 10)  # reserves 40 of the 100 tokens
+    first = GenerationRequest(prompt_ids(1, 30), 10)  # reserves 40 of the 100 tokens
     assert engine.can_admit(first)
     engine.admit([first])
     assert engine.can_admit(first)  # two of 40 fit in 100
     engine.admit([first])
     assert not engine.can_admit(first)  # a third would need 3 x 40 = 120
-    assert not engine.can_admit(GenerationRequest(_prompt(1, 2), 2))  # slots span the longest: 3 x 40
+    assert not engine.can_admit(GenerationRequest(prompt_ids(1, 2), 2))  # slots span the longest: 3 x 40
     while engine.num_active():
         engine.step()
     assert engine.can_admit(first)

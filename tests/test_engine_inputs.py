@@ -1,0 +1,171 @@
+"""The inputs real clients send, on the engine path `make serve` runs (the lean llama runner, the default dtype,
+the native kernels, the real model): prompts of every length up to the context limit, alone and among decoding
+sequences, arriving together and staggered; greedy parity with `generate` as a property over arrivals and step
+budgets; and greedy outputs, logprobs included, that do not depend on what else shares the batch."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+
+import pytest
+import torch
+from engine_helpers import make_engine, prompt_ids, reference, run_outputs
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from transformers import AutoModelForCausalLM
+
+from engine.config import EngineConfig
+from engine.hf_engine import HFEngine
+from engine.scheduler import EngineError, Scheduler
+from engine.tokenizer import HFTokenizer
+from engine.types import GenerationRequest
+
+BUDGET = EngineConfig().max_num_batched_tokens  # the default step budget: 256 tokens
+MAX_LEN = 1024  # a --max-model-len, so that prompts reach the context limit in test time
+# Around every boundary a prompt can meet: the 16-position key tile, the step budget and its multiples.
+LENGTHS = [1, 2, 15, 16, 17, 63, 64, 65, BUDGET - 1, BUDGET, BUDGET + 1, 2 * BUDGET - 1, 2 * BUDGET, 2 * BUDGET + 1]
+LENGTHS += [700, MAX_LEN - 1]
+
+
+def served_engine(model, **overrides: int) -> HFEngine:
+    """An engine with the server's defaults, but for the context limit."""
+    options = {"capacity": 32, "max_model_len": MAX_LEN, "kv_cache_bytes": 1 << 30, "max_num_batched_tokens": BUDGET}
+    options.update(overrides)
+    return HFEngine(model.model, eos_token_ids=model.eos_token_ids, **options)
+
+
+def text_ids(model, length: int, seed: int) -> tuple[int, ...]:
+    """``length`` tokens of ordinary text (a chat-templated conversation, repeated as needed)."""
+    tokenizer = HFTokenizer(model.tokenizer, model.eos_token_ids)
+    topic = ["the sea", "a violin", "old maps", "rain", "a robot"][seed % 5]
+    turn = [{"role": "user", "content": f"Tell me about {topic}, in detail ({seed})."}]
+    ids = tokenizer.chat_prompt(turn)
+    return tuple((ids * (length // len(ids) + 1))[-length:])
+
+
+@pytest.mark.real_model
+def test_every_prompt_length_completes_alone_among_decodes_together_and_staggered(served_model) -> None:
+    """Before: a prompt longer than the step budget on an idle engine failed the step (and every request in
+    flight with it). Each request yields its tokens, and the same tokens and logprobs however it arrives."""
+    engine = served_engine(served_model)
+    requests = [
+        GenerationRequest(text_ids(served_model, n, i), min(3, MAX_LEN - n), ignore_eos=True, logprobs=2)
+        for i, n in enumerate(LENGTHS)
+    ]
+    alone = [run_outputs(engine, [(0, request)])[0] for request in requests]
+    assert [len(out) for out in alone] == [r.max_new_tokens for r in requests]
+    decoders = [(0, GenerationRequest(text_ids(served_model, 20 + i, 9), 40, ignore_eos=True)) for i in range(3)]
+    together = run_outputs(engine, decoders + [(0, r) for r in requests])
+    staggered = run_outputs(engine, decoders + [(1 + 2 * i, r) for i, r in enumerate(requests)])
+    for i, n in enumerate(LENGTHS):
+        assert together[len(decoders) + i] == alone[i], f"prompt of {n} tokens, arriving with the others"
+        assert staggered[len(decoders) + i] == alone[i], f"prompt of {n} tokens, arriving among decodes"
+
+
+@pytest.mark.real_model
+def test_greedy_tokens_and_logprobs_are_bitwise_the_same_alone_and_in_a_busy_batch(served_model) -> None:
+    """Batch invariance: a greedy sequence's logits do not depend on its batchmates or on how its prompt was cut
+    into chunks (decode rows of other sizes take the step budget, so the chunks fall elsewhere)."""
+    engine = served_engine(served_model)
+    probes = [
+        GenerationRequest(text_ids(served_model, n, 40 + n), 24, ignore_eos=True, logprobs=5) for n in (7, 300, 600)
+    ]
+    alone = [run_outputs(engine, [(0, probe)])[0] for probe in probes]
+    rng = random.Random(13)
+    busy = [
+        (rng.randrange(6), GenerationRequest(text_ids(served_model, rng.randrange(1, 500), i), rng.randrange(1, 40)))
+        for i in range(32 - len(probes))
+    ]
+    outputs = run_outputs(engine, [*busy, (2, probes[0]), (3, probes[1]), (5, probes[2])])
+    for i, probe in enumerate(probes):
+        assert outputs[len(busy) + i] == alone[i], f"probe of {len(probe.prompt_ids)} tokens"
+
+
+_arrivals = st.lists(
+    st.tuples(st.integers(1, 300), st.integers(1, 12), st.integers(0, 8)),  # prompt length, max_tokens, step
+    min_size=1,
+    max_size=5,
+)
+
+
+@settings(max_examples=25, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+@given(arrivals=_arrivals, budget=st.integers(16, 300))
+def test_tiny_llama_greedy_parity_over_arrivals_and_budgets(tiny_llama_pair, arrivals, budget: int) -> None:
+    model, ref_model = tiny_llama_pair
+    engine = make_engine(model, frozenset({7}), max_num_batched_tokens=budget)
+    requests = [
+        (at, GenerationRequest(prompt_ids(i, n), new, ignore_eos=True))
+        for i, (n, new, at) in enumerate(arrivals)
+    ]
+    outputs = run_outputs(engine, requests)
+    for index, (_, request) in enumerate(requests):
+        assert [e.token_id for e in outputs[index]] == reference(ref_model, request), f"request {index}"
+
+
+@pytest.mark.real_model
+@settings(max_examples=5, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    arrivals=st.lists(st.tuples(st.integers(1, 300), st.integers(1, 6), st.integers(0, 4)), min_size=1, max_size=3),
+    budget=st.integers(16, 300),
+)
+def test_real_model_greedy_parity_over_arrivals_and_budgets(real_model, real_reference_model, arrivals, budget) -> None:
+    """In float32 the engine is token-identical to `generate`, whatever the arrivals and the step budget."""
+    engine = served_engine(real_model, max_num_batched_tokens=budget)
+    requests = [
+        (at, GenerationRequest(text_ids(real_model, n, i), new, ignore_eos=True))
+        for i, (n, new, at) in enumerate(arrivals)
+    ]
+    outputs = run_outputs(engine, requests)
+    for index, (_, request) in enumerate(requests):
+        assert [e.token_id for e in outputs[index]] == reference(real_reference_model, request), f"request {index}"
+
+
+@pytest.fixture(scope="module")
+def tiny_llama_pair(tiny_llama_dir: str):
+    return AutoModelForCausalLM.from_pretrained(tiny_llama_dir), AutoModelForCausalLM.from_pretrained(tiny_llama_dir)
+
+
+def test_a_failed_step_logs_what_it_held_and_the_engine_serves_on(
+    tiny_llama_pair, caplog: pytest.LogCaptureFixture
+) -> None:
+    model, _ = tiny_llama_pair
+    engine = make_engine(model, frozenset({7}), max_num_batched_tokens=64)
+    runner_forward = engine._runner.forward
+
+    def failing_forward(*args: object) -> torch.Tensor:
+        raise RuntimeError("injected fault")
+
+    async def run() -> list[int]:
+        scheduler = Scheduler(engine, _NoText())  # type: ignore[arg-type]
+        await scheduler.start()
+        try:
+            engine._runner.forward = failing_forward  # type: ignore[method-assign]
+            stream = scheduler.submit(GenerationRequest(prompt_ids(1, 150), 4))
+            with pytest.raises(EngineError, match="injected fault"):
+                [d async for d in stream.deltas()]
+            engine._runner.forward = runner_forward  # type: ignore[method-assign]
+            again = scheduler.submit(GenerationRequest(prompt_ids(1, 150), 4, ignore_eos=True))
+            return [t async for d in again.deltas() for t in d.token_ids]
+        finally:
+            await scheduler.stop()
+
+    with caplog.at_level(logging.ERROR, logger="engine.scheduler"):
+        tokens = asyncio.run(run())
+    assert len(tokens) == 4
+    logged = caplog.text
+    assert "engine step failed" in logged and "injected fault" in logged
+    for fact in ("64 rows (0 decoding, 1 prompt chunks)", "step budget 64 tokens", "torch.float32", "LlamaRunner"):
+        assert fact in logged
+    assert "prompt 150, rows 0..63 = positions 0..63" in logged
+
+
+class _NoText:
+    """A tokenizer for a scheduler whose test reads tokens, not text."""
+
+    eos_token_ids = frozenset({7})
+    vocab_size = 300
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+        return ""
