@@ -3,6 +3,8 @@
     .venv/bin/python bench/bench_serving.py                  # HTTP at 1, 8, 32, 64 streams + generate baseline
     .venv/bin/python bench/bench_serving.py --concurrency 1 8
     .venv/bin/python bench/bench_serving.py --step-context    # decode step time at context 128 vs 2048, batch 8
+    .venv/bin/python bench/bench_serving.py --ab-tree ../old  # this tree's server against another checkout's
+    .venv/bin/python bench/bench_serving.py --prefill 15 255 1000  # first token of one prompt, idle engine
 
 The server is started as a user would start it (`python -m app`). Each client streams one greedy request of
 `--new-tokens` tokens with `ignore_eos`. Reported: aggregate tokens/s, time to first token and inter-token
@@ -166,6 +168,32 @@ def compare(
     return http, offline
 
 
+def compare_trees(
+    levels: list[int], new_tokens: int, server_args: list[str], repeats: int, other: Path
+) -> dict[str, dict[int, dict[str, float]]]:
+    """This tree's server and ``other``'s (another checkout: the code before a change), both up, their runs of
+    each level alternated so that both see the same drift of this machine. Returns each side's median runs."""
+    flags = ["--model", MODEL, "--max-batch-size", str(max(levels)), "--log-level", "warning", *server_args]
+    servers = {"this tree": start_server(*flags), str(other): start_server(*flags, root=other.resolve())}
+    results: dict[str, dict[int, dict[str, float]]] = {name: {} for name in servers}
+    try:
+        for _, base in servers.values():
+            asyncio.run(run_level(base, 2, 8))  # warm-up
+        for n in levels:
+            runs: dict[str, list[dict[str, float]]] = {name: [] for name in servers}
+            for _ in range(repeats):
+                for name, (proc, base) in servers.items():
+                    asyncio.run(run_level(base, n, 8))  # a short burst first, as in `compare`
+                    print(f"  [{name}]", end="")
+                    runs[name].append(measure_level(proc.pid, base, n, new_tokens))
+            for name in servers:
+                results[name][n] = median_run(runs[name])
+    finally:
+        for proc, _ in servers.values():
+            stop_server(proc)
+    return results
+
+
 def measure_level(pid: int, base: str, n: int, new_tokens: int) -> dict[str, float]:
     steps_before, cpu_before = step_totals(base), resource.getrusage(resource.RUSAGE_SELF)
     with RssSampler(pid) as rss:
@@ -237,6 +265,45 @@ def step_context(kv_cache_dtype: str = "auto", batch: int = 8, contexts: tuple[i
 STEPS = 60
 
 
+def prefill(lengths: list[int]) -> None:
+    """Time to the first token of one prompt of each length on an idle engine (the server's step budget), the
+    median of several; on the engine's own thread, as the server runs it."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(max_workers=1) as engine_thread:
+        for length, millis in engine_thread.submit(_prefill_times, lengths).result().items():
+            print(f"  prompt of {length} tokens: first token after {millis:.1f} ms (median)")
+
+
+def _prefill_times(lengths: list[int]) -> dict[int, float]:
+    from engine import loader
+    from engine.config import EngineConfig
+    from engine.hf_engine import HFEngine
+    from engine.types import GenerationRequest
+
+    loaded = loader.load(MODEL, "auto")
+    config = EngineConfig()
+    engine = HFEngine(
+        loaded.model,
+        eos_token_ids=loaded.eos_token_ids,
+        capacity=8,
+        max_model_len=max(lengths) + 8,
+        kv_cache_bytes=int(config.kv_cache_gib * 2**30),
+        max_num_batched_tokens=config.max_num_batched_tokens,
+    )
+
+    def first_token_ms(length: int) -> float:
+        engine.admit([GenerationRequest(tuple(range(1000, 1000 + length)), 1, ignore_eos=True)])
+        began = time.perf_counter()
+        while engine.num_active():
+            engine.step()
+        return (time.perf_counter() - began) * 1000
+
+    for _ in range(3):
+        first_token_ms(min(lengths))  # warm-up
+    return {n: statistics.median(first_token_ms(n) for _ in range(7 if n < 500 else 3)) for n in lengths}
+
+
 def _step_times(kv_cache_dtype: str, batch: int, contexts: tuple[int, ...]) -> dict[int, list[float]]:
     from engine import loader
     from engine.config import EngineConfig
@@ -282,9 +349,18 @@ def main() -> None:
     )
     parser.add_argument("--step-context", action="store_true", help="only the decode-step-vs-context measurement")
     parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8"], help="for --step-context")
+    parser.add_argument("--prefill", type=int, nargs="+", metavar="TOKENS", help="only time-to-first-token of prompts")
+    parser.add_argument("--ab-tree", type=Path, default=None, help="another checkout to serve and compare against")
     args = parser.parse_args()
     if args.step_context:
         step_context(args.kv_cache_dtype)
+        return
+    if args.prefill:
+        prefill(args.prefill)
+        return
+    if args.ab_tree is not None:
+        ab = compare_trees(args.concurrency, args.new_tokens, args.server_args, args.repeats, args.ab_tree)
+        print_ab(args.concurrency, ab)
         return
     print("serving over HTTP, alternated with plain generate on static batches:", flush=True)
     baseline = Baseline(args.baseline_dtype)
@@ -301,6 +377,19 @@ def main() -> None:
             f"| {n} | {r['tok_s']:.1f} | {base[n]:.1f} | {r['tok_s'] / base[n]:.2f}x | "
             f"{r['ttft_p50']:.2f} / {r['ttft_p99']:.2f} | {r['itl_p50'] * 1000:.0f} / {r['itl_p99'] * 1000:.0f} | "
             f"{r['step_ms']:.1f} | {r['client_cpu_s']:.1f} | {r['peak_rss_mib']:.0f} |"
+        )
+
+
+def print_ab(levels: list[int], ab: dict[str, dict[int, dict[str, float]]]) -> None:
+    (this, this_runs), (other, other_runs) = ab.items()
+    print(f"\n| streams | {this} tok/s | {other} tok/s | ratio | TTFT p50 (s) | ITL p50 / p99 (ms) | mean step (ms) |")
+    print("|---|---|---|---|---|---|---|")
+    for n in levels:
+        a, b = this_runs[n], other_runs[n]
+        print(
+            f"| {n} | {a['tok_s']:.1f} | {b['tok_s']:.1f} | {a['tok_s'] / b['tok_s']:.3f}x | "
+            f"{a['ttft_p50']:.2f} vs {b['ttft_p50']:.2f} | {a['itl_p50'] * 1000:.0f} / {a['itl_p99'] * 1000:.0f} vs "
+            f"{b['itl_p50'] * 1000:.0f} / {b['itl_p99'] * 1000:.0f} | {a['step_ms']:.1f} vs {b['step_ms']:.1f} |"
         )
 
 

@@ -23,11 +23,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(*args: str, startup_timeout: float = 300) -> tuple[subprocess.Popen[bytes], str]:
+def start_server(
+    *args: str, startup_timeout: float = 300, root: Path = ROOT
+) -> tuple[subprocess.Popen[bytes], str]:
+    """``python -m app`` from the tree at ``root`` (another checkout, for a benchmark's A/B)."""
     port = free_port()
     cmd = [sys.executable, "-m", "app", "--host", "127.0.0.1", "--port", str(port), *args]
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env)
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(root)}
+    proc = subprocess.Popen(cmd, cwd=root, env=env)
     base = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + startup_timeout  # a fresh machine converts the GGUF first
     while time.monotonic() < deadline:

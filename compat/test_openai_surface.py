@@ -132,8 +132,7 @@ def test_sampling_parameters_are_honoured(client: OpenAI, server_url: str) -> No
 
 
 def test_seed_reproduces_in_a_busy_batch(client: OpenAI) -> None:
-    """The same seed gives the same text alone and with other requests sharing its batch (float32 parity
-    of the batch shape is not guaranteed in bfloat16, so the busy batch here has the same shape: n=4)."""
+    """The same seed gives the same samples for the same request, n=4 sharing one batch."""
     alone = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=16, seed=99, n=4)
     again = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=16, seed=99, n=4)
     assert [c.text for c in alone.choices] == [c.text for c in again.choices]

@@ -1,4 +1,6 @@
-"""A seeded request gives the same text alone and inside a busy batch (float32 serving)."""
+"""A seeded request gives the same text alone and inside a busy batch, in the default dtype: its generator is its
+own, and the probabilities it draws from do not depend on the batch (README: "Greedy output that does not depend
+on the batch")."""
 
 from __future__ import annotations
 
@@ -8,25 +10,21 @@ from collections.abc import Iterator
 import pytest
 from openai import OpenAI
 
-from compat.conftest import MODEL, start_server, stop_server
+from compat.conftest import MODEL
 
 pytestmark = pytest.mark.real_model
 
 
-@pytest.fixture(scope="module")
-def fp32_client() -> Iterator[OpenAI]:
-    proc, base = start_server("--model", MODEL, "--dtype", "float32")
-    try:
-        with OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=300) as client:
-            yield client
-    finally:
-        stop_server(proc)
+@pytest.fixture
+def client(server_url: str) -> Iterator[OpenAI]:
+    with OpenAI(base_url=f"{server_url}/v1", api_key="unused", max_retries=0, timeout=300) as client:
+        yield client
 
 
-def test_seed_reproduces_alone_and_in_a_busy_batch(fp32_client: OpenAI) -> None:
+def test_seed_reproduces_alone_and_in_a_busy_batch(client: OpenAI) -> None:
     def seeded() -> str:
         return (
-            fp32_client.completions.create(
+            client.completions.create(
                 model=MODEL, prompt="My favourite animal is", max_tokens=20, temperature=1.0, seed=2024
             )
             .choices[0]
@@ -36,7 +34,7 @@ def test_seed_reproduces_alone_and_in_a_busy_batch(fp32_client: OpenAI) -> None:
     alone = seeded()
 
     def background(i: int) -> None:
-        fp32_client.completions.create(
+        client.completions.create(
             model=MODEL, prompt=f"Write about topic {i}:" * (i + 1), max_tokens=40, temperature=0.8,
             extra_body={"ignore_eos": True},
         )  # fmt: skip
