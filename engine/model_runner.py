@@ -65,7 +65,9 @@ def prepack(weight: torch.Tensor) -> torch.Tensor:
     1.3-1.9x faster with it on this project's CPU. Elsewhere the weight is returned as it is."""
     if weight.device.type == "cpu" and weight.dtype in _PACKABLE and torch.backends.mkldnn.is_available():
         try:
-            return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), _PACK_ROWS_HINT)
+            # Detached: a packed weight that kept a Parameter's requires_grad took another path outside
+            # inference mode, whose result for a row changed with the number of rows.
+            return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), _PACK_ROWS_HINT)
         except RuntimeError as exc:  # e.g. bfloat16 on a CPU without AVX-512: oneDNN has no such kernel
             _warn_unpacked(weight.dtype, exc)
     return weight

@@ -26,9 +26,9 @@ def test_each_rows_product_is_the_same_for_any_number_of_rows(served_model) -> N
     from engine.model_runner import LlamaRunner
 
     runner = LlamaRunner(served_model.model, 64)
-    weights = [runner.layers[0].qkv, runner.layers[0].down, runner.lm_head]
+    layer = runner.layers[0]
     torch.manual_seed(0)
-    for weight in weights:
+    for weight in (layer.qkv, layer.o, layer.gate_up, layer.down, runner.lm_head):
         config = served_model.model.config
         width = config.intermediate_size if weight is runner.layers[0].down else config.hidden_size
         rows = torch.randn(300, width).to(served_model.model.dtype)
