@@ -96,9 +96,29 @@ def _check_unicode(body: dict[str, Any]) -> None:
             pending.extend((f"{path}[{index}]", item) for index, item in enumerate(value))
 
 
+# Fields that change what a client gets back and that this server does not implement yet: a 400 naming the field,
+# never a 200 whose output silently ignores it (a client asking for JSON must not believe it got JSON).
+_UNSUPPORTED = ("suffix", "tools", "functions", "function_call", "structured_outputs", "audio")
+_UNSUPPORTED += ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "guided_decoding_backend")
+
+
+def _reject_unsupported(body: dict[str, Any]) -> None:
+    for name in _UNSUPPORTED:
+        value = body.get(name)
+        if value is not None and value != [] and value != {}:  # clients may send empty tools
+            raise bad_request(f"{name} is not supported by this server yet", name)
+    if body.get("tool_choice") not in (None, "none", "auto"):  # with no tools, "auto" means no tool
+        raise bad_request("tool_choice needs tools, which this server does not support yet", "tool_choice")
+    response_format = body.get("response_format")
+    if response_format is not None and response_format != {"type": "text"}:
+        raise bad_request("response_format other than {'type': 'text'} is not supported yet", "response_format")
+    modalities = body.get("modalities")
+    if modalities is not None and modalities != ["text"]:
+        raise bad_request("only the text modality is supported", "modalities")
+
+
 def parse_completion_request(body: dict[str, Any]) -> CompletionRequest:
-    if body.get("suffix") is not None:
-        raise bad_request("suffix is not supported", "suffix")
+    _reject_unsupported(body)
     echo = optional(body, "echo", bool, False)
     logprobs = optional(body, "logprobs", int, None)
     if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
@@ -108,6 +128,7 @@ def parse_completion_request(body: dict[str, Any]) -> CompletionRequest:
 
 
 def parse_chat_request(body: dict[str, Any]) -> ChatRequest:
+    _reject_unsupported(body)
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise bad_request("messages must be a non-empty list", "messages")

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from openai import OpenAI
 
 MODEL = "SmolLM2-135M-Instruct"
 ROOT = Path(__file__).resolve().parent.parent
@@ -62,3 +63,10 @@ def server_url() -> Iterator[str]:
         yield base
     finally:
         stop_server(proc)
+
+
+@pytest.fixture
+def client(server_url: str) -> Iterator[OpenAI]:
+    """The official client on the session's server, as a user points it: no retries, a long timeout."""
+    with OpenAI(base_url=f"{server_url}/v1", api_key="unused", max_retries=0, timeout=300) as c:
+        yield c

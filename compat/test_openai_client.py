@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
 
 import httpx
 import openai
@@ -14,12 +13,6 @@ from openai import OpenAI
 from compat.conftest import MODEL
 
 pytestmark = pytest.mark.real_model
-
-
-@pytest.fixture
-def client(server_url: str) -> Iterator[OpenAI]:
-    with OpenAI(base_url=f"{server_url}/v1", api_key="unused", max_retries=0, timeout=120) as c:
-        yield c
 
 
 def test_completion_and_its_stream_agree(client: OpenAI) -> None:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
 
 import httpx
 import openai
@@ -15,11 +14,6 @@ from compat.conftest import MODEL
 pytestmark = pytest.mark.real_model
 PROMPT = "The capital of France is"
 
-
-@pytest.fixture
-def client(server_url: str) -> Iterator[OpenAI]:
-    with OpenAI(base_url=f"{server_url}/v1", api_key="unused", max_retries=0, timeout=120) as c:
-        yield c
 
 
 def greedy(client: OpenAI, **kw: object) -> openai.types.Completion:

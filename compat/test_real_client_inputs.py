@@ -4,7 +4,6 @@ remote tokenizer, and greedy answers that do not change with the load."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -18,11 +17,6 @@ pytestmark = pytest.mark.real_model
 # ~12 tokens a sentence: prompts of several hundred tokens, as RAG, chat history and few-shot prompts are.
 SENTENCE = "The harbour was quiet that morning, and the boats rocked gently in the grey water. "
 
-
-@pytest.fixture
-def client(server_url: str) -> Iterator[OpenAI]:
-    with OpenAI(base_url=f"{server_url}/v1", api_key="unused", max_retries=0, timeout=300) as c:
-        yield c
 
 
 @pytest.mark.parametrize("sentences", [25, 90])  # ~300 and ~1100 tokens: over one and several step budgets

@@ -5,7 +5,6 @@ on the batch")."""
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
 
 import pytest
 from openai import OpenAI
@@ -13,12 +12,6 @@ from openai import OpenAI
 from compat.conftest import MODEL
 
 pytestmark = pytest.mark.real_model
-
-
-@pytest.fixture
-def client(server_url: str) -> Iterator[OpenAI]:
-    with OpenAI(base_url=f"{server_url}/v1", api_key="unused", max_retries=0, timeout=300) as client:
-        yield client
 
 
 def test_seed_reproduces_alone_and_in_a_busy_batch(client: OpenAI) -> None:

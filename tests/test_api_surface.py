@@ -241,3 +241,37 @@ def test_tokenize_honours_add_special_tokens_and_tokenizer_info_describes_the_to
     assert info["eos_token"] == ByteTokenizer.EOS_TEXT and info["model_max_length"] == 128
     assert post(client, {"prompt": "hi", "add_special_tokens": False}, "/tokenize")["tokens"] == [104, 105]
     assert client.post("/tokenize", json={"prompt": "hi", "add_special_tokens": "no"}).status_code == 400
+
+
+CHAT = {"messages": [{"role": "user", "content": "Reply in JSON."}]}
+
+
+@pytest.mark.parametrize(
+    ("path", "fields", "param"),
+    [
+        ("/v1/chat/completions", {"response_format": {"type": "json_object"}}, "response_format"),
+        ("/v1/chat/completions", {"response_format": {"type": "json_schema", "json_schema": {}}}, "response_format"),
+        ("/v1/completions", {"response_format": {"type": "json_object"}}, "response_format"),
+        ("/v1/chat/completions", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+        ("/v1/chat/completions", {"tool_choice": "required"}, "tool_choice"),
+        ("/v1/chat/completions", {"functions": [{"name": "f"}]}, "functions"),
+        ("/v1/chat/completions", {"structured_outputs": {"choice": ["a", "b"]}}, "structured_outputs"),
+        ("/v1/completions", {"guided_json": {"type": "object"}}, "guided_json"),
+        ("/v1/chat/completions", {"modalities": ["text", "audio"]}, "modalities"),
+    ],
+)
+def test_fields_not_implemented_yet_are_a_400_not_ignored(client: TestClient, path: str, fields: dict, param: str):
+    """A client asking for JSON or a tool call got prose and a 200, and believed it."""
+    body = {**(CHAT if "chat" in path else {"prompt": "x"}), **fields}
+    response = client.post(path, json=body)
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == param
+
+
+def test_what_clients_send_by_default_is_accepted(client: TestClient) -> None:
+    """Empty tools, tool_choice none/auto without tools, a text response_format, the text modality."""
+    defaults = {"tools": [], "tool_choice": "auto", "response_format": {"type": "text"}, "modalities": ["text"]}
+    assert post(client, {**CHAT, **defaults, "max_tokens": 2}, "/v1/chat/completions")["choices"]
+    assert post(client, {**CHAT, "tool_choice": "none", "parallel_tool_calls": False, "max_tokens": 1},
+                "/v1/chat/completions")["choices"]  # fmt: skip
+
