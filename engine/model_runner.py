@@ -69,13 +69,13 @@ def prepack(weight: torch.Tensor) -> torch.Tensor:
             # inference mode, whose result for a row changed with the number of rows.
             return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), _PACK_ROWS_HINT)
         except RuntimeError as exc:  # e.g. bfloat16 on a CPU without AVX-512: oneDNN has no such kernel
-            _warn_unpacked(weight.dtype, exc)
+            _warn_unpacked(weight.dtype, str(exc))
     return weight
 
 
-@functools.cache
-def _warn_unpacked(dtype: torch.dtype, exc: Exception) -> None:
-    log.warning("%s weights stay unpacked (plain matmuls, slower steps): %s", dtype, exc)
+@functools.cache  # once per dtype and reason, not once per weight
+def _warn_unpacked(dtype: torch.dtype, reason: str) -> None:
+    log.warning("%s weights stay unpacked (plain matmuls, slower steps, no batch invariance): %s", dtype, reason)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
