@@ -13,7 +13,7 @@ import asyncio
 import dataclasses
 import json
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,7 +23,7 @@ from app.formats import Choice, Format
 from app.metrics import Metrics
 from engine.scheduler import Delta, EngineError, RequestStream, Scheduler
 from engine.tokenizer import Tokenizer
-from engine.types import GenerationRequest
+from engine.types import Constraint, GenerationRequest
 
 
 @dataclass(slots=True)
@@ -39,6 +39,8 @@ class Generation:
     prompts: list[list[int]]
     echo_texts: list[str] | None  # the prompt text per prompt, when echoing
     arrived: float
+    #: Makes each sequence its own grammar matcher, for structured output.
+    new_constraint: Callable[[], Constraint] | None = None
     choices: list[Choice] = field(default_factory=list)
     request_id: str = ""
     created: int = 0  # seconds since the epoch, one value for the whole response
@@ -94,6 +96,7 @@ class Generation:
             min_tokens=opts.min_tokens,
             logprobs=logprobs,
             prompt_logprobs=opts.logprobs if self.scores_prompt else None,
+            constraint=None if self.new_constraint is None else self.new_constraint(),
         )
 
     def abort(self) -> None:

@@ -7,7 +7,7 @@ import math
 import re
 import uuid
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 from app.errors import bad_request
 from engine.types import SamplingParams
@@ -37,6 +37,16 @@ class GenerationOptions:
     min_tokens: int
     ignore_eos: bool
     sampling: SamplingParams
+    structured: StructuredOutput | None = None
+
+
+@dataclass(slots=True, frozen=True)
+class StructuredOutput:
+    """What the output must match: JSON of a schema, a regex, one of some strings, or a Lark grammar."""
+
+    kind: Literal["json", "regex", "choice", "grammar"]
+    value: Any  # a JSON schema (an object or a boolean), a pattern, a list of strings, a grammar's text
+    param: str  # the request field it came from, for errors
 
 
 @dataclass(slots=True, frozen=True)
@@ -98,7 +108,7 @@ def _check_unicode(body: dict[str, Any]) -> None:
 
 # Fields that change what a client gets back and that this server does not implement yet: a 400 naming the field,
 # never a 200 whose output silently ignores it (a client asking for JSON must not believe it got JSON).
-_UNSUPPORTED = ("suffix", "tools", "functions", "function_call", "structured_outputs", "audio")
+_UNSUPPORTED = ("suffix", "tools", "functions", "function_call", "audio")
 _UNSUPPORTED += ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "guided_decoding_backend")
 
 
@@ -109,9 +119,6 @@ def _reject_unsupported(body: dict[str, Any]) -> None:
             raise bad_request(f"{name} is not supported by this server yet", name)
     if body.get("tool_choice") not in (None, "none", "auto"):  # with no tools, "auto" means no tool
         raise bad_request("tool_choice needs tools, which this server does not support yet", "tool_choice")
-    response_format = body.get("response_format")
-    if response_format is not None and response_format != {"type": "text"}:
-        raise bad_request("response_format other than {'type': 'text'} is not supported yet", "response_format")
     modalities = body.get("modalities")
     if modalities is not None and modalities != ["text"]:
         raise bad_request("only the text modality is supported", "modalities")
@@ -208,7 +215,58 @@ def _generation_options(
         min_tokens=min_tokens,
         ignore_eos=optional(body, "ignore_eos", bool, False),
         sampling=_sampling(body),
+        structured=_structured_output(body, min_tokens),
     )
+
+
+def _structured_output(body: dict[str, Any], min_tokens: int) -> StructuredOutput | None:
+    """OpenAI's ``response_format``, or vLLM's ``structured_outputs`` (one of json, regex, choice, grammar)."""
+    found = _response_format(body)
+    vllm = optional(body, "structured_outputs", dict, None)
+    if vllm is not None:
+        if found is not None:
+            raise bad_request("give response_format or structured_outputs, not both", "structured_outputs")
+        found = _vllm_structured_output(vllm)
+    if found is not None and min_tokens:
+        raise bad_request("min_tokens cannot hold back the end of a structured output", "min_tokens")
+    return found
+
+
+def _response_format(body: dict[str, Any]) -> StructuredOutput | None:
+    response_format = optional(body, "response_format", dict, None)
+    if response_format is None or response_format.get("type") == "text":
+        return None
+    kind = response_format.get("type")
+    if kind == "json_object":
+        return StructuredOutput("json", {"type": "object"}, "response_format")
+    if kind == "json_schema":
+        spec = response_format.get("json_schema")
+        schema = spec.get("schema", True) if isinstance(spec, dict) else None  # no schema: any JSON value
+        if not isinstance(schema, dict | bool):
+            raise bad_request("response_format.json_schema must be an object with a schema object", "response_format")
+        return StructuredOutput("json", schema, "response_format")
+    raise bad_request("response_format.type must be text, json_object or json_schema", "response_format")
+
+
+def _vllm_structured_output(spec: dict[str, Any]) -> StructuredOutput:
+    given = [key for key in ("json", "regex", "choice", "grammar") if spec.get(key) is not None]
+    if len(given) != 1:
+        raise bad_request("structured_outputs takes exactly one of json, regex, choice, grammar", "structured_outputs")
+    kind, value = given[0], spec[given[0]]
+    if kind == "json" and isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError:
+            raise bad_request("structured_outputs.json is not valid JSON", "structured_outputs") from None
+    valid = {
+        "json": isinstance(value, dict | bool),
+        "regex": isinstance(value, str),
+        "grammar": isinstance(value, str),
+        "choice": isinstance(value, list) and bool(value) and all(isinstance(c, str) and c for c in value),
+    }[kind]
+    if not valid:
+        raise bad_request(f"structured_outputs.{kind} has the wrong type", "structured_outputs")
+    return StructuredOutput(kind, value, "structured_outputs")  # type: ignore[arg-type]
 
 
 def _stop(body: dict[str, Any]) -> tuple[str, ...]:

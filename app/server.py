@@ -5,8 +5,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,7 +35,9 @@ from app.generation import Generation
 from app.metrics import Metrics
 from app.middleware import APIKeyMiddleware, RequestIdMiddleware
 from engine.chooser import ServedModel
+from engine.grammar import Grammars
 from engine.scheduler import QueueFullError, Scheduler
+from engine.types import Constraint
 
 # Streams end when their generation ends, also at shutdown: app/serve.py drains them before the server stops.
 AppStatus.disable_automatic_graceful_drain()
@@ -73,6 +76,7 @@ class _State:
         )
         self.metrics = Metrics(lambda: self.scheduler.num_running, lambda: self.scheduler.num_waiting)
         self.scheduler.on_step = self.metrics.observe_step
+        self.grammars = Grammars(served.tokenizer)
         self.created = int(time.time())
         self.sse_ping = config.sse_keepalive_s or 0  # sse-starlette: 0 sends no pings
         #: Set when shutdown begins: new requests get 503 while in-flight ones finish.
@@ -123,7 +127,7 @@ class _State:
         if any(token >= vocab for token in options.stop_token_ids):
             raise bad_request(f"stop_token_ids must be below the vocabulary size {vocab}", "stop_token_ids")
 
-    def generation(
+    async def generation(
         self,
         fmt: Format,
         options: protocol.GenerationOptions,
@@ -135,9 +139,23 @@ class _State:
         for ids in prompts:
             self.check_context(len(ids), options.max_tokens)
         self.check_tokens(options)
+        constraints = None if options.structured is None else await self.constraints(options.structured)
         return Generation(
-            self.scheduler, self.metrics, self.tokenizer, self.model_name, fmt, options, prompts, echo_texts, arrived
-        )
+            self.scheduler, self.metrics, self.tokenizer, self.model_name, fmt, options, prompts, echo_texts, arrived,
+            constraints,
+        )  # fmt: skip
+
+    async def constraints(self, structured: protocol.StructuredOutput) -> Callable[[], Constraint]:
+        """Compile the grammar (off the event loop; cached) before anything is admitted: a bad one is a 400.
+        Returns what makes each sequence its own matcher."""
+        kind, value = structured.kind, structured.value
+        build = {"json": Grammars.json_schema, "regex": Grammars.regex, "choice": Grammars.choice}
+        try:
+            grammar = build.get(kind, Grammars.lark)(value)
+            await asyncio.to_thread(self.grammars.matcher, grammar)
+        except ValueError as exc:  # GrammarError among them
+            raise bad_request(f"{structured.param}: {exc}", structured.param) from None
+        return functools.partial(self.grammars.matcher, grammar)
 
     async def respond(self, request: Request, generation: Generation) -> Response:
         """Queue the generation's sequences and answer: a stream of events, or JSON when all are done."""
@@ -214,7 +232,7 @@ def create_app(served: ServedModel, config: ServerConfig | None = None) -> Starl
             decode = state.tokenizer.decode
             echo_texts = [p if isinstance(p, str) else decode(p, skip_special_tokens=False) for p in req.prompts]
         fmt = CompletionFormat(state.tokenizer, prompts)
-        return await state.respond(request, state.generation(fmt, req.options, prompts, echo_texts, arrived))
+        return await state.respond(request, await state.generation(fmt, req.options, prompts, echo_texts, arrived))
 
     async def chat_completions(request: Request) -> Response:
         arrived = time.perf_counter()
@@ -226,7 +244,7 @@ def create_app(served: ServedModel, config: ServerConfig | None = None) -> Starl
             room = max(state.max_model_len - len(prompt), 1)
             options = dataclasses.replace(options, max_tokens=room, min_tokens=min(options.min_tokens, room))
         fmt = ChatFormat(state.tokenizer)
-        return await state.respond(request, state.generation(fmt, options, [prompt], None, arrived))
+        return await state.respond(request, await state.generation(fmt, options, [prompt], None, arrived))
 
     async def tokenize(request: Request) -> Response:
         body = protocol.parse_json_object(await request.body())

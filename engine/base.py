@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 
-from engine.types import GenerationRequest, StepOutput
+from engine.types import FinishReason, GenerationRequest, StepOutput
 
 
 class InferenceEngine(ABC):
@@ -69,3 +69,18 @@ def validate_request(request: GenerationRequest, max_model_len: int) -> None:
             f"{len(request.prompt_ids)} prompt tokens + {request.max_new_tokens} new tokens exceed the "
             f"maximum context length of {max_model_len}"
         )
+
+
+def finish_reason(
+    request: GenerationRequest, token: int, num_generated: int, eos_token_ids: frozenset[int]
+) -> FinishReason | None:
+    """Whether the sequence ends with ``token``, its ``num_generated``-th: on EOS or a stop token, when its
+    grammar is complete ("stop"), or at its budget ("length"). The constraint has already taken the token."""
+    if (token in eos_token_ids and not request.ignore_eos) or token in request.stop_token_ids:
+        return "stop"
+    if request.constraint is not None and request.constraint.is_done:
+        return "stop"
+    if num_generated >= request.max_new_tokens:
+        return "length"
+    return None
+

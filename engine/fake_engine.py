@@ -5,9 +5,9 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from engine.base import InferenceEngine, validate_request
+from engine.base import InferenceEngine, finish_reason, validate_request
 from engine.tokenizer import ByteTokenizer
-from engine.types import FinishReason, GenerationRequest, StepOutput
+from engine.types import Constraint, GenerationRequest, StepOutput
 
 _ALPHABET = b"abcdefghijklmnopqrstuvwxyz"
 
@@ -83,9 +83,16 @@ class FakeEngine(InferenceEngine):
         seq.num_generated += 1
         n = seq.num_generated
         token = ByteTokenizer.EOS if n == self.eos_after else _ALPHABET[(n - 1) % len(_ALPHABET)]
-        finish: FinishReason | None = None
-        if token == ByteTokenizer.EOS and not seq.request.ignore_eos:
-            finish = "stop"
-        elif n >= seq.request.max_new_tokens:
-            finish = "length"
-        return StepOutput(seq_id, [token], finish)
+        constraint = seq.request.constraint
+        if constraint is not None:
+            token = _allowed_token(constraint, token)
+            constraint.accept(token)
+        return StepOutput(seq_id, [token], finish_reason(seq.request, token, n, frozenset({ByteTokenizer.EOS})))
+
+
+def _allowed_token(constraint: Constraint, wanted: int) -> int:
+    """``wanted`` if the constraint allows it, else the allowed token of the highest id (which, for JSON over
+    bytes, closes objects and strings: ``}`` and ``"`` sort above the other punctuation)."""
+    mask = constraint.allowed_tokens()
+    allowed = [t for t in range(len(mask) * 8) if mask[t // 8] >> (t % 8) & 1]
+    return wanted if wanted in allowed else max(allowed)

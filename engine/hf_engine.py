@@ -7,11 +7,11 @@ from dataclasses import dataclass, field
 import torch
 from transformers import PreTrainedModel
 
-from engine.base import InferenceEngine, validate_request
+from engine.base import InferenceEngine, finish_reason, validate_request
 from engine.kv_cache import PrefillChunk, SlotKVCache, StepBatch
 from engine.model_runner import make_runner
 from engine.sampler import Row, select_tokens, token_logprobs
-from engine.types import FinishReason, GenerationRequest, StepOutput, TokenLogprob
+from engine.types import GenerationRequest, StepOutput, TokenLogprob
 
 
 @dataclass(slots=True, eq=False)
@@ -244,7 +244,10 @@ class HFEngine(InferenceEngine):
         banned: frozenset[int] = frozenset()
         if len(seq.output_ids) < request.min_tokens:
             banned = request.stop_token_ids | (frozenset() if request.ignore_eos else self.eos_token_ids)
-        return Row(request.sampling, seq.generator, request.prompt_ids, seq.output_ids, banned, request.logprobs)
+        return Row(
+            request.sampling, seq.generator, request.prompt_ids, seq.output_ids, banned, request.logprobs,
+            request.constraint,
+        )  # fmt: skip
 
     def _commit(self, plan: _Plan, next_tokens: list[tuple[int, TokenLogprob | None]]) -> list[StepOutput]:
         outputs: list[StepOutput] = []
@@ -275,12 +278,10 @@ class HFEngine(InferenceEngine):
         token, logprob = sampled
         seq.output_ids.append(token)
         request = seq.request
-        finish: FinishReason | None = None
-        if (token in self.eos_token_ids and not request.ignore_eos) or token in request.stop_token_ids:
-            finish = "stop"
-        elif len(seq.output_ids) >= request.max_new_tokens:
-            finish = "length"
-        return StepOutput(seq.seq_id, [token], finish, None if logprob is None else [logprob])
+        if request.constraint is not None:
+            request.constraint.accept(token)
+        return StepOutput(seq.seq_id, [token], finish_reason(request, token, len(seq.output_ids), self.eos_token_ids),
+                          None if logprob is None else [logprob])  # fmt: skip
 
     # -- slots ----------------------------------------------------------------------------------------
 

@@ -1,19 +1,21 @@
 """Token selection for a whole step at once: every row with its own parameters, vectorized over the batch.
 
-Order, as in vLLM: suppressed tokens (EOS before ``min_tokens``), ``logit_bias`` and penalties adjust the
-logits; greedy rows take the argmax; sampled rows apply temperature, top-k, top-p and min-p and draw. The
-draw is the exponential race (argmax of ``probs / q`` with ``q ~ Exp(1)``), so a row's randomness is one
-tensor of noise: a seeded row fills its own from its own generator, which advances the same way whether the
-sequence runs alone or in a busy batch. Logprobs are those of the model's raw distribution.
+Order, as in vLLM: a structured-output row's grammar masks what it may not generate; suppressed tokens (EOS
+before ``min_tokens``), ``logit_bias`` and penalties adjust the logits; greedy rows take the argmax; sampled
+rows apply temperature, top-k, top-p and min-p and draw. The draw is the exponential race (argmax of
+``probs / q`` with ``q ~ Exp(1)``), so a row's randomness is one tensor of noise: a seeded row fills its own
+from its own generator, which advances the same way whether the sequence runs alone or in a busy batch.
+Logprobs are those of the model's raw distribution.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
-from engine.types import SamplingParams, TokenLogprob
+from engine.types import Constraint, SamplingParams, TokenLogprob
 
 
 @dataclass(slots=True)
@@ -26,17 +28,35 @@ class Row:
     output_ids: tuple[int, ...] | list[int] = ()
     banned: frozenset[int] = frozenset()  # tokens that may not be chosen this step
     num_logprobs: int | None = None
+    constraint: Constraint | None = None  # structured output: the tokens its grammar allows next
 
 
 def select_tokens(logits: torch.Tensor, rows: list[Row]) -> tuple[torch.Tensor, list[TokenLogprob | None]]:
     """``logits`` is float32 ``[rows, vocab]``; returns one token id per row, and its logprob where asked."""
     raw = logits
-    logits = _adjust(logits, rows)
+    logits = _adjust(_constrain(logits, rows), rows)
     tokens = logits.argmax(dim=-1)
     sampled = [i for i, row in enumerate(rows) if not row.params.is_greedy]
     if sampled:
         tokens[sampled] = _sample(logits[sampled], [rows[i] for i in sampled])
     return tokens, _logprobs(raw, tokens, rows)
+
+
+def _constrain(logits: torch.Tensor, rows: list[Row]) -> torch.Tensor:
+    """Disallowed tokens of constrained rows to -inf (rows without a constraint pay nothing)."""
+    constrained = [(i, row.constraint) for i, row in enumerate(rows) if row.constraint is not None]
+    if not constrained:
+        return logits
+    vocab = logits.shape[-1]
+    masks = [np.frombuffer(constraint.allowed_tokens(), dtype=np.uint8) for _, constraint in constrained]
+    bits = np.unpackbits(np.stack(masks), axis=1, bitorder="little")  # bit t % 8 of byte t // 8 is token t
+    allowed = np.zeros((len(masks), vocab), dtype=bool)
+    width = min(vocab, bits.shape[1])  # tokens past the grammar's vocabulary are never allowed
+    allowed[:, :width] = bits[:, :width]
+    logits = logits.clone()
+    index = [i for i, _ in constrained]
+    logits[index] = logits[index].masked_fill(~torch.from_numpy(allowed).to(logits.device), float("-inf"))
+    return logits
 
 
 def _adjust(logits: torch.Tensor, rows: list[Row]) -> torch.Tensor:

@@ -38,6 +38,12 @@ class HFTokenizer:
         self._byte_level = type(getattr(backend, "decoder", None)).__name__ == "ByteLevel"
         self._added = frozenset(hf_tokenizer.added_tokens_decoder)  # special and added tokens: text, not bytes
         self._bytes: dict[int, bytes] = {}
+        self.is_fast = bool(getattr(hf_tokenizer, "is_fast", False))
+
+    @property
+    def hf_tokenizer(self) -> Any:
+        """The transformers tokenizer, for libraries that read its vocabulary themselves (the grammar engine)."""
+        return self._tok
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(self._tok.encode(text, add_special_tokens=add_special_tokens))

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, Protocol
 
 FinishReason = Literal["stop", "length"]
 
@@ -35,6 +35,23 @@ class SamplingParams:
 GREEDY = SamplingParams()
 
 
+class Constraint(Protocol):
+    """What one sequence may generate next (structured output): ``engine/grammar.py``'s ``Matcher``."""
+
+    def allowed_tokens(self) -> bytes:
+        """A bitmask over the vocabulary: bit ``t % 8`` of byte ``t // 8`` is set when token ``t`` may come next."""
+        ...
+
+    def accept(self, token_id: int) -> None:
+        """Advance past the token generated."""
+        ...
+
+    @property
+    def is_done(self) -> bool:
+        """Nothing more may be generated: the sequence ends (``finish_reason: "stop"``)."""
+        ...
+
+
 @dataclass(slots=True, frozen=True)
 class GenerationRequest:
     """What the engine needs to run one sequence: token ids in, a budget, when to stop, how to sample."""
@@ -51,6 +68,8 @@ class GenerationRequest:
     logprobs: int | None = None
     #: When set, the prompt's tokens get logprobs too (the first has none), with the first output.
     prompt_logprobs: int | None = None
+    #: When set, every token is one the constraint allows (this sequence's own, mutable state).
+    constraint: Constraint | None = field(default=None, compare=False)
 
 
 @dataclass(slots=True, frozen=True)
