@@ -194,3 +194,30 @@ class _NoText:
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         return ""
+
+
+@pytest.mark.real_model
+def test_grammar_masks_follow_their_rows_as_sequences_join_and_leave(served_model) -> None:
+    """Constrained and free requests arrive staggered and finish at different steps, so rows shift between
+    steps: each constrained output is one of its own choices (no two requests share one), and each free greedy
+    output is bitwise what it was alone."""
+    from engine.grammar import Grammars
+
+    tokenizer = HFTokenizer(served_model.tokenizer, served_model.eos_token_ids)
+    grammars = Grammars(tokenizer)
+    engine = served_engine(served_model)
+    choices = [[" red", " green"], [" Paris"], [" 1999", " 2024", " 7"], [" yes", " no"], [" a cat is here"]]
+
+    def constrained(i: int) -> GenerationRequest:
+        matcher = grammars.matcher(grammars.choice(choices[i]))
+        return GenerationRequest(text_ids(served_model, 30 + 40 * i, i), 30, logprobs=1, constraint=matcher)
+
+    free = [GenerationRequest(text_ids(served_model, 20 + 90 * i, 50 + i), 12 + 5 * i, logprobs=2) for i in range(3)]
+    alone = [run_outputs(engine, [(0, request)])[0] for request in free]
+    arrivals = [(i, constrained(i)) for i in range(len(choices))] + [(2 * i + 1, r) for i, r in enumerate(free)]
+    outputs = run_outputs(engine, arrivals)
+    for i, options in enumerate(choices):
+        text = tokenizer.decode([entry.token_id for entry in outputs[i]])
+        assert text in options, (i, text)
+    for i in range(len(free)):
+        assert outputs[len(choices) + i] == alone[i], f"free request {i}"
