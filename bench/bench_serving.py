@@ -5,6 +5,7 @@
     .venv/bin/python bench/bench_serving.py --step-context    # decode step time at context 128 vs 2048, batch 8
     .venv/bin/python bench/bench_serving.py --ab-tree ../old  # this tree's server against another checkout's
     .venv/bin/python bench/bench_serving.py --prefill 15 255 1000  # first token of one prompt, idle engine
+    .venv/bin/python bench/bench_serving.py --constrained 8 --concurrency 32  # 8 of 32 streams JSON-constrained
 
 The server is started as a user would start it (`python -m app`). Each client streams one greedy request of
 `--new-tokens` tokens with `ignore_eos`. Reported: aggregate tokens/s, time to first token and inter-token
@@ -50,7 +51,24 @@ class StreamTiming:
     tokens: int = 0
 
 
-async def one_stream(client: httpx.AsyncClient, base: str, prompt: str, new_tokens: int) -> StreamTiming:
+# A JSON object whose one string must be long: a constrained stream stays in the grammar's string state (the
+# widest masks) for all its tokens, and runs to max_tokens like the free ones.
+LONG_STRING = {
+    "type": "json_schema",
+    "json_schema": {
+        "name": "story",
+        "schema": {
+            "type": "object",
+            "properties": {"story": {"type": "string", "minLength": 5000}},
+            "required": ["story"],
+        },
+    },
+}
+
+
+async def one_stream(
+    client: httpx.AsyncClient, base: str, prompt: str, new_tokens: int, constrained: bool = False
+) -> StreamTiming:
     body = {
         "model": MODEL,
         "prompt": prompt,
@@ -60,6 +78,8 @@ async def one_stream(client: httpx.AsyncClient, base: str, prompt: str, new_toke
         "temperature": 0,  # greedy, as the `generate` baseline
         "stream_options": {"include_usage": True},
     }
+    if constrained:
+        body["response_format"] = LONG_STRING
     timing = StreamTiming(time.perf_counter())
     async with client.stream("POST", f"{base}/v1/completions", json=body) as response:
         response.raise_for_status()
@@ -110,11 +130,13 @@ def pct(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
-async def run_level(base: str, n: int, new_tokens: int) -> dict[str, float]:
+async def run_level(base: str, n: int, new_tokens: int, constrained: int = 0) -> dict[str, float]:
+    """``n`` streams at once, the first ``constrained`` of them JSON-schema constrained."""
     limits = httpx.Limits(max_connections=n + 4)
     async with httpx.AsyncClient(timeout=600, limits=limits) as client:
         started = time.perf_counter()
-        timings = await asyncio.gather(*(one_stream(client, base, p, new_tokens) for p in prompts(n)))
+        streams = [one_stream(client, base, p, new_tokens, i < constrained) for i, p in enumerate(prompts(n))]
+        timings = await asyncio.gather(*streams)
         wall = time.perf_counter() - started
     assert all(t.tokens == new_tokens for t in timings), [t.tokens for t in timings]
     ttft = [t.chunks[0] - t.start for t in timings]
@@ -194,10 +216,30 @@ def compare_trees(
     return results
 
 
-def measure_level(pid: int, base: str, n: int, new_tokens: int) -> dict[str, float]:
+def compare_constrained(n: int, constrained: int, new_tokens: int, server_args: list[str], repeats: int) -> None:
+    """``n`` free streams against ``n`` streams of which ``constrained`` carry a JSON schema, alternated on one
+    server; prints each side's median run and the ratio."""
+    flags = ["--model", MODEL, "--max-batch-size", str(n), "--log-level", "warning", *server_args]
+    proc, base = start_server(*flags)
+    runs: dict[int, list[dict[str, float]]] = {0: [], constrained: []}
+    try:
+        asyncio.run(run_level(base, 2, 8, constrained=1))  # warm-up, the grammar compiled once
+        for _ in range(repeats):
+            for share in runs:
+                asyncio.run(run_level(base, n, 8, share))
+                print(f"  [{share} of {n} constrained]", end="")
+                runs[share].append(measure_level(proc.pid, base, n, new_tokens, share))
+    finally:
+        stop_server(proc)
+    free, mixed = median_run(runs[0]), median_run(runs[constrained])
+    print(f"{n} streams: {free['tok_s']:.1f} tok/s free, {mixed['tok_s']:.1f} tok/s with {constrained} constrained: "
+          f"{mixed['tok_s'] / free['tok_s']:.3f}x; mean step {free['step_ms']:.1f} vs {mixed['step_ms']:.1f} ms")
+
+
+def measure_level(pid: int, base: str, n: int, new_tokens: int, constrained: int = 0) -> dict[str, float]:
     steps_before, cpu_before = step_totals(base), resource.getrusage(resource.RUSAGE_SELF)
     with RssSampler(pid) as rss:
-        result = asyncio.run(run_level(base, n, new_tokens))
+        result = asyncio.run(run_level(base, n, new_tokens, constrained))
     steps_after, cpu_after = step_totals(base), resource.getrusage(resource.RUSAGE_SELF)
     result["peak_rss_mib"] = rss.peak_kib / 1024
     result["step_ms"] = 1000 * (steps_after[0] - steps_before[0]) / (steps_after[1] - steps_before[1])
@@ -350,6 +392,7 @@ def main() -> None:
     parser.add_argument("--step-context", action="store_true", help="only the decode-step-vs-context measurement")
     parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8"], help="for --step-context")
     parser.add_argument("--prefill", type=int, nargs="+", metavar="TOKENS", help="only time-to-first-token of prompts")
+    parser.add_argument("--constrained", type=int, default=0, metavar="K", help="only: K streams JSON-constrained")
     parser.add_argument("--ab-tree", type=Path, default=None, help="another checkout to serve and compare against")
     args = parser.parse_args()
     if args.step_context:
@@ -357,6 +400,10 @@ def main() -> None:
         return
     if args.prefill:
         prefill(args.prefill)
+        return
+    if args.constrained:
+        n = max(args.concurrency)
+        compare_constrained(n, args.constrained, args.new_tokens, args.server_args, args.repeats)
         return
     if args.ab_tree is not None:
         ab = compare_trees(args.concurrency, args.new_tokens, args.server_args, args.repeats, args.ab_tree)
