@@ -149,9 +149,11 @@ class _State:
         """Compile the grammar (off the event loop; cached) before anything is admitted: a bad one is a 400.
         Returns what makes each sequence its own matcher."""
         kind, value = structured.kind, structured.value
-        build = {"json": Grammars.json_schema, "regex": Grammars.regex, "choice": Grammars.choice}
+        build = {
+            "json": Grammars.json_schema, "regex": Grammars.regex, "choice": Grammars.choice, "grammar": Grammars.lark,
+        }  # fmt: skip
         try:
-            grammar = build.get(kind, Grammars.lark)(value)
+            grammar = build[kind](value)
             await asyncio.to_thread(self.grammars.matcher, grammar)
         except ValueError as exc:  # GrammarError among them
             raise bad_request(f"{structured.param}: {exc}", structured.param) from None

@@ -105,7 +105,7 @@ class Grammars:
 
 def _ll_tokenizer(tokenizer: Tokenizer) -> llguidance.LLTokenizer:
     eos = sorted(tokenizer.eos_token_ids)
-    if isinstance(tokenizer, HFTokenizer) and tokenizer.is_fast:
+    if isinstance(tokenizer, HFTokenizer) and getattr(tokenizer.hf_tokenizer, "is_fast", False):
         from llguidance.hf import from_tokenizer  # imports transformers: only for a transformers tokenizer
 
         return from_tokenizer(tokenizer.hf_tokenizer, eos_token=eos)

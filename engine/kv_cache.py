@@ -237,6 +237,7 @@ def attend(
 ) -> torch.Tensor:
     """Attention over one step's packed rows: ``query`` ``[rows, heads, dim]``, ``key``/``value``
     ``[rows, kv_heads, dim]`` (after RoPE). Writes the rows' K/V into the cache; returns ``[rows, heads, dim]``."""
+    scale = query.shape[-1] ** -0.5 if scale is None else scale
     if not batch.chunks:
         return _decode_attention(batch, layer, query, key, value, scale)
     out = torch.empty_like(query)
@@ -270,7 +271,7 @@ def slot_attention(
 
 
 def _decode_attention(
-    batch: StepBatch, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float | None
+    batch: StepBatch, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float
 ) -> torch.Tensor:
     """One new token per slot, attending over its slot's positions ``0..position``."""
     n = batch.num_decode
@@ -282,7 +283,6 @@ def _decode_attention(
     # head's "query length", which is free for a single new token per row.
     q = query.reshape(n, num_kv_heads, num_heads // num_kv_heads, -1)
     native = batch.cache.native_attention
-    scale = query.shape[-1] ** -0.5 if scale is None else scale
     if batch.cache.quantized:
         return batch.cache.attend_int8(layer, q, batch.decode_lengths, scale).reshape(n, num_heads, -1)
     if native is not None:
@@ -300,7 +300,7 @@ def _prefill_attention(
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
-    scale: float | None,
+    scale: float,
 ) -> torch.Tensor:
     """A chunk of prompt rows, attending causally over the prompt so far (its staging tensor).
 
@@ -310,7 +310,6 @@ def _prefill_attention(
     one. Elsewhere torch's attention runs over the chunk."""
     end = chunk.start + chunk.length
     native = batch.cache.native_attention
-    scale = query.shape[-1] ** -0.5 if scale is None else scale
     keys, values = chunk.staging[layer, 0], chunk.staging[layer, 1]  # [kv_heads, positions, dim]
     values[:, chunk.start : end] = value.transpose(0, 1)
     if native is not None:

@@ -54,8 +54,6 @@ class HFRunner:
         hidden = self._decoder(
             input_ids=token_ids[None], position_ids=positions[None], use_cache=False, step_batch=batch
         ).last_hidden_state[0]
-        if rows is not None and not len(rows):  # prompt chunks only, none of them complete
-            return hidden.new_empty((0, self._lm_head.weight.shape[0]), dtype=torch.float32)
         return self._lm_head(hidden if rows is None else hidden[rows]).float()
 
 
@@ -130,7 +128,6 @@ class LlamaRunner:
         self.cos, self.sin = (table[0] for table in inner.rotary_emb(dummy, positions))  # [positions, dim]
         self.norm = inner.norm.weight
         self.lm_head = prepack(model.lm_head.weight)
-        self.vocab_size = model.lm_head.weight.shape[0]
         # torch.compile of the element-wise work between the matmuls was tried and dropped: with the matmuls
         # outside (oneDNN's prepacked weights are opaque to it), each compiled call cost 50-120 us against
         # 10-70 us eager, and whole steps came out no faster for ~30 s more start-up.
@@ -175,9 +172,7 @@ class LlamaRunner:
             output = linear(self._silu_mul(linear(normed, layer.gate_up)), layer.down)
             hidden, normed = self._add_norm(hidden, output, next_norm, self.eps)
         if rows is not None:
-            if not len(rows):  # prompt chunks only, none of them complete
-                return normed.new_empty((0, self.vocab_size), dtype=torch.float32)
-            normed = normed[rows]
+            normed = normed[rows]  # none at all when the step's prompt chunks all go on: [0, vocab] logits
         return linear(normed, self.lm_head).float()
 
 

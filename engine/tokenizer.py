@@ -38,7 +38,6 @@ class HFTokenizer:
         self._byte_level = type(getattr(backend, "decoder", None)).__name__ == "ByteLevel"
         self._added = frozenset(hf_tokenizer.added_tokens_decoder)  # special and added tokens: text, not bytes
         self._bytes: dict[int, bytes] = {}
-        self.is_fast = bool(getattr(hf_tokenizer, "is_fast", False))
 
     @property
     def hf_tokenizer(self) -> Any:
