@@ -14,6 +14,7 @@ import codecs
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from app.tools import ToolCallParser
 from engine.scheduler import Delta, RequestStream
 from engine.tokenizer import Tokenizer
 from engine.types import FinishReason, TokenLogprob
@@ -63,7 +64,16 @@ class Format(Protocol):
 
     def choice(self, index: int, choice: Choice, want_logprobs: bool) -> dict[str, Any]: ...
 
-    def delta(self, index: int, choice: Choice, delta: Delta, want_logprobs: bool, first: bool) -> dict[str, Any]: ...
+    def delta(
+        self, index: int, choice: Choice, delta: Delta, want_logprobs: bool, first: bool
+    ) -> dict[str, Any] | None:
+        """The stream's piece for ``delta``; None when it has nothing to tell yet."""
+        ...
+
+
+def _with_calls(finish_reason: str | None) -> str | None:
+    """A reply that made calls and ended on its own ends for them; one cut by max_tokens stays "length"."""
+    return "tool_calls" if finish_reason == "stop" else finish_reason
 
 
 def token_string(tokenizer: Tokenizer, token_id: int) -> str:
@@ -130,25 +140,53 @@ class CompletionFormat:
 @dataclass(slots=True)
 class ChatFormat:
     tokenizer: Tokenizer
+    #: Whether the reply may hold tool calls, which become ``tool_calls`` (``app/tools.py``) and not content.
+    parses_tool_calls: bool = False
     object_name: str = "chat.completion"
     chunk_object_name: str = "chat.completion.chunk"
     id_prefix: str = "chatcmpl"
+    _parsers: dict[int, ToolCallParser] = field(default_factory=dict)  # a stream's, by choice
 
     def choice(self, index: int, choice: Choice, want_logprobs: bool) -> dict[str, Any]:
+        message: dict[str, Any] = {"role": "assistant", "content": choice.text}
+        finish_reason: str | None = choice.finish_reason
+        if self.parses_tool_calls:
+            parser = ToolCallParser()
+            parser.feed(choice.text)
+            parser.finish()
+            message["content"] = parser.text
+            if parser.calls:
+                message["tool_calls"] = [call.as_dict() for call in parser.calls]
+                finish_reason = _with_calls(finish_reason)
         return {
             "index": index,
-            "message": {"role": "assistant", "content": choice.text},
+            "message": message,
             "logprobs": {"content": self._logprobs(choice.logprobs)} if want_logprobs else None,
-            "finish_reason": choice.finish_reason,
+            "finish_reason": finish_reason,
         }
 
-    def delta(self, index: int, choice: Choice, delta: Delta, want_logprobs: bool, first: bool) -> dict[str, Any]:
-        content: dict[str, Any] = {"role": "assistant", "content": delta.text} if first else {"content": delta.text}
+    def delta(
+        self, index: int, choice: Choice, delta: Delta, want_logprobs: bool, first: bool
+    ) -> dict[str, Any] | None:
+        text, calls, finish_reason = delta.text, [], delta.finish_reason
+        if self.parses_tool_calls:
+            parser = self._parsers.setdefault(index, ToolCallParser())
+            text, calls = parser.feed(delta.text)
+            if finish_reason is not None:
+                text += parser.finish()
+                finish_reason = _with_calls(finish_reason) if parser.calls else finish_reason
+            if not (text or calls or first or want_logprobs or finish_reason):
+                return None  # the parser holds the text back: it may begin a call
+        content: dict[str, Any] = {"role": "assistant"} if first else {}
+        if text or not calls:
+            content["content"] = text
+        if calls:
+            content["tool_calls"] = calls
         return {
             "index": index,
             "delta": content,
             "logprobs": {"content": self._logprobs(delta.logprobs or [])} if want_logprobs else None,
-            "finish_reason": delta.finish_reason,
+            "finish_reason": finish_reason,
         }
 
     def _logprobs(self, entries: list[TokenLogprob]) -> list[dict[str, Any]]:

@@ -172,7 +172,7 @@ class Generation:
             if self.echo_texts is not None and not self.scores_prompt:
                 for index, choice in enumerate(self.choices):
                     echoed = Delta(choice.prefix, [], choice.finish_reason)
-                    yield self._chunk([self.fmt.delta(index, choice, echoed, False, first=True)])
+                    yield self._chunk([self.fmt.delta(index, choice, echoed, False, first=True) or {}])
             remaining = len(pumps)
             started: set[int] = set()
             while remaining:
@@ -190,7 +190,9 @@ class Generation:
                     item = Delta("", [], "length", [])
                 if item.text or item.finish_reason is not None or first:
                     started.add(index)
-                    yield self._chunk([self.fmt.delta(index, choice, item, want_logprobs, first)])
+                    piece = self.fmt.delta(index, choice, item, want_logprobs, first)
+                    if piece is not None:
+                        yield self._chunk([piece])
             else:
                 if self.options.include_usage:
                     yield self._chunk([], usage=self.usage())

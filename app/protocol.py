@@ -9,7 +9,10 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from app import schema
 from app.errors import bad_request
+from app.schema import Message
+from app.tools import ToolCalling
 from engine.types import SamplingParams
 
 DEFAULT_MAX_TOKENS = 16  # as in the OpenAI API
@@ -60,8 +63,9 @@ class CompletionRequest:
 @dataclass(slots=True, frozen=True)
 class ChatRequest:
     model: str | None
-    messages: list[dict[str, Any]]
+    messages: list[Message]
     options: GenerationOptions
+    tools: ToolCalling | None = None  # None: no tools offered
 
 
 def parse_json_object(raw: bytes) -> dict[str, Any]:
@@ -108,24 +112,24 @@ def _check_unicode(body: dict[str, Any]) -> None:
 
 # Fields that change what a client gets back and that this server does not implement yet: a 400 naming the field,
 # never a 200 whose output silently ignores it (a client asking for JSON must not believe it got JSON).
-_UNSUPPORTED = ("suffix", "tools", "functions", "function_call", "audio")
+_UNSUPPORTED = ("suffix", "functions", "function_call", "audio")
 _UNSUPPORTED += ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "guided_decoding_backend")
+_CHAT_ONLY = ("tools", "tool_choice", "parallel_tool_calls")
 
 
-def _reject_unsupported(body: dict[str, Any]) -> None:
-    for name in _UNSUPPORTED:
+def _reject_unsupported(body: dict[str, Any], chat: bool) -> None:
+    for name in _UNSUPPORTED if chat else _UNSUPPORTED + _CHAT_ONLY:
         value = body.get(name)
         if value is not None and value != [] and value != {}:  # clients may send empty tools
-            raise bad_request(f"{name} is not supported by this server yet", name)
-    if body.get("tool_choice") not in (None, "none", "auto"):  # with no tools, "auto" means no tool
-        raise bad_request("tool_choice needs tools, which this server does not support yet", "tool_choice")
+            hint = "" if chat else " (tools are a chat completions feature)"
+            raise bad_request(f"{name} is not supported by this server{hint}", name)
     modalities = body.get("modalities")
     if modalities is not None and modalities != ["text"]:
         raise bad_request("only the text modality is supported", "modalities")
 
 
 def parse_completion_request(body: dict[str, Any]) -> CompletionRequest:
-    _reject_unsupported(body)
+    _reject_unsupported(body, chat=False)
     echo = optional(body, "echo", bool, False)
     logprobs = optional(body, "logprobs", int, None)
     if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
@@ -135,12 +139,8 @@ def parse_completion_request(body: dict[str, Any]) -> CompletionRequest:
 
 
 def parse_chat_request(body: dict[str, Any]) -> ChatRequest:
-    _reject_unsupported(body)
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise bad_request("messages must be a non-empty list", "messages")
-    for message in messages:
-        _check_message(message)
+    _reject_unsupported(body, chat=True)
+    messages = parse_messages(body)
     logprobs = None
     if optional(body, "logprobs", bool, False):
         logprobs = optional(body, "top_logprobs", int, 0)
@@ -151,28 +151,42 @@ def parse_chat_request(body: dict[str, Any]) -> ChatRequest:
     field = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     # As in the OpenAI chat API, no limit means: up to the context length (the route fills it in).
     options = _generation_options(body, body.get(field), field, logprobs, allow_zero=False, default_max_tokens=None)
-    return ChatRequest(parse_model(body), messages, options)
+    calling = _tool_calling(body)
+    if calling is not None and calling.calls_allowed:
+        if options.structured is not None:
+            param = options.structured.param
+            raise bad_request(f"{param} cannot be combined with tool calls (unless tool_choice is none)", param)
+        if options.min_tokens:
+            raise bad_request("min_tokens cannot hold back the end of a tool call", "min_tokens")
+    return ChatRequest(parse_model(body), messages, options, calling)
 
 
-_ROLES = ("system", "developer", "user", "assistant", "tool")
+def parse_messages(body: dict[str, Any]) -> list[Message]:
+    if body.get("messages") is None:
+        raise bad_request("messages is required", "messages")
+    return schema.validated(schema.Messages, body["messages"], "messages")
 
 
-def _check_message(message: Any) -> None:
-    if not isinstance(message, dict):
-        raise bad_request("each message must be an object", "messages")
-    if message.get("role") not in _ROLES:
-        raise bad_request(f"a message's role must be one of {', '.join(_ROLES)}", "messages")
-    content = message.get("content")
-    if isinstance(content, list):  # content parts: text only
-        if not content or not all(isinstance(p, dict) and isinstance(p.get("text"), str) for p in content):
-            raise bad_request("message content parts must be text parts", "messages")
-    elif not isinstance(content, str):
-        raise bad_request("each message needs a content string", "messages")
-
-
-def message_text(message: dict[str, Any]) -> str:
-    content = message["content"]
-    return content if isinstance(content, str) else "".join(part["text"] for part in content)
+def _tool_calling(body: dict[str, Any]) -> ToolCalling | None:
+    """``tools``, ``tool_choice`` and ``parallel_tool_calls``; None when no tools are offered."""
+    tools = schema.validated(schema.Tools, body.get("tools") or [], "tools")
+    choice = body.get("tool_choice")
+    choice = None if choice is None else schema.validated(schema.ToolChoice, choice, "tool_choice")
+    parallel = optional(body, "parallel_tool_calls", bool, True)
+    if not tools:
+        if choice not in (None, "none", "auto"):  # with no tools, "auto" means: no tool
+            raise bad_request("tool_choice needs tools", "tool_choice")
+        return None
+    names = [tool.function.name for tool in tools]
+    for index, name in enumerate(names):
+        if name in names[:index]:
+            param = f"tools[{index}].function.name"
+            raise bad_request(f"{param}: another tool is named {name} too", param)
+    if isinstance(choice, schema.NamedToolChoice):
+        if choice.function.name not in names:
+            raise bad_request(f"tool_choice names {choice.function.name}, which is not in tools", "tool_choice")
+        return ToolCalling(tuple(tools), "named", parallel, choice.function.name)
+    return ToolCalling(tuple(tools), choice or "auto", parallel)
 
 
 def _generation_options(

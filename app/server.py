@@ -21,7 +21,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from app import protocol
+from app import protocol, tools
 from app.errors import (
     APIError,
     bad_request,
@@ -34,6 +34,8 @@ from app.formats import ChatFormat, CompletionFormat, Format
 from app.generation import Generation
 from app.metrics import Metrics
 from app.middleware import APIKeyMiddleware, RequestIdMiddleware
+from app.schema import Message
+from app.tools import ToolCalling
 from engine.chooser import ServedModel
 from engine.grammar import Grammars
 from engine.scheduler import QueueFullError, Scheduler
@@ -100,9 +102,13 @@ class _State:
                 code="model_not_found",
             )
 
-    def chat_prompt(self, messages: list[dict[str, Any]]) -> list[int]:
-        rendered = [{"role": m["role"], "content": protocol.message_text(m)} for m in messages]
-        return self.tokenizer.chat_prompt(rendered)
+    def chat_prompt(self, messages: list[Message], calling: ToolCalling | None = None) -> list[int]:
+        """The conversation through the model's template; tools through the template when it speaks the call
+        syntax, else through the default tool prompt (``app/tools.py``)."""
+        native = calling is not None and tools.OPEN in (self.tokenizer.info().get("chat_template") or "")
+        rendered = tools.render(messages, calling, native)
+        definitions = calling.definitions() if native and calling is not None else None
+        return self.tokenizer.chat_prompt(rendered, definitions or None)
 
     def prompt_ids(self, prompt: str | list[int], param: str = "prompt") -> list[int]:
         if isinstance(prompt, str):
@@ -134,12 +140,18 @@ class _State:
         prompts: list[list[int]],
         echo_texts: list[str] | None,
         arrived: float,
+        calling: ToolCalling | None = None,
     ) -> Generation:
         assert options.max_tokens is not None, "the route fills in chat's default"
         for ids in prompts:
             self.check_context(len(ids), options.max_tokens)
         self.check_tokens(options)
-        constraints = None if options.structured is None else await self.constraints(options.structured)
+        if calling is not None and calling.calls_allowed:
+            constraints = await self.tool_constraints(calling)
+        elif options.structured is not None:
+            constraints = await self.constraints(options.structured)
+        else:
+            constraints = None
         return Generation(
             self.scheduler, self.metrics, self.tokenizer, self.model_name, fmt, options, prompts, echo_texts, arrived,
             constraints,
@@ -158,6 +170,21 @@ class _State:
         except ValueError as exc:  # GrammarError among them
             raise bad_request(f"{structured.param}: {exc}", structured.param) from None
         return functools.partial(self.grammars.matcher, grammar)
+
+    async def tool_constraints(self, calling: ToolCalling) -> Callable[[], Constraint]:
+        """The grammar of the calls ``calling`` allows; a 400 naming the tool whose parameters do not compile."""
+        grammar = tools.grammar(calling)
+        assert grammar is not None, "tool_choice none has no grammar"
+        try:
+            return await self.constraints(protocol.StructuredOutput("grammar", grammar, "tools"))
+        except APIError:
+            for index, tool in enumerate(calling.tools):
+                param = f"tools[{index}].function.parameters"
+                try:
+                    Grammars.check(Grammars.json_schema(tools.call_schema(tool)))
+                except ValueError as exc:
+                    raise bad_request(f"{param}: {exc}", param) from None
+            raise
 
     async def respond(self, request: Request, generation: Generation) -> Response:
         """Queue the generation's sequences and answer: a stream of events, or JSON when all are done."""
@@ -240,20 +267,22 @@ def create_app(served: ServedModel, config: ServerConfig | None = None) -> Starl
         arrived = time.perf_counter()
         req = protocol.parse_chat_request(protocol.parse_json_object(await request.body()))
         state.check_model(req.model)
-        prompt = state.chat_prompt(req.messages)
+        prompt = state.chat_prompt(req.messages, req.tools)
         options = req.options
         if options.max_tokens is None:
             room = max(state.max_model_len - len(prompt), 1)
             options = dataclasses.replace(options, max_tokens=room, min_tokens=min(options.min_tokens, room))
-        fmt = ChatFormat(state.tokenizer)
-        return await state.respond(request, await state.generation(fmt, options, [prompt], None, arrived))
+        calls = req.tools is not None and req.tools.calls_allowed
+        fmt = ChatFormat(state.tokenizer, parses_tool_calls=calls)
+        generation = await state.generation(fmt, options, [prompt], None, arrived, req.tools)
+        return await state.respond(request, generation)
 
     async def tokenize(request: Request) -> Response:
         body = protocol.parse_json_object(await request.body())
         state.check_model(protocol.parse_model(body))
         if "messages" in body:
-            chat = protocol.parse_chat_request({"messages": body["messages"]})
-            tokens = state.chat_prompt(chat.messages)
+            chat = protocol.parse_chat_request({"messages": body["messages"], "tools": body.get("tools")})
+            tokens = state.chat_prompt(chat.messages, chat.tools)
         else:
             prompts = protocol.parse_completion_request({"prompt": body.get("prompt")}).prompts
             if len(prompts) != 1:

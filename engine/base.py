@@ -83,4 +83,3 @@ def finish_reason(
     if num_generated >= request.max_new_tokens:
         return "length"
     return None
-

@@ -77,6 +77,13 @@ class Grammars:
         """Exactly one of ``options``."""
         return Grammars.lark("start: " + " | ".join(json.dumps(option, ensure_ascii=False) for option in options))
 
+    @staticmethod
+    def check(grammar: str) -> None:
+        """Raises GrammarError when ``grammar`` cannot compile for any tokenizer (cheap: no token masks)."""
+        is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar)
+        if is_error:
+            raise GrammarError("; ".join(messages))
+
     def matcher(self, grammar: str) -> Matcher:
         """A fresh matcher at the start of ``grammar``; compiles it on first use (up to ~1 s for a large one:
         call off the event loop)."""

@@ -22,8 +22,9 @@ class Tokenizer(Protocol):
         """vLLM's ``/tokenizer_info``: the special tokens and chat template a client needs to tokenize alike."""
         ...
 
-    def chat_prompt(self, messages: list[dict[str, str]]) -> list[int]:
-        """Render chat messages with the model's template, ending where the assistant's reply begins."""
+    def chat_prompt(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> list[int]:
+        """Render chat messages with the model's template, ending where the assistant's reply begins; ``tools``
+        go to the template's own ``tools`` argument (for a template that renders them)."""
         ...
 
 
@@ -77,10 +78,10 @@ class HFTokenizer:
             "vocab_size": self.vocab_size,
         }
 
-    def chat_prompt(self, messages: list[dict[str, str]]) -> list[int]:
+    def chat_prompt(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> list[int]:
         if not self._tok.chat_template:
             raise ValueError("this model has no chat template")
-        text = self._tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        text = self._tok.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False)
         # The template writes the special tokens out as text; encoding must not add more.
         return list(self._tok.encode(text, add_special_tokens=False))
 
@@ -110,7 +111,7 @@ class ByteTokenizer:
     def info(self) -> dict[str, Any]:
         return {"tokenizer_class": type(self).__name__, "eos_token": self.EOS_TEXT, "vocab_size": self.vocab_size}
 
-    def chat_prompt(self, messages: list[dict[str, str]]) -> list[int]:
+    def chat_prompt(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> list[int]:
         return self.encode("".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant: ")
 
 

@@ -164,9 +164,11 @@ def test_tokenize_and_detokenize(client: TestClient) -> None:
         ("/v1/completions", {"prompt": "x", "suffix": "y"}, "suffix"),
         ("/v1/chat/completions", {}, "messages"),
         ("/v1/chat/completions", {"messages": []}, "messages"),
-        ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "hi"}]}, "messages"),
-        ("/v1/chat/completions", {"messages": [{"role": "user"}]}, "messages"),
-        ("/v1/chat/completions", {"messages": ["hi"]}, "messages"),
+        ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "hi"}]}, "messages[0].role"),
+        ("/v1/chat/completions", {"messages": [{"role": "user"}]}, "messages[0]"),
+        ("/v1/chat/completions", {"messages": ["hi"]}, "messages[0]"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": []}]}, "messages[0].content"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": 7}]}, "messages[0].content"),
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs"),
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_tokens": 0}, "max_tokens"),
         ("/detokenize", {"tokens": ["a"]}, "tokens"),
@@ -249,7 +251,7 @@ CHAT = {"messages": [{"role": "user", "content": "Reply in JSON."}]}
 @pytest.mark.parametrize(
     ("path", "fields", "param"),
     [
-        ("/v1/chat/completions", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+        ("/v1/completions", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
         ("/v1/chat/completions", {"tool_choice": "required"}, "tool_choice"),
         ("/v1/chat/completions", {"functions": [{"name": "f"}]}, "functions"),
         ("/v1/completions", {"guided_json": {"type": "object"}}, "guided_json"),
@@ -257,7 +259,8 @@ CHAT = {"messages": [{"role": "user", "content": "Reply in JSON."}]}
     ],
 )
 def test_fields_not_implemented_yet_are_a_400_not_ignored(client: TestClient, path: str, fields: dict, param: str):
-    """A client asking for a tool call got prose and a 200, and believed it."""
+    """A client asking for JSON, or for a tool call on the completions endpoint, got prose and a 200 and
+    believed it."""
     body = {**(CHAT if "chat" in path else {"prompt": "x"}), **fields}
     response = client.post(path, json=body)
     assert response.status_code == 400, response.text
