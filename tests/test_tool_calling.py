@@ -23,7 +23,10 @@ WEATHER = {
         "name": "get_weather",
         "parameters": {
             "type": "object",
-            "properties": {"city": {"enum": ["Paris", "Rome"]}, "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+            "properties": {
+                "city": {"enum": ["Paris", "Rome"]},
+                "days": {"type": "integer", "minimum": 1, "maximum": 7},
+            },
             "required": ["city", "days"],
             "additionalProperties": False,
         },
@@ -102,7 +105,10 @@ def test_streamed_calls_join_into_the_non_streamed_ones(client: TestClient) -> N
                     calls[delta["index"]]["arguments"] += delta["function"]["arguments"]
             finish[choice["index"]] = choice["finish_reason"] or finish.get(choice["index"])
     for index, choice in enumerate(whole):
-        expected = [{"name": c["function"]["name"], "arguments": c["function"]["arguments"]} for c in choice["message"]["tool_calls"]]
+        expected = [
+            {"name": c["function"]["name"], "arguments": c["function"]["arguments"]}
+            for c in choice["message"]["tool_calls"]
+        ]
         assert joined[index] == expected and finish[index] == "tool_calls"
 
 
@@ -142,7 +148,10 @@ def test_a_conversation_with_tool_traffic_is_answered(client: TestClient) -> Non
         ({"tools": [{"type": "function", "function": {}}]}, "tools[0].function.name"),
         ({"tools": [{"type": "function", "function": {"name": "get weather"}}]}, "tools[0].function.name"),
         ({"tools": [NOW, {"type": "function", "function": {"name": "now"}}]}, "tools[1].function.name"),
-        ({"tools": [{"type": "function", "function": {"name": "f", "parameters": "{}"}}]}, "tools[0].function.parameters"),
+        (
+            {"tools": [{"type": "function", "function": {"name": "f", "parameters": "{}"}}]},
+            "tools[0].function.parameters",
+        ),
         (
             {"tools": [NOW, {"type": "function", "function": {"name": "f", "parameters": {"type": "strin"}}}]},
             "tools[1].function.parameters",
@@ -158,10 +167,14 @@ def test_a_conversation_with_tool_traffic_is_answered(client: TestClient) -> Non
         ({"messages": [{"role": "assistant"}]}, "messages[0]"),
         ({"messages": [*ASK, {"role": "tool", "content": "x"}]}, "messages[1]"),
         ({"messages": [{"role": "user", "content": "x", "tool_calls": ROUND_TRIP[1]["tool_calls"]}]}, "messages[0]"),
-        ({"messages": [{"role": "assistant", "tool_calls": [{"id": "c", "function": {"name": "f"}}]}]},
-         "messages[0].tool_calls[0].function.arguments"),  # fmt: skip
-        ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
-         "messages[0].content[0].type"),  # fmt: skip
+        (
+            {"messages": [{"role": "assistant", "tool_calls": [{"id": "c", "function": {"name": "f"}}]}]},
+            "messages[0].tool_calls[0].function.arguments",
+        ),
+        (
+            {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
+            "messages[0].content[0].type",
+        ),
     ],
 )
 def test_every_malformed_tool_request_is_a_400_naming_the_field(client: TestClient, fields: dict, param: str) -> None:

@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from app.schema import Message, Tool
-from app.tools import CLOSE, OPEN, TOOL_PROMPT, ToolCallParser, ToolCalling, call_text, grammar, render
+from app.tools import CLOSE, OPEN, TOOL_PROMPT, ToolCalling, ToolCallParser, call_text, grammar, render
 from engine.grammar import Grammars
 from engine.tokenizer import ByteTokenizer
 
@@ -189,7 +189,11 @@ def test_tools_and_tool_traffic_are_written_into_the_conversation() -> None:
             "role": "assistant",
             "content": None,
             "tool_calls": [
-                {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}},
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+                },
                 {"id": "call_2", "type": "function", "function": {"name": "now", "arguments": "{}"}},
             ],
         },
