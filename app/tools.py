@@ -4,7 +4,7 @@ calls are read back out of the generated text (whole, or delta by delta as they 
 The call syntax is Hermes's, which Qwen 2.5/3, Hermes and SmolLM3 were trained on::
 
     <tool_call>
-    {"name":"get_weather","arguments":{"city":"Paris"}}
+    {"name": "get_weather", "arguments": {"city": "Paris"}}
     </tool_call>
 
 A chat template that speaks it (it mentions ``<tool_call>``) gets the tools through its own ``tools``
@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from app.schema import Message, Tool
+from engine.grammar import JSON_STYLE
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 
@@ -103,12 +104,12 @@ def render(messages: list[Message], calling: ToolCalling | None, native: bool) -
 
 
 def call_text(name: str, arguments: str) -> str:
-    """One call in the syntax the grammar produces (compact JSON)."""
+    """One call as the grammar spells it (``JSON_STYLE``)."""
     try:
-        args = json.dumps(json.loads(arguments), ensure_ascii=False, separators=(",", ":"))
+        args = json.dumps(json.loads(arguments), ensure_ascii=False)
     except ValueError:  # not JSON: passed on as the string it is
         args = json.dumps(arguments, ensure_ascii=False)
-    return f'{OPEN}\n{{"name":{json.dumps(name, ensure_ascii=False)},"arguments":{args}}}\n{CLOSE}'
+    return f'{OPEN}\n{{"name": {json.dumps(name, ensure_ascii=False)}, "arguments": {args}}}\n{CLOSE}'
 
 
 def _native(message: Message) -> dict[str, Any]:
@@ -144,7 +145,7 @@ def call_schema(tool: Tool) -> dict[str, Any]:
         "properties": {"name": {"const": tool.function.name}, "arguments": parameters},
         "required": ["name", "arguments"],
         "additionalProperties": False,
-        "x-guidance": {"whitespace_flexible": False},  # compact: a small model may spend its budget on spaces
+        "x-guidance": JSON_STYLE,  # as the tool prompt and call_text write calls
         **hoisted,
     }
 
@@ -262,6 +263,10 @@ class ToolCallParser:
 
     def _arguments(self, released: list[str], deltas: list[dict[str, Any]]) -> bool:
         """Scans the arguments' JSON character by character: they end where their outermost value closes."""
+        if not self.calls[-1].arguments:
+            self._pending = self._pending.lstrip()  # the space after "arguments": may come in a later piece
+            if not self._pending:
+                return False
         end = None
         for i, char in enumerate(self._pending):
             if self._in_string:

@@ -20,8 +20,11 @@ import llguidance
 
 from engine.tokenizer import HFTokenizer, Tokenizer
 
-# Compact JSON: a small model offered free whitespace may spend its whole budget on it.
-_JSON_OPTIONS: dict[str, Any] = {"whitespace_flexible": False}
+# JSON spelled as Python's json.dumps spells it (", " and ": ", no other white space): the style models saw most.
+# Free white space lets a small model spend its budget on it; compact JSON ("," and ":") is further from what
+# it learned: of six JSON-mode prompts to SmolLM2-135M (greedy, 200 tokens), 4 closed their object in this
+# style, 3 with free white space, 2 compact.
+JSON_STYLE: dict[str, Any] = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
 class GrammarError(ValueError):
@@ -60,7 +63,7 @@ class Grammars:
     def json_schema(schema: dict[str, Any] | bool) -> str:
         """The grammar of JSON text that conforms to ``schema``."""
         try:
-            return llguidance.LLMatcher.grammar_from_json_schema(json.dumps(schema), defaults=_JSON_OPTIONS)
+            return llguidance.LLMatcher.grammar_from_json_schema(json.dumps(schema), defaults=JSON_STYLE)
         except ValueError as exc:
             raise GrammarError(str(exc)) from None
 

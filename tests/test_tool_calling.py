@@ -114,7 +114,7 @@ def test_streamed_calls_join_into_the_non_streamed_ones(client: TestClient) -> N
 
 def test_a_call_cut_by_max_tokens_ends_with_length(client: TestClient) -> None:
     named = {"type": "function", "function": {"name": "get_weather"}}
-    head = len('<tool_call>\n{"name":"get_weather","arguments":')
+    head = len('<tool_call>\n{"name": "get_weather", "arguments": ')
     choice = chat(client, tool_choice=named, max_tokens=head + 6)["choices"][0]
     assert choice["finish_reason"] == "length"
     [call] = choice["message"]["tool_calls"]  # the call as far as it got: its arguments a prefix of valid JSON
@@ -137,7 +137,7 @@ def test_a_conversation_with_tool_traffic_is_answered(client: TestClient) -> Non
     assert choice["message"]["content"] == "abc"
     tokens = client.post("/tokenize", json={"messages": ROUND_TRIP, "tools": TOOLS}).json()["tokens"]
     prompt = bytes(tokens).decode()
-    assert '<tool_call>\n{"name":"now","arguments":{}}\n</tool_call>' in prompt
+    assert '<tool_call>\n{"name": "now", "arguments": {}}\n</tool_call>' in prompt
     assert "<tool_response>\nIt is noon.\n</tool_response>" in prompt and '"name": "get_weather"' in prompt
 
 

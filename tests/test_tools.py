@@ -95,7 +95,7 @@ def test_any_split_of_a_reply_gives_the_same_content_and_calls(before: str, call
     splits = data.draw(st.lists(st.integers(0, len(text)), max_size=8))
     whole, whole_pieces, whole_deltas = parse(text)
     split, split_pieces, split_deltas = parse(text, splits)
-    expected = [{"name": n, "arguments": json.dumps(a, ensure_ascii=False, separators=(",", ":"))} for n, a in calls]
+    expected = [{"name": n, "arguments": json.dumps(a, ensure_ascii=False)} for n, a in calls]
     assert assembled(split_deltas) == assembled(whole_deltas) == expected
     assert [c.arguments for c in split.calls] == [c["arguments"] for c in expected]
     assert "".join(split_pieces) == "".join(whole_pieces) == (before if calls == [] or before.strip() else "")
@@ -105,13 +105,13 @@ def test_any_split_of_a_reply_gives_the_same_content_and_calls(before: str, call
 def test_a_reply_cut_short_keeps_what_it_has() -> None:
     """max_tokens may end a reply anywhere: inside the trigger (text after all), inside the head (text), or
     inside the arguments (the call, with the arguments so far)."""
-    text = 'Hi <tool_call>\n{"name":"now","arguments":{"a":[1,2'
+    text = 'Hi <tool_call>\n{"name": "now", "arguments": {"a": [1, 2'
     parser, pieces, deltas = parse(text[: len("Hi <tool_c")])
     assert "".join(pieces) == "Hi <tool_c" and not parser.calls
     parser, pieces, _ = parse(text[: len('Hi <tool_call>\n{"na')])
     assert "".join(pieces) == 'Hi <tool_call>\n{"na' and not parser.calls
     parser, pieces, deltas = parse(text)
-    assert "".join(pieces) == "Hi " and assembled(deltas) == [{"name": "now", "arguments": '{"a":[1,2'}]
+    assert "".join(pieces) == "Hi " and assembled(deltas) == [{"name": "now", "arguments": '{"a": [1, 2'}]
 
 
 # -- the grammars --------------------------------------------------------------------------------------------
@@ -205,8 +205,8 @@ def test_tools_and_tool_traffic_are_written_into_the_conversation() -> None:
     tools = "\n".join(json.dumps(t.model_dump(exclude_none=True)) for t in (WEATHER, NOW))
     assert rendered[0]["content"] == "Be brief.\n\n" + TOOL_PROMPT.format(tools=tools)
     assert rendered[2]["content"] == (
-        f'{OPEN}\n{{"name":"get_weather","arguments":{{"city":"Paris"}}}}\n{CLOSE}\n'
-        f'{OPEN}\n{{"name":"now","arguments":{{}}}}\n{CLOSE}'
+        f'{OPEN}\n{{"name": "get_weather", "arguments": {{"city": "Paris"}}}}\n{CLOSE}\n'
+        f'{OPEN}\n{{"name": "now", "arguments": {{}}}}\n{CLOSE}'
     )
     assert rendered[3]["content"] == "<tool_response>\nsunny\n</tool_response>\n<tool_response>\nnoon\n</tool_response>"
 
