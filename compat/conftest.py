@@ -24,9 +24,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(
-    *args: str, startup_timeout: float = 300, root: Path = ROOT
-) -> tuple[subprocess.Popen[bytes], str]:
+def start_server(*args: str, startup_timeout: float = 300, root: Path = ROOT) -> tuple[subprocess.Popen[bytes], str]:
     """``python -m app`` from the tree at ``root`` (another checkout, for a benchmark's A/B)."""
     port = free_port()
     cmd = [sys.executable, "-m", "app", "--host", "127.0.0.1", "--port", str(port), *args]

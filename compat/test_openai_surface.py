@@ -15,7 +15,6 @@ pytestmark = pytest.mark.real_model
 PROMPT = "The capital of France is"
 
 
-
 def greedy(client: OpenAI, **kw: object) -> openai.types.Completion:
     return client.completions.create(model=MODEL, prompt=PROMPT, temperature=0, **kw)  # type: ignore[arg-type]
 

@@ -18,7 +18,6 @@ pytestmark = pytest.mark.real_model
 SENTENCE = "The harbour was quiet that morning, and the boats rocked gently in the grey water. "
 
 
-
 @pytest.mark.parametrize("sentences", [25, 90])  # ~300 and ~1100 tokens: over one and several step budgets
 def test_a_long_prompt_on_an_idle_server_completes_plain_streamed_and_as_chat(client: OpenAI, sentences: int) -> None:
     prompt = SENTENCE * sentences
