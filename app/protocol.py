@@ -112,7 +112,7 @@ def _check_unicode(body: dict[str, Any]) -> None:
 
 # Fields that change what a client gets back and that this server does not implement yet: a 400 naming the field,
 # never a 200 whose output silently ignores it (a client asking for JSON must not believe it got JSON).
-_UNSUPPORTED = ("suffix", "functions", "function_call", "audio")
+_UNSUPPORTED = ("suffix", "functions", "function_call", "audio", "web_search_options")
 _UNSUPPORTED += ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "guided_decoding_backend")
 _CHAT_ONLY = ("tools", "tool_choice", "parallel_tool_calls")
 
@@ -120,7 +120,7 @@ _CHAT_ONLY = ("tools", "tool_choice", "parallel_tool_calls")
 def _reject_unsupported(body: dict[str, Any], chat: bool) -> None:
     for name in _UNSUPPORTED if chat else _UNSUPPORTED + _CHAT_ONLY:
         value = body.get(name)
-        if value is not None and value != [] and value != {}:  # clients may send empty tools
+        if value is not None and value != []:  # clients may send empty tools
             hint = "" if chat else " (tools are a chat completions feature)"
             raise bad_request(f"{name} is not supported by this server{hint}", name)
     modalities = body.get("modalities")
