@@ -1,9 +1,9 @@
-"""The OpenAI wire format for /v1/completions: parsing requests, building responses and stream chunks."""
+"""The OpenAI wire format: a request body (checked field by field by its model in ``schema.py``) becomes what a
+generation needs, with the rules that tie fields together; plus the Unicode check and the response helpers."""
 
 from __future__ import annotations
 
 import json
-import math
 import re
 import uuid
 from dataclasses import dataclass
@@ -16,9 +16,6 @@ from app.tools import ToolCalling
 from engine.types import SamplingParams
 
 DEFAULT_MAX_TOKENS = 16  # as in the OpenAI API
-MAX_N = 16
-MAX_LOGPROBS = 20
-MAX_TOKENS_UNSET = 2**31  # the bound on min_tokens while max_tokens is still to be filled in
 
 Prompt = str | list[int]
 
@@ -130,49 +127,38 @@ def _reject_unsupported(body: dict[str, Any], chat: bool) -> None:
 
 def parse_completion_request(body: dict[str, Any]) -> CompletionRequest:
     _reject_unsupported(body, chat=False)
-    echo = optional(body, "echo", bool, False)
-    logprobs = optional(body, "logprobs", int, None)
-    if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
-        raise bad_request(f"logprobs must be between 0 and {MAX_LOGPROBS}, got {logprobs}", "logprobs")
-    options = _generation_options(body, body.get("max_tokens"), "max_tokens", logprobs, allow_zero=echo)
-    return CompletionRequest(parse_model(body), _prompts(body), echo, options)
+    req: schema.CompletionBody = schema.validated(schema.CompletionBody, body)
+    echo = bool(req.echo)
+    options = _generation_options(req, req.max_tokens, "max_tokens", req.logprobs, allow_zero=echo)
+    return CompletionRequest(req.model, req.prompt, echo, options)
 
 
 def parse_chat_request(body: dict[str, Any]) -> ChatRequest:
     _reject_unsupported(body, chat=True)
-    messages = parse_messages(body)
+    req: schema.ChatBody = schema.validated(schema.ChatBody, body)
     logprobs = None
-    if optional(body, "logprobs", bool, False):
-        logprobs = optional(body, "top_logprobs", int, 0)
-        if not 0 <= logprobs <= MAX_LOGPROBS:
-            raise bad_request(f"top_logprobs must be between 0 and {MAX_LOGPROBS}", "top_logprobs")
-    elif body.get("top_logprobs") is not None:
+    if req.logprobs:
+        logprobs = req.top_logprobs or 0
+    elif req.top_logprobs is not None:
         raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
-    field = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    field = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     # As in the OpenAI chat API, no limit means: up to the context length (the route fills it in).
-    options = _generation_options(body, body.get(field), field, logprobs, allow_zero=False, default_max_tokens=None)
-    calling = _tool_calling(body)
+    max_tokens = req.max_completion_tokens if field == "max_completion_tokens" else req.max_tokens
+    options = _generation_options(req, max_tokens, field, logprobs, allow_zero=False, default_max_tokens=None)
+    calling = _tool_calling(req)
     if calling is not None and calling.calls_allowed:
         if options.structured is not None:
             param = options.structured.param
             raise bad_request(f"{param} cannot be combined with tool calls (unless tool_choice is none)", param)
         if options.min_tokens:
             raise bad_request("min_tokens cannot hold back the end of a tool call", "min_tokens")
-    return ChatRequest(parse_model(body), messages, options, calling)
+    return ChatRequest(req.model, list(req.messages), options, calling)
 
 
-def parse_messages(body: dict[str, Any]) -> list[Message]:
-    if body.get("messages") is None:
-        raise bad_request("messages is required", "messages")
-    return schema.validated(schema.Messages, body["messages"], "messages")
-
-
-def _tool_calling(body: dict[str, Any]) -> ToolCalling | None:
+def _tool_calling(req: schema.ChatBody) -> ToolCalling | None:
     """``tools``, ``tool_choice`` and ``parallel_tool_calls``; None when no tools are offered."""
-    tools = schema.validated(schema.Tools, body.get("tools") or [], "tools")
-    choice = body.get("tool_choice")
-    choice = None if choice is None else schema.validated(schema.ToolChoice, choice, "tool_choice")
-    parallel = optional(body, "parallel_tool_calls", bool, True)
+    tools, choice = req.tools or [], req.tool_choice
+    parallel = req.parallel_tool_calls is not False
     if not tools:
         if choice not in (None, "none", "auto"):  # with no tools, "auto" means: no tool
             raise bad_request("tool_choice needs tools", "tool_choice")
@@ -190,185 +176,92 @@ def _tool_calling(body: dict[str, Any]) -> ToolCalling | None:
 
 
 def _generation_options(
-    body: dict[str, Any],
-    max_tokens: Any,
+    req: schema.CompletionBody | schema.ChatBody,
+    max_tokens: int | None,
     max_tokens_param: str,
     logprobs: int | None,
     *,
     allow_zero: bool,
     default_max_tokens: int | None = DEFAULT_MAX_TOKENS,
 ) -> GenerationOptions:
-    stream = optional(body, "stream", bool, False)
-    stream_options = optional(body, "stream_options", dict, None)
-    if stream_options is not None and not stream:
+    """The rules that tie fields together; each field on its own was checked by the body's model."""
+    stream = bool(req.stream)
+    if req.stream_options is not None and not stream:
         raise bad_request("stream_options needs stream: true", "stream_options")
-    stream_options = stream_options or {}
-    include_usage = optional(stream_options, "include_usage", bool, False, param="stream_options")
-    continuous = optional(stream_options, "continuous_usage_stats", bool, False, param="stream_options")
-    max_tokens = optional({max_tokens_param: max_tokens}, max_tokens_param, int, default_max_tokens)
+    stream_options = req.stream_options or schema.StreamOptions()
+    max_tokens = default_max_tokens if max_tokens is None else max_tokens
     if max_tokens is not None and max_tokens < (0 if allow_zero else 1):
         limit = "at least 1 (0 only with echo)" if not allow_zero else "at least 0"
         raise bad_request(f"{max_tokens_param} must be {limit}, got {max_tokens}", max_tokens_param)
-    n = _bounded_int(body, "n", 1, 1, MAX_N)
-    best_of = _bounded_int(body, "best_of", n, n, MAX_N)
+    n = req.n or 1
+    best_of = n if req.best_of is None else req.best_of
+    if best_of < n:
+        raise bad_request(f"best_of must be at least n ({n}), got {best_of}", "best_of")
     if best_of > n and stream:
         raise bad_request("best_of cannot be used with stream", "best_of")
-    min_tokens = _bounded_int(body, "min_tokens", 0, 0, MAX_TOKENS_UNSET if max_tokens is None else max_tokens)
-    stop_token_ids = token_ids(body.get("stop_token_ids") or [], "stop_token_ids")
+    min_tokens = req.min_tokens or 0
+    if max_tokens is not None and min_tokens > max_tokens:
+        raise bad_request(f"min_tokens must be at most max_tokens ({max_tokens}), got {min_tokens}", "min_tokens")
+    stop = req.stop if req.stop is not None else []
     return GenerationOptions(
         max_tokens=max_tokens,
         n=n,
         best_of=best_of,
         stream=stream,
-        include_usage=include_usage,
-        continuous_usage=continuous,
+        include_usage=bool(stream_options.include_usage),
+        continuous_usage=bool(stream_options.continuous_usage_stats),
         logprobs=logprobs,
-        stop=_stop(body),
-        include_stop=optional(body, "include_stop_str_in_output", bool, False),
-        stop_token_ids=frozenset(stop_token_ids),
+        stop=(stop,) if isinstance(stop, str) else tuple(stop),
+        include_stop=bool(req.include_stop_str_in_output),
+        stop_token_ids=frozenset(req.stop_token_ids or ()),
         min_tokens=min_tokens,
-        ignore_eos=optional(body, "ignore_eos", bool, False),
-        sampling=_sampling(body),
-        structured=_structured_output(body, min_tokens),
+        ignore_eos=bool(req.ignore_eos),
+        sampling=_sampling(req),
+        structured=_structured_output(req, min_tokens),
     )
 
 
-def _structured_output(body: dict[str, Any], min_tokens: int) -> StructuredOutput | None:
+def _structured_output(req: schema.CompletionBody | schema.ChatBody, min_tokens: int) -> StructuredOutput | None:
     """OpenAI's ``response_format``, or vLLM's ``structured_outputs`` (one of json, regex, choice, grammar)."""
-    found = _response_format(body)
-    vllm = optional(body, "structured_outputs", dict, None)
-    if vllm is not None:
+    found = _response_format(req.response_format)
+    spec = req.structured_outputs
+    if spec is not None:
         if found is not None:
             raise bad_request("give response_format or structured_outputs, not both", "structured_outputs")
-        found = _vllm_structured_output(vllm)
+        kind = next(k for k in ("json", "regex", "choice", "grammar") if getattr(spec, _ATTR.get(k, k)) is not None)
+        found = StructuredOutput(kind, getattr(spec, _ATTR.get(kind, kind)), "structured_outputs")  # type: ignore[arg-type]
     if found is not None and min_tokens:
         raise bad_request("min_tokens cannot hold back the end of a structured output", "min_tokens")
     return found
 
 
-def _response_format(body: dict[str, Any]) -> StructuredOutput | None:
-    response_format = optional(body, "response_format", dict, None)
-    if response_format is None or response_format.get("type") == "text":
+_ATTR = {"json": "json_"}  # the pydantic attribute of vLLM's "json" key
+
+
+def _response_format(response_format: schema.ResponseFormat | None) -> StructuredOutput | None:
+    if response_format is None or response_format.type == "text":
         return None
-    kind = response_format.get("type")
-    if kind == "json_object":
+    if response_format.type == "json_object":
         return StructuredOutput("json", {"type": "object"}, "response_format")
-    if kind == "json_schema":
-        spec = response_format.get("json_schema")
-        schema = spec.get("schema", True) if isinstance(spec, dict) else None  # no schema: any JSON value
-        if not isinstance(schema, dict | bool):
-            raise bad_request("response_format.json_schema must be an object with a schema object", "response_format")
-        return StructuredOutput("json", schema, "response_format")
-    raise bad_request("response_format.type must be text, json_object or json_schema", "response_format")
+    spec = response_format.json_schema
+    return StructuredOutput("json", True if spec is None else spec.schema_, "response_format")
 
 
-def _vllm_structured_output(spec: dict[str, Any]) -> StructuredOutput:
-    given = [key for key in ("json", "regex", "choice", "grammar") if spec.get(key) is not None]
-    if len(given) != 1:
-        raise bad_request("structured_outputs takes exactly one of json, regex, choice, grammar", "structured_outputs")
-    kind, value = given[0], spec[given[0]]
-    if kind == "json" and isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except ValueError:
-            raise bad_request("structured_outputs.json is not valid JSON", "structured_outputs") from None
-    valid = {
-        "json": isinstance(value, dict | bool),
-        "regex": isinstance(value, str),
-        "grammar": isinstance(value, str),
-        "choice": isinstance(value, list) and bool(value) and all(isinstance(c, str) and c for c in value),
-    }[kind]
-    if not valid:
-        raise bad_request(f"structured_outputs.{kind} has the wrong type", "structured_outputs")
-    return StructuredOutput(kind, value, "structured_outputs")  # type: ignore[arg-type]
+def _sampling(req: schema.CompletionBody | schema.ChatBody) -> SamplingParams:
+    def number(value: float | None, default: float) -> float:
+        return default if value is None else float(value)
 
-
-def _stop(body: dict[str, Any]) -> tuple[str, ...]:
-    stop = body.get("stop")
-    if stop is None:
-        return ()
-    stops = [stop] if isinstance(stop, str) else stop
-    if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
-        raise bad_request("stop must be a non-empty string or a list of non-empty strings", "stop")
-    return tuple(stops)
-
-
-def _sampling(body: dict[str, Any]) -> SamplingParams:
-    top_k = optional(body, "top_k", int, 0)  # vLLM's: -1 or 0 turn it off
-    if top_k < -1:
-        raise bad_request(f"top_k must be -1 (off), 0 (off) or positive, got {top_k}", "top_k")
-    seed = optional(body, "seed", int, None)
-    if seed is not None and not -(2**63) <= seed < 2**64:
-        raise bad_request("seed must fit in 64 bits", "seed")
     return SamplingParams(
-        temperature=_bounded_number(body, "temperature", 1.0, 0.0, 2.0),  # 1: the OpenAI API's default
-        top_p=_bounded_number(body, "top_p", 1.0, 0.0, 1.0, open_low=True),
-        top_k=max(top_k, 0),
-        min_p=_bounded_number(body, "min_p", 0.0, 0.0, 1.0),
-        seed=seed,
-        presence_penalty=_bounded_number(body, "presence_penalty", 0.0, -2.0, 2.0),
-        frequency_penalty=_bounded_number(body, "frequency_penalty", 0.0, -2.0, 2.0),
-        repetition_penalty=_bounded_number(body, "repetition_penalty", 1.0, 0.0, math.inf, open_low=True),
-        logit_bias=_logit_bias(body),
+        temperature=number(req.temperature, 1.0),  # 1: the OpenAI API's default
+        top_p=number(req.top_p, 1.0),
+        top_k=max(req.top_k or 0, 0),
+        min_p=number(req.min_p, 0.0),
+        seed=req.seed,
+        presence_penalty=number(req.presence_penalty, 0.0),
+        frequency_penalty=number(req.frequency_penalty, 0.0),
+        repetition_penalty=number(req.repetition_penalty, 1.0),
+        logit_bias=req.token_biases(),
     )
-
-
-def _logit_bias(body: dict[str, Any]) -> tuple[tuple[int, float], ...]:
-    bias = optional(body, "logit_bias", dict, {})
-    parsed = []
-    for key, value in bias.items():
-        # "²".isdigit() holds but int("²") fails; int() also refuses over 4300 digits.
-        if not (key.isascii() and key.isdigit() and len(key) <= 18):
-            raise bad_request(f"logit_bias keys must be token ids, got {key!r}", "logit_bias")
-        parsed.append((int(key), _bounded_number({"logit_bias": value}, "logit_bias", 0.0, -100.0, 100.0)))
-    return tuple(parsed)
-
-
-def _bounded_int(body: dict[str, Any], name: str, default: int, low: int, high: int) -> int:
-    value = optional(body, name, int, default)
-    if not low <= value <= high:
-        raise bad_request(f"{name} must be between {low} and {high}, got {value}", name)
-    return value
-
-
-def _bounded_number(
-    body: dict[str, Any], name: str, default: float, low: float, high: float, *, open_low: bool = False
-) -> float:
-    value = body.get(name)
-    if value is None:
-        return default
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise bad_request(f"{name} must be a number, got {json.dumps(value)[:50]}", name)
-    in_range = (low < value) if open_low else (low <= value)
-    if not (in_range and value <= high and math.isfinite(value)):  # also rejects NaN and infinities
-        interval = f"{'(' if open_low else '['}{low}, {high}]"
-        raise bad_request(f"{name} must be in {interval}, got {value}", name)
-    return float(value)
-
-
-def _prompts(body: dict[str, Any]) -> list[Prompt]:
-    """A string, a list of strings, a list of token ids, or a list of token-id lists."""
-    prompt = body.get("prompt")
-    if prompt is None:
-        raise bad_request("prompt is required", "prompt")
-    if isinstance(prompt, str):
-        prompts: list[Any] = [prompt]
-    elif isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
-        prompts = [prompt]
-    elif (
-        isinstance(prompt, list)
-        and prompt
-        and (all(isinstance(p, str) for p in prompt) or all(isinstance(p, list) for p in prompt))
-    ):
-        prompts = prompt
-    else:
-        raise bad_request("prompt must be a string, a list of strings, or a list of token ids (or of lists)", "prompt")
-    for p in prompts:
-        if not p:
-            raise bad_request("a prompt must not be empty", "prompt")
-        if isinstance(p, list):
-            token_ids(p, "prompt")
-    return prompts
 
 
 def token_ids(value: Any, param: str) -> list[int]:

@@ -1,15 +1,19 @@
-"""Typed request models (pydantic v2) for the nested parts of a request: chat messages, tools, tool_choice.
+"""The request bodies of /v1/completions and /v1/chat/completions as typed models (pydantic v2), declared once.
 
-Validation is strict (JSON types as sent: ``"1"`` is not an integer, ``true`` is not a number), and a
-``ValidationError`` becomes one 400 in the OpenAI envelope whose ``param`` is the offending field's path in the
-request body, ``messages[2].tool_calls[0].function.name`` style.
+Validation is strict (JSON types as sent: ``"1"`` is not an integer, ``true`` is not a number), JSON null means
+absent, and a ``ValidationError`` becomes one 400 in the OpenAI envelope whose ``param`` is the offending
+field's path in the body, ``messages[2].tool_calls[0].function.name`` style. Rules that tie fields together
+(``best_of`` >= ``n``, ``min_tokens`` <= ``max_tokens``, ``stream_options`` needs ``stream``) are checked where the
+request becomes generation options (``protocol.py``); so are the limits that depend on the model (vocabulary
+size, context length).
 """
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from app.errors import APIError, bad_request
 
@@ -68,9 +72,6 @@ class Message(_Model):
         return content if isinstance(content, str) else "".join(part.text for part in content)
 
 
-Messages = TypeAdapter(Annotated[list[Message], Field(min_length=1)])
-
-
 # -- tools -----------------------------------------------------------------------------------------------
 
 
@@ -95,36 +96,168 @@ class NamedToolChoice(_Model):
     function: NamedFunction
 
 
-Tools = TypeAdapter(list[Tool])
-ToolChoice = TypeAdapter(Literal["none", "auto", "required"] | NamedToolChoice)
+# -- the bodies ------------------------------------------------------------------------------------------
+
+MAX_N = 16
+MAX_LOGPROBS = 20
+
+Bounded = Annotated[float, Field(allow_inf_nan=False)]
+NonEmpty = Annotated[str, Field(min_length=1)]
+TokenId = Annotated[int, Field(ge=0)]
 
 
-def validated(adapter: TypeAdapter[Any], value: Any, param: str) -> Any:
-    """``value`` (found at ``param`` in the body) checked by ``adapter``; a 400 naming the field if not."""
+class StreamOptions(_Model):
+    include_usage: bool | None = None
+    continuous_usage_stats: bool | None = None  # vLLM's
+
+
+class JsonSchemaFormat(_Model):
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | bool = Field(True, alias="schema")  # no schema: any JSON value
+    strict: bool | None = None  # the grammar holds the output to the schema either way
+
+
+class ResponseFormat(_Model):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputs(_Model):
+    """vLLM's ``structured_outputs``: exactly one of a JSON schema, a regex, a choice of strings, a Lark grammar."""
+
+    json_: dict[str, Any] | bool | str | None = Field(None, alias="json")  # a schema, or its JSON text
+    regex: str | None = None
+    choice: Annotated[list[NonEmpty], Field(min_length=1)] | None = None
+    grammar: str | None = None
+
+    @model_validator(mode="after")
+    def _one(self) -> StructuredOutputs:
+        if sum(value is not None for value in (self.json_, self.regex, self.choice, self.grammar)) != 1:
+            raise ValueError("give exactly one of json, regex, choice, grammar")
+        if isinstance(self.json_, str):
+            try:
+                object.__setattr__(self, "json_", json.loads(self.json_))
+            except ValueError:
+                raise ValueError("json is not valid JSON") from None
+        return self
+
+
+class _Body(_Model):
+    """What both endpoints take. Unknown fields are allowed (``user``, ``metadata``) and ignored."""
+
+    model_config = ConfigDict(strict=True, frozen=True, extra="allow", populate_by_name=True)
+
+    model: str | None = None
+    max_tokens: int | None = None  # its lower bound depends on the endpoint: see protocol
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    n: Annotated[int, Field(ge=1, le=MAX_N)] | None = None
+    best_of: Annotated[int, Field(ge=1, le=MAX_N)] | None = None
+    min_tokens: Annotated[int, Field(ge=0)] | None = None
+    stop: NonEmpty | list[NonEmpty] | None = None
+    stop_token_ids: list[TokenId] | None = None
+    include_stop_str_in_output: bool | None = None
+    ignore_eos: bool | None = None
+    temperature: Annotated[Bounded, Field(ge=0, le=2)] | None = None
+    top_p: Annotated[Bounded, Field(gt=0, le=1)] | None = None
+    top_k: Annotated[int, Field(ge=-1)] | None = None  # vLLM's: -1 or 0 turn it off
+    min_p: Annotated[Bounded, Field(ge=0, le=1)] | None = None
+    seed: Annotated[int, Field(ge=-(2**63), lt=2**64)] | None = None
+    presence_penalty: Annotated[Bounded, Field(ge=-2, le=2)] | None = None
+    frequency_penalty: Annotated[Bounded, Field(ge=-2, le=2)] | None = None
+    repetition_penalty: Annotated[Bounded, Field(gt=0)] | None = None  # vLLM's
+    logit_bias: dict[str, Any] | None = None
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _token_biases(cls, bias: dict[str, Any] | None) -> dict[str, Any] | None:
+        for key, value in (bias or {}).items():
+            # "²".isdigit() holds but int("²") fails; int() also refuses over 4300 digits.
+            if not (key.isascii() and key.isdigit() and len(key) <= 18):
+                raise ValueError(f"keys must be token ids, got {key[:20]!r}")
+            if isinstance(value, bool) or not isinstance(value, int | float) or not -100 <= value <= 100:
+                raise ValueError(f"values must be numbers in [-100, 100], got {json.dumps(value)[:20]}")
+        return bias
+
+    def token_biases(self) -> tuple[tuple[int, float], ...]:
+        return tuple((int(key), float(value)) for key, value in (self.logit_bias or {}).items())
+
+
+class CompletionBody(_Body):
+    prompt: Any = Field(None, validate_default=True)  # checked below: a union whose errors should name the prompt
+    echo: bool | None = None
+    logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+
+    @field_validator("prompt")
+    @classmethod
+    def _prompt(cls, prompt: Any) -> list[str | list[int]]:
+        """A string, a list of strings, a list of token ids, or a list of token-id lists: as a list of prompts."""
+        if prompt is None:
+            raise ValueError("prompt is required")
+        if isinstance(prompt, str):
+            prompts: list[Any] = [prompt]
+        elif isinstance(prompt, list) and prompt and all(_is_token(t) for t in prompt):
+            prompts = [prompt]
+        elif isinstance(prompt, list) and prompt and (_all(prompt, str) or _all(prompt, list)):
+            prompts = prompt
+        else:
+            raise ValueError("prompt must be a string, a list of strings, or a list of token ids (or of lists)")
+        for p in prompts:
+            if not p:
+                raise ValueError("a prompt must not be empty")
+            if isinstance(p, list) and not all(_is_token(t) for t in p):
+                raise ValueError("token ids must be non-negative integers")
+        return prompts
+
+
+class ChatBody(_Body):
+    messages: Annotated[list[Message], Field(min_length=1)]
+    max_completion_tokens: int | None = None
+    logprobs: bool | None = None
+    top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+
+
+def _is_token(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _all(values: list[Any], kind: type) -> bool:
+    return all(isinstance(value, kind) for value in values)
+
+
+def validated(model: type[BaseModel], body: dict[str, Any]) -> Any:
+    """``body`` checked by ``model``; a 400 naming the offending field if not."""
     try:
-        return adapter.validate_python(value, strict=True)
+        return model.model_validate(body, strict=True)
     except ValidationError as exc:
-        raise _as_bad_request(exc, value, param) from None
+        raise _as_bad_request(exc, body) from None
 
 
-def _as_bad_request(exc: ValidationError, value: Any, param: str) -> APIError:
+def _as_bad_request(exc: ValidationError, body: dict[str, Any]) -> APIError:
     # Of a union's errors (content is a string, or a list of parts: two errors), the one that got deepest.
-    paths = [(_path(param, error, value), error) for error in exc.errors(include_url=False)]
+    paths = [(_path(error, body), error) for error in exc.errors(include_url=False)]
     depth = max(path.count(".") + path.count("[") for path, _ in paths)
     path, error = next((p, e) for p, e in paths if p.count(".") + p.count("[") == depth)
     message = error["msg"].removeprefix("Value error, ")
-    return bad_request(f"{path}: {message}", path)
+    return bad_request(f"{path}: {message}" if path else message, path or None)
 
 
-def _path(param: str, error: Any, value: Any) -> str:
+def _path(error: Any, value: Any) -> str:
     """The body path of an error's location. Pydantic's ``loc`` also names the union member it tried
     (``str``, ``list[TextPart]``): walking the value itself keeps only the steps that are really there."""
-    path, loc = param, error["loc"]
+    path, loc = "", error["loc"]
     for step in loc:
         if isinstance(value, list) and isinstance(step, int) and 0 <= step < len(value):
             path, value = f"{path}[{step}]", value[step]
         elif isinstance(value, dict) and isinstance(step, str) and step in value:
-            path, value = f"{path}.{step}", value[step]
-    if error["type"] == "missing" and loc and isinstance(loc[-1], str):
-        path = f"{path}.{loc[-1]}"  # the field that is not there
+            path, value = f"{path}.{step}" if path else step, value[step]
+    missing = loc[-1] if error["type"] == "missing" else (loc[0] if loc and not path else None)
+    if isinstance(missing, str):  # a field that is not there (required, or checked although absent)
+        path = f"{path}.{missing}" if path else missing
     return path

@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 from starlette.testclient import TestClient
 
+from app.schema import ChatBody, CompletionBody
 from app.server import ServerConfig, create_app
 from engine.chooser import ServedModel
 from engine.fake_engine import FakeEngine
@@ -145,9 +146,9 @@ def test_tokenize_and_detokenize(client: TestClient) -> None:
         ("/v1/completions", {"prompt": "x", "logprobs": -1}, "logprobs"),
         ("/v1/completions", {"prompt": "x", "max_tokens": 0}, "max_tokens"),
         ("/v1/completions", {"prompt": "x", "stop": ""}, "stop"),
-        ("/v1/completions", {"prompt": "x", "stop": ["a", ""]}, "stop"),
+        ("/v1/completions", {"prompt": "x", "stop": ["a", ""]}, "stop[1]"),
         ("/v1/completions", {"prompt": "x", "stop": 3}, "stop"),
-        ("/v1/completions", {"prompt": "x", "stop_token_ids": [-1]}, "stop_token_ids"),
+        ("/v1/completions", {"prompt": "x", "stop_token_ids": [-1]}, "stop_token_ids[0]"),
         ("/v1/completions", {"prompt": "x", "stop_token_ids": [999]}, "stop_token_ids"),
         ("/v1/completions", {"prompt": "x", "min_tokens": 20, "max_tokens": 10}, "min_tokens"),
         ("/v1/completions", {"prompt": "x", "min_p": 1.5}, "min_p"),
@@ -275,3 +276,14 @@ def test_what_clients_send_by_default_is_accepted(client: TestClient) -> None:
     assert post(client, {**CHAT, "tool_choice": "none", "parallel_tool_calls": False, "max_tokens": 1},
                 "/v1/chat/completions")["choices"]  # fmt: skip
 
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "model"),
+    [("/v1/completions", {"prompt": "x"}, CompletionBody), ("/v1/chat/completions", CHAT, ChatBody)],
+)
+def test_null_means_absent_for_every_field(client: TestClient, path: str, body: dict, model: type) -> None:
+    """Clients (LangChain, litellm) send every field they know, unset ones as null: each is its default."""
+    fields = {field.alias or name: None for name, field in model.model_fields.items() if name not in body}
+    reply = post(client, {**body, **fields, "max_tokens": 2}, path)
+    assert reply["usage"]["completion_tokens"] == 2

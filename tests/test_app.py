@@ -150,7 +150,7 @@ def test_unknown_fields_are_ignored(client: TestClient) -> None:
         (b'{"prompt": "x", "model": 3}', "model"),
         (b'{"prompt": "x", "stream": "yes"}', "stream"),
         (b'{"prompt": "x", "stream": true, "stream_options": 1}', "stream_options"),
-        (b'{"prompt": "x", "stream": true, "stream_options": {"include_usage": 1}}', "stream_options"),
+        (b'{"prompt": "x", "stream": true, "stream_options": {"include_usage": 1}}', "stream_options.include_usage"),
         (b'{"prompt": "x", "ignore_eos": "no"}', "ignore_eos"),
         (b'{"prompt": "x", "temperature": -0.1}', "temperature"),
         (b'{"prompt": "x", "temperature": 2.5}', "temperature"),

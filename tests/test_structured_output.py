@@ -75,10 +75,13 @@ def test_a_budget_that_ends_first_gives_length(client: TestClient) -> None:
     ("fields", "param"),
     [
         ({"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "frob"}}}}, "response_format"),
-        ({"response_format": {"type": "xml"}}, "response_format"),
-        ({"response_format": {"type": "json_schema", "json_schema": {"schema": "not a schema"}}}, "response_format"),
+        ({"response_format": {"type": "xml"}}, "response_format.type"),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"schema": "not a schema"}}},
+            "response_format.json_schema.schema",
+        ),
         ({"structured_outputs": {"regex": "(unclosed"}}, "structured_outputs"),
-        ({"structured_outputs": {"choice": []}}, "structured_outputs"),
+        ({"structured_outputs": {"choice": []}}, "structured_outputs.choice"),
         ({"structured_outputs": {"json": {}, "regex": "a"}}, "structured_outputs"),
         ({"structured_outputs": {"grammar": "start: nowhere"}}, "structured_outputs"),
         ({"structured_outputs": {"choice": ["a"]}, "response_format": {"type": "json_object"}}, "structured_outputs"),
