@@ -80,27 +80,36 @@ def render(messages: list[Message], calling: ToolCalling | None, native: bool) -
     itself (arguments as objects, as Hermes-style templates expect); else it is written out as text here."""
     if native:
         return [_native(message) for message in messages]
-    rendered: list[dict[str, Any]] = []
-    for message in messages:
-        if message.role == "tool":
-            response = f"<tool_response>\n{message.text}\n</tool_response>"
-            if rendered and rendered[-1].get("tool_responses"):  # consecutive results: one user turn
-                rendered[-1]["content"] += "\n" + response
-            else:
-                rendered.append({"role": "user", "content": response, "tool_responses": True})
-        elif message.tool_calls:
-            calls = "\n".join(call_text(call.function.name, call.function.arguments) for call in message.tool_calls)
-            rendered.append({"role": "assistant", "content": "\n".join(filter(None, [message.text, calls]))})
-        else:
-            rendered.append({"role": message.role, "content": message.text})
+    turns = _as_text(messages)
     tools = calling.definitions() if calling is not None else []
     if tools:
         prompt = TOOL_PROMPT.format(tools="\n".join(json.dumps(tool, ensure_ascii=False) for tool in tools))
-        if rendered[0]["role"] in ("system", "developer"):
-            rendered[0]["content"] += "\n\n" + prompt
+        if turns[0]["role"] in ("system", "developer"):
+            turns[0]["content"] += "\n\n" + prompt
         else:
-            rendered.insert(0, {"role": "system", "content": prompt})
-    return [{"role": m["role"], "content": m["content"]} for m in rendered]
+            turns.insert(0, {"role": "system", "content": prompt})
+    return turns
+
+
+def _as_text(messages: list[Message]) -> list[dict[str, str]]:
+    """Calls in the assistant's turn as the grammar spells them; tool results as one user turn of
+    ``<tool_response>`` blocks per run of results, as Qwen's template writes them."""
+    turns: list[dict[str, str]] = []
+    after_result = False
+    for message in messages:
+        if message.role == "tool":
+            response = f"<tool_response>\n{message.text}\n</tool_response>"
+            if after_result:
+                turns[-1]["content"] += "\n" + response
+            else:
+                turns.append({"role": "user", "content": response})
+        elif message.tool_calls:
+            calls = "\n".join(call_text(call.function.name, call.function.arguments) for call in message.tool_calls)
+            turns.append({"role": "assistant", "content": "\n".join(filter(None, [message.text, calls]))})
+        else:
+            turns.append({"role": message.role, "content": message.text})
+        after_result = message.role == "tool"
+    return turns
 
 
 def call_text(name: str, arguments: str) -> str:
