@@ -1,1 +1,2 @@
-"""Scheduling and model execution. Only hf_engine, kv_cache and loader import torch."""
+"""Scheduling and model execution. Only hf_engine, model_runner, kv_cache, attention, os_memory, sampler,
+kernels and loader import torch."""

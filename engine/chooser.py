@@ -38,7 +38,7 @@ def build(config: EngineConfig) -> ServedModel:
 def _build_hf(config: EngineConfig, engine_thread: ThreadPoolExecutor) -> ServedModel:
     from engine import loader
     from engine.hf_engine import HFEngine
-    from engine.kv_cache import trim_heap
+    from engine.os_memory import trim_heap
 
     loaded = loader.load(config.model, config.dtype)
     max_model_len = min(config.max_model_len or loaded.max_position_embeddings, loaded.max_position_embeddings)

@@ -1,18 +1,13 @@
-"""KV memory for the continuous engine, and the attention function that reads and writes it in place.
+"""KV memory for the continuous engine: its layout, growth, and the writes into it.
 
 Layout. Every decoding sequence owns one *slot*: a row of one preallocated tensor per model,
 ``[layers, 2 (key/value), slots, kv_heads, positions, head_dim]``. Decoding sequences always fill slots
 ``0..n-1``, so a decode step attends over the plain view ``kv[layer, 0, :n, :, :L]`` with no gather and no
 copy; each step writes only the new token's K/V at its own position. When a sequence leaves, the last slot
 moves into its hole (one sequence's KV, once per departure). The tensor grows in slots and positions as
-needed, amortized, and is freed when no sequence is left, so memory follows what is held.
-
-Decode rows attend in the native kernel (``engine/csrc/decode_attention.cpp``) where it could be built,
-else in torch's ``scaled_dot_product_attention``. For the kernel, keys are stored in tiles of 16 positions laid
-out ``[head_dim / 2][16][2]`` (``tile_keys``), so that it scores 16 positions at once with no horizontal sums;
-the tensor's shape is the same either way. Prompt rows attend in the same kernel, each as a decode row at its
-position would: a row's attention is then one fixed sequence of operations, whatever else the step holds and
-however its prompt was split into chunks (batch-invariant greedy decoding rests on it).
+needed, amortized, and is freed when no sequence is left, so memory follows what is held. Where the native
+decode kernel runs, keys are stored in its tiles of 16 positions laid out ``[head_dim / 2][16][2]``
+(``write_tiled``, ``tile_keys``); the tensor's shape is the same either way.
 
 With ``kv_cache_dtype="int8"`` the same tensor holds uint8 (keys offset by 128, in tiles of 16 positions laid out
 ``[head_dim / 4][16][4]``; values in pairs of positions laid out ``[head_dim][2]``) and ``scales`` holds one
@@ -22,25 +17,19 @@ A newcomer's prompt is prefilled into a *staging* tensor of its own (``[layers, 
 its positions rounded up to whole tiles, keys laid out as in a slot), possibly over several steps, and copied
 into a slot once its prompt is complete.
 
-Rows of one step's forward are packed into a single sequence: first one row per decoding slot, in slot
-order, then each prefill chunk. ``slot_attention`` receives a ``StepBatch`` through the model's kwargs and
-splits the rows back into their sequences.
+The attention that reads and writes this memory is ``engine/attention.py``; the OS memory calls are
+``engine/os_memory.py``.
 """
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
-import math
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from engine import kernels
-
-ATTENTION_NAME = "smolserve_slots"
+from engine.os_memory import trim_heap, zeros_in_huge_pages
 
 # Positions are allocated in multiples of this, so growth (a full copy) is rare.
 _POSITION_BLOCK = 256
@@ -232,110 +221,6 @@ class SlotKVCache:
             trim_heap()
 
 
-def attend(
-    batch: StepBatch, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float | None
-) -> torch.Tensor:
-    """Attention over one step's packed rows: ``query`` ``[rows, heads, dim]``, ``key``/``value``
-    ``[rows, kv_heads, dim]`` (after RoPE). Writes the rows' K/V into the cache; returns ``[rows, heads, dim]``."""
-    scale = query.shape[-1] ** -0.5 if scale is None else scale
-    if not batch.chunks:
-        return _decode_attention(batch, layer, query, key, value, scale)
-    out = torch.empty_like(query)
-    n = batch.num_decode
-    if n:
-        out[:n] = _decode_attention(batch, layer, query[:n], key[:n], value[:n], scale)
-    for chunk in batch.chunks:
-        rows = slice(chunk.row, chunk.row + chunk.length)
-        out[rows] = _prefill_attention(batch, chunk, layer, query[rows], key[rows], value[rows], scale)
-    return out
-
-
-def slot_attention(
-    module: torch.nn.Module,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    scaling: float | None = None,
-    dropout: float = 0.0,
-    **kwargs: object,
-) -> tuple[torch.Tensor, None]:
-    """``attend`` as a transformers attention function, registered as ``ATTENTION_NAME``.
-
-    transformers passes ``[1, heads, rows, dim]`` and expects ``[1, rows, heads, dim]`` back.
-    """
-    batch = kwargs["step_batch"]
-    assert isinstance(batch, StepBatch)
-    rows_first = (t[0].transpose(0, 1) for t in (query, key, value))
-    return attend(batch, module.layer_idx, *rows_first, scaling).unsqueeze(0), None
-
-
-def _decode_attention(
-    batch: StepBatch, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float
-) -> torch.Tensor:
-    """One new token per slot, attending over its slot's positions ``0..position``."""
-    n = batch.num_decode
-    kv = batch.cache.kv
-    assert kv is not None
-    num_heads, num_kv_heads = query.shape[1], key.shape[1]
-    batch.cache.write(layer, batch.decode_slots, batch.decode_positions, key, value)
-    # Grouped-query attention without repeating K/V: the query heads that share a KV head become that
-    # head's "query length", which is free for a single new token per row.
-    q = query.reshape(n, num_kv_heads, num_heads // num_kv_heads, -1)
-    native = batch.cache.native_attention
-    if batch.cache.quantized:
-        return batch.cache.attend_int8(layer, q, batch.decode_lengths, scale).reshape(n, num_heads, -1)
-    if native is not None:
-        return native(q, kv[layer, 0, :n], kv[layer, 1, :n], batch.decode_lengths, scale).reshape(n, num_heads, -1)
-    keys = kv[layer, 0, :n, :, : batch.decode_len]
-    values = kv[layer, 1, :n, :, : batch.decode_len]
-    attended = F.scaled_dot_product_attention(q, keys, values, attn_mask=batch.decode_mask, scale=scale)
-    return attended.reshape(n, num_heads, -1)
-
-
-def _prefill_attention(
-    batch: StepBatch,
-    chunk: PrefillChunk,
-    layer: int,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    scale: float,
-) -> torch.Tensor:
-    """A chunk of prompt rows, attending causally over the prompt so far (its staging tensor).
-
-    Where the native kernel runs, each prompt row is attended exactly as a decode row at that position would
-    be (the same kernel, the same order of every sum), so a prompt's rows come out the same however it is
-    split into chunks and whatever shares its steps, and the same as if its tokens had been decoded one by
-    one. Elsewhere torch's attention runs over the chunk."""
-    end = chunk.start + chunk.length
-    native = batch.cache.native_attention
-    keys, values = chunk.staging[layer, 0], chunk.staging[layer, 1]  # [kv_heads, positions, dim]
-    values[:, chunk.start : end] = value.transpose(0, 1)
-    if native is not None:
-        write_tiled(keys, (slice(None), torch.arange(chunk.start, end, device=key.device)), key)
-        rows, num_kv_heads = query.shape[0], key.shape[1]
-        q = query.reshape(rows, num_kv_heads, query.shape[1] // num_kv_heads, -1)
-        lengths = torch.arange(chunk.start + 1, end + 1, device=query.device)
-        shared = (rows, *keys.shape)  # every row reads the same staging: a stride-0 view, no copy
-        attended = native(q, keys.expand(shared), values.expand(shared), lengths, scale)
-        return attended.reshape(rows, query.shape[1], -1)
-    keys[:, chunk.start : end] = key.transpose(0, 1)
-    q = query.transpose(0, 1)
-    if chunk.start == 0:
-        attended = F.scaled_dot_product_attention(
-            q, keys[:, :end], values[:, :end], is_causal=True, scale=scale, enable_gqa=True
-        )
-    else:
-        # Row i sits at prompt position start + i and sees positions 0..start + i.
-        positions = torch.arange(end, device=q.device)
-        mask = positions[None, :] <= positions[chunk.start :, None]
-        attended = F.scaled_dot_product_attention(
-            q, keys[:, :end], values[:, :end], attn_mask=mask, scale=scale, enable_gqa=True
-        )
-    return attended.transpose(0, 1)
-
-
 def write_tiled(keys: torch.Tensor, where: tuple[Any, ...], key: torch.Tensor) -> None:
     """Store ``key`` into ``keys`` (``[..., positions, dim]`` in the native kernel's tiles) at ``where``: one
     index per dim of ``keys`` but the last, the last a tensor of positions. ``key`` is shaped as
@@ -362,34 +247,6 @@ def _int8_ops(device: torch.device, dtype: torch.dtype, head_dim: int) -> Any:
             f"head size that is a multiple of 4 up to 256 (this one: {head_dim}, {dtype} on {device.type})"
         )
     return ops
-
-
-_HUGE_PAGE = 2 << 20
-_MADV_HUGEPAGE = 14
-
-
-def zeros_in_huge_pages(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """``torch.zeros`` whose memory the OS is asked to back with 2 MiB pages (``madvise``, where transparent
-    huge pages are given only on request, a common default). Read in 4 KiB pages, a large cache pays a TLB
-    miss and a restart of the hardware prefetcher every 4 KiB: here, the decode kernels over 8 x 2048
-    positions ran 10-20% faster from huge pages."""
-    nbytes = math.prod(shape) * dtype.itemsize
-    if device.type != "cpu" or nbytes < 4 * _HUGE_PAGE:
-        return torch.zeros(shape, dtype=dtype, device=device)
-    raw = torch.empty(nbytes + _HUGE_PAGE, dtype=torch.uint8)
-    offset = -raw.data_ptr() % _HUGE_PAGE
-    with contextlib.suppress(OSError, AttributeError):  # no glibc: ordinary pages
-        libc = ctypes.CDLL("libc.so.6")
-        libc.madvise(ctypes.c_void_p(raw.data_ptr() + offset), ctypes.c_size_t(nbytes), _MADV_HUGEPAGE)
-    return raw[offset : offset + nbytes].view(dtype).view(shape).zero_()
-
-
-def trim_heap() -> None:
-    """Hand freed heap memory back to the OS. glibc keeps freed blocks (the many mid-sized step tensors, a
-    model freed after loading) in its arenas; without a trim RSS stays at its high-water mark. A no-op where
-    there is no glibc."""
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
 
 
 def _round_up(value: int, multiple: int) -> int:

@@ -20,7 +20,8 @@ import torch.nn.functional as F
 from transformers import AttentionInterface, PreTrainedModel
 
 from engine import kernels
-from engine.kv_cache import ATTENTION_NAME, StepBatch, attend, slot_attention
+from engine.attention import ATTENTION_NAME, attend, slot_attention
+from engine.kv_cache import StepBatch
 
 AttentionInterface.register(ATTENTION_NAME, slot_attention)
 log = logging.getLogger(__name__)

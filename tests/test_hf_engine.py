@@ -235,7 +235,7 @@ def _vm_flags(address: int) -> list[str]:
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/smaps"), reason="needs Linux's /proc")
 def test_large_kv_storage_is_zeroed_and_asked_for_huge_pages() -> None:
-    from engine.kv_cache import zeros_in_huge_pages
+    from engine.os_memory import zeros_in_huge_pages
 
     shape = (2, 2, 8, 3, 1024, 64)  # 12 MiB
     kv = zeros_in_huge_pages(shape, torch.bfloat16, torch.device("cpu"))
