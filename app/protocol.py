@@ -228,14 +228,10 @@ def _structured_output(req: schema.CompletionBody | schema.ChatBody, min_tokens:
     if spec is not None:
         if found is not None:
             raise bad_request("give response_format or structured_outputs, not both", "structured_outputs")
-        kind = next(k for k in ("json", "regex", "choice", "grammar") if getattr(spec, _ATTR.get(k, k)) is not None)
-        found = StructuredOutput(kind, getattr(spec, _ATTR.get(kind, kind)), "structured_outputs")  # type: ignore[arg-type]
+        found = StructuredOutput(*spec.chosen(), "structured_outputs")
     if found is not None and min_tokens:
         raise bad_request("min_tokens cannot hold back the end of a structured output", "min_tokens")
     return found
-
-
-_ATTR = {"json": "json_"}  # the pydantic attribute of vLLM's "json" key
 
 
 def _response_format(response_format: schema.ResponseFormat | None) -> StructuredOutput | None:
@@ -266,7 +262,7 @@ def _sampling(req: schema.CompletionBody | schema.ChatBody) -> SamplingParams:
 
 def token_ids(value: Any, param: str) -> list[int]:
     """``value`` checked to be a list of token ids (non-negative integers; the vocabulary is the caller's)."""
-    if not isinstance(value, list) or not all(_is_int(t) and t >= 0 for t in value):
+    if not isinstance(value, list) or not all(schema.is_token(t) for t in value):
         raise bad_request(f"{param} must be a list of non-negative integer token ids", param)
     return value
 

@@ -133,7 +133,7 @@ class StructuredOutputs(_Model):
 
     @model_validator(mode="after")
     def _one(self) -> StructuredOutputs:
-        if sum(value is not None for value in (self.json_, self.regex, self.choice, self.grammar)) != 1:
+        if len(self._given()) != 1:
             raise ValueError("give exactly one of json, regex, choice, grammar")
         if isinstance(self.json_, str):
             try:
@@ -142,11 +142,20 @@ class StructuredOutputs(_Model):
                 raise ValueError("json is not valid JSON") from None
         return self
 
+    def chosen(self) -> tuple[Literal["json", "regex", "choice", "grammar"], Any]:
+        """The one kind given, and its value."""
+        [(kind, value)] = self._given().items()
+        return kind, value  # type: ignore[return-value]
+
+    def _given(self) -> dict[str, Any]:
+        given = {"json": self.json_, "regex": self.regex, "choice": self.choice, "grammar": self.grammar}
+        return {kind: value for kind, value in given.items() if value is not None}
+
 
 class _Body(_Model):
     """What both endpoints take. Unknown fields are allowed (``user``, ``metadata``) and ignored."""
 
-    model_config = ConfigDict(strict=True, frozen=True, extra="allow", populate_by_name=True)
+    model_config = ConfigDict(strict=True, frozen=True, extra="allow")
 
     model: str | None = None
     max_tokens: int | None = None  # its lower bound depends on the endpoint: see protocol
@@ -199,7 +208,7 @@ class CompletionBody(_Body):
             raise ValueError("prompt is required")
         if isinstance(prompt, str):
             prompts: list[Any] = [prompt]
-        elif isinstance(prompt, list) and prompt and all(_is_token(t) for t in prompt):
+        elif isinstance(prompt, list) and prompt and all(is_token(t) for t in prompt):
             prompts = [prompt]
         elif isinstance(prompt, list) and prompt and (_all(prompt, str) or _all(prompt, list)):
             prompts = prompt
@@ -208,7 +217,7 @@ class CompletionBody(_Body):
         for p in prompts:
             if not p:
                 raise ValueError("a prompt must not be empty")
-            if isinstance(p, list) and not all(_is_token(t) for t in p):
+            if isinstance(p, list) and not all(is_token(t) for t in p):
                 raise ValueError("token ids must be non-negative integers")
         return prompts
 
@@ -223,7 +232,8 @@ class ChatBody(_Body):
     parallel_tool_calls: bool | None = None
 
 
-def _is_token(value: Any) -> bool:
+def is_token(value: Any) -> bool:
+    """A token id: a non-negative integer (the vocabulary's bound is the server's to check)."""
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 

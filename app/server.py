@@ -79,6 +79,8 @@ class _State:
         self.metrics = Metrics(lambda: self.scheduler.num_running, lambda: self.scheduler.num_waiting)
         self.scheduler.on_step = self.metrics.observe_step
         self.grammars = Grammars(served.tokenizer)
+        #: Whether the chat template renders tools itself: it speaks the call syntax (``app/tools.py``).
+        self.native_tools = tools.OPEN in (served.tokenizer.info().get("chat_template") or "")
         self.created = int(time.time())
         self.sse_ping = config.sse_keepalive_s or 0  # sse-starlette: 0 sends no pings
         #: Set when shutdown begins: new requests get 503 while in-flight ones finish.
@@ -105,7 +107,7 @@ class _State:
     def chat_prompt(self, messages: list[Message], calling: ToolCalling | None = None) -> list[int]:
         """The conversation through the model's template; tools through the template when it speaks the call
         syntax, else through the default tool prompt (``app/tools.py``)."""
-        native = calling is not None and tools.OPEN in (self.tokenizer.info().get("chat_template") or "")
+        native = calling is not None and self.native_tools
         rendered = tools.render(messages, calling, native)
         definitions = calling.definitions() if native and calling is not None else None
         return self.tokenizer.chat_prompt(rendered, definitions or None)

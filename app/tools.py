@@ -215,10 +215,8 @@ class ToolCallParser:
         self._pending += text
         released: list[str] = []
         deltas: list[dict[str, Any]] = []
-        while self._pending:
-            step = {"text": self._text, "head": self._head, "arguments": self._arguments, "tail": self._tail}
-            if not step[self._state](released, deltas):
-                break
+        while self._pending and getattr(self, f"_{self._state}")(released, deltas):
+            pass
         self.content += released
         return "".join(released), deltas
 

@@ -81,9 +81,10 @@ class Grammars:
         return Grammars.lark("start: " + " | ".join(json.dumps(option, ensure_ascii=False) for option in options))
 
     @staticmethod
-    def check(grammar: str) -> None:
-        """Raises GrammarError when ``grammar`` cannot compile for any tokenizer (cheap: no token masks)."""
-        is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar)
+    def check(grammar: str, tokenizer: llguidance.LLTokenizer | None = None) -> None:
+        """Raises GrammarError when ``grammar`` cannot compile (for ``tokenizer``, or for any tokenizer: cheap,
+        no token masks)."""
+        is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, tokenizer)
         if is_error:
             raise GrammarError("; ".join(messages))
 
@@ -104,9 +105,7 @@ class Grammars:
     def _compile(self, grammar: str) -> llguidance.LLMatcher:
         if self._ll_tokenizer is None:
             self._ll_tokenizer = _ll_tokenizer(self._tokenizer)
-        is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, self._ll_tokenizer)
-        if is_error:
-            raise GrammarError("; ".join(messages))
+        self.check(grammar, self._ll_tokenizer)
         matcher = llguidance.LLMatcher(self._ll_tokenizer, grammar, log_level=0)
         if matcher.is_error():
             raise GrammarError(matcher.get_error())
