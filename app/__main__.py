@@ -39,6 +39,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="auto: the model's dtype; int8: half of bfloat16's memory, faster decode at long contexts (CPU)",
     )
     parser.add_argument(
+        "--no-prefix-caching",
+        dest="prefix_caching",
+        action="store_false",
+        help="do not keep computed prompt and answer blocks for later requests that start the same way",
+    )
+    parser.add_argument(
         "--max-num-batched-tokens",
         type=int,
         default=defaults.max_num_batched_tokens,
@@ -50,7 +56,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         type=float,
         default=ServerConfig().kv_cache_idle_release_s,
         metavar="SECONDS",
-        help="idle time after which the KV cache's memory is handed back (kept until then for the next requests)",
+        help="idle time after which the KV cache's memory is handed back if the prefix cache holds nothing",
     )
     parser.add_argument(
         "--api-key",
@@ -80,6 +86,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         max_model_len=args.max_model_len,
         kv_cache_gib=args.kv_cache_gib,
         kv_cache_dtype=args.kv_cache_dtype,
+        prefix_caching=args.prefix_caching,
         max_num_batched_tokens=args.max_num_batched_tokens,
     )
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 
-from engine.types import FinishReason, GenerationRequest, StepOutput
+from engine.types import FinishReason, GenerationRequest, MemoryStats, StepOutput
 
 
 class InferenceEngine(ABC):
@@ -51,6 +51,10 @@ class InferenceEngine(ABC):
     def describe_step(self) -> str:
         """What the step being run (or the last one) held, for the log line of a step that failed."""
         return ""
+
+    def memory_stats(self) -> MemoryStats | None:
+        """The KV memory's blocks and prefix-cache counters, for metrics; None for an engine without blocks."""
+        return None
 
     def release_idle_memory(self) -> None:  # noqa: B027 - optional: an engine may keep nothing for reuse
         """Hand back memory kept for reuse between sequences; called by the scheduler once it has been idle

@@ -7,7 +7,9 @@ sequence references it, but it holds a full block of a prompt or answer that a n
 block is known by a hash chained over its tokens and its parent block's hash, so equal hashes mean equal
 prefixes. Cached blocks are evicted least recently used first, only when a block is needed and none is free.
 
-This is the first part of block-based KV memory (issue #15); the engine does not use it yet.
+A newcomer takes the longest run of cached blocks that holds a prefix of its tokens (``match``), and, where the
+next cached block shares only its first tokens with it, that block to copy those from (``match_partial``): the
+engine copies it into a block of its own before writing, so a block two sequences share is never written.
 """
 
 from __future__ import annotations
@@ -51,6 +53,8 @@ class BlockPool:
     _hash_of: dict[int, bytes] = field(default_factory=dict)  # full blocks that carry their hash
     _by_hash: dict[bytes, int] = field(default_factory=dict)  # the block that answers for each hash
     _evictable: OrderedDict[int, None] = field(default_factory=OrderedDict)  # cached, least recent first
+    _tokens_of: dict[int, tuple[bytes, tuple[int, ...]]] = field(default_factory=dict)  # parent hash, tokens
+    _children: dict[bytes, set[int]] = field(default_factory=dict)  # hashed blocks by their parent's hash
     #: Prefix-cache accounting, in tokens (as vLLM's prefix_cache_queries / prefix_cache_hits).
     queried_tokens: int = 0
     hit_tokens: int = 0
@@ -109,10 +113,10 @@ class BlockPool:
                 else:
                     self._free.append(block)
 
-    def commit(self, block: int, digest: bytes) -> int:
-        """Mark ``block`` (in use, now full) as holding the block whose hash is ``digest``, so that it may be
-        reused. Returns the block that answers for ``digest``: ``block``, or one that already did (then
-        ``block`` stays a private copy, and is freed, not cached, when released)."""
+    def commit(self, block: int, digest: bytes, parent: bytes = ROOT_HASH, tokens: Sequence[int] = ()) -> int:
+        """Mark ``block`` (in use, now full) as holding the block whose hash is ``digest`` (its ``tokens`` after
+        ``parent``), so that it may be reused. Returns the block that answers for ``digest``: ``block``, or one
+        that already did (then ``block`` stays a private copy, and is freed, not cached, when released)."""
         if self._refs[block] < 1:
             raise ValueError(f"block {block} is not in use")
         existing = self._by_hash.get(digest)
@@ -120,13 +124,17 @@ class BlockPool:
             return existing
         self._hash_of[block] = digest
         self._by_hash[digest] = block
+        if tokens:
+            self._tokens_of[block] = (parent, tuple(tokens))
+            self._children.setdefault(parent, set()).add(block)
         return block
 
     # -- the prefix cache ------------------------------------------------------------------------------
 
-    def match(self, tokens: Sequence[int]) -> list[int]:
+    def match(self, tokens: Sequence[int], queried: int | None = None) -> list[int]:
         """The longest run of cached blocks that holds a prefix of ``tokens``, each referenced once more (the
-        caller's block table starts with them). Counts the query and the hit."""
+        caller's block table starts with them). Counts the query (``queried`` tokens, default all of
+        ``tokens``) and the hit."""
         hashes = prefix_hashes(tokens, self.block_size)
         found: list[int] = []
         for digest in hashes:
@@ -138,9 +146,25 @@ class BlockPool:
             if self._refs[block] == 0:
                 del self._evictable[block]
             self._refs[block] += 1
-        self.queried_tokens += len(tokens)
+        self.queried_tokens += len(tokens) if queried is None else queried
         self.hit_tokens += len(found) * self.block_size
         return found
+
+    def match_partial(self, parent: bytes, tokens: Sequence[int]) -> tuple[int, int] | None:
+        """Of the cached blocks that follow ``parent``, the one whose tokens share the longest start with
+        ``tokens`` (fewer than a block), referenced once more for the caller to copy from and then release, with
+        the number of tokens shared; None when none shares any. The caller counts the hit if it takes it."""
+        best: tuple[int, int] | None = None
+        for block in self._children.get(parent, ()):
+            shared = _shared_start(self._tokens_of[block][1], tokens)
+            if shared and (best is None or shared > best[1]):
+                best = (block, shared)
+        if best is not None:
+            block = best[0]
+            if self._refs[block] == 0:
+                del self._evictable[block]
+            self._refs[block] += 1
+        return best
 
     def refs(self, block: int) -> int:
         return self._refs[block]
@@ -152,3 +176,19 @@ class BlockPool:
         digest = self._hash_of.pop(block)
         if self._by_hash.get(digest) == block:
             del self._by_hash[digest]
+        known = self._tokens_of.pop(block, None)
+        if known is not None:
+            siblings = self._children[known[0]]
+            siblings.discard(block)
+            if not siblings:
+                del self._children[known[0]]
+
+
+def _shared_start(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many tokens ``a`` and ``b`` share from their start."""
+    shared = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        shared += 1
+    return shared

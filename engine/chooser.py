@@ -50,6 +50,7 @@ def _build_hf(config: EngineConfig, engine_thread: ThreadPoolExecutor) -> Served
         kv_cache_bytes=int(config.kv_cache_gib * 2**30),
         max_num_batched_tokens=config.max_num_batched_tokens,
         kv_cache_dtype=config.kv_cache_dtype,
+        prefix_caching=config.prefix_caching,
     )
     served = ServedModel(loaded.name, hf_engine, HFTokenizer(loaded.tokenizer, loaded.eos_token_ids), engine_thread)
     # The engine runs on its own (prepacked) copies of the weights; the loaded model is freed here, and

@@ -21,8 +21,11 @@ class EngineConfig:
     #: ``auto`` stores K/V in the model's dtype; ``int8`` in 8 bits with a scale per position and head: half
     #: of bfloat16's memory and reads (faster decode at long contexts), slightly less precise.
     kv_cache_dtype: str = "auto"
-    #: Memory the KV cache may grow to; admission waits while it is full.
+    #: Memory of the KV cache's pool of blocks (backed by the OS as blocks are first used); admission waits while
+    #: it has no room for a newcomer's prompt, and a full pool preempts the most recently admitted sequence.
     kv_cache_gib: float = 4.0
+    #: Keep full blocks of prompts and answers after their sequence leaves, for newcomers that start the same way.
+    prefix_caching: bool = True
     #: Tokens one step's forward may carry (decode rows plus prefill chunks): bounds how long a newcomer's
     #: prefill can stall the running decodes.
     max_num_batched_tokens: int = 256

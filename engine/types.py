@@ -97,3 +97,19 @@ class StepOutput:
     logprobs: list[TokenLogprob] | None = None
     #: With a sequence's first token, when the request asked for prompt logprobs: one per prompt token.
     prompt_logprobs: list[TokenLogprob | None] | None = None
+    #: With a sequence's first token: how many of its prompt tokens came from the prefix cache.
+    cached_tokens: int | None = None
+
+
+@dataclass(slots=True, frozen=True)
+class MemoryStats:
+    """An engine's KV memory at a glance, for metrics: blocks by state, prefix-cache traffic, preemptions."""
+
+    num_blocks: int
+    blocks_in_use: int
+    blocks_cached: int
+    blocks_free: int
+    #: Prompt tokens looked up in the prefix cache, and those found there (counters).
+    prefix_queried_tokens: int
+    prefix_hit_tokens: int
+    preemptions: int

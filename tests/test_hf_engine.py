@@ -15,7 +15,7 @@ from transformers import AutoModelForCausalLM, PreTrainedModel
 from engine import chooser, kernels
 from engine.config import EngineConfig
 from engine.hf_engine import HFEngine
-from engine.kv_cache import SlotKVCache
+from engine.kv_cache import BlockKVCache, StepBatch
 from engine.scheduler import Scheduler
 from engine.tokenizer import HFTokenizer
 from engine.types import GenerationRequest
@@ -56,31 +56,8 @@ def test_tiny_model_parity_with_staggered_arrivals(
     got = run_staggered(engine, arrivals)
     for index, (_, request) in enumerate(arrivals):
         assert got[index] == reference(ref_model, request), f"request {index}"
-    assert engine.cache.kv is not None  # idle: KV memory kept for the next requests...
-    engine.release_idle_memory()
-    assert engine.cache.kv is None  # ...until the scheduler asks for it back
-
-
-def test_kv_budget_makes_admission_wait(tiny_pair) -> None:
-    model, _ = tiny_pair
-    engine = make_engine(model, frozenset({7}), max_model_len=100, kv_cache_bytes=100 * engine_bytes_per_token(model))
-    first = GenerationRequest(prompt_ids(1, 30), 10)  # reserves 40 of the 100 tokens
-    assert engine.can_admit(first)
-    engine.admit([first])
-    assert engine.can_admit(first)  # two of 40 fit in 100
-    engine.admit([first])
-    assert not engine.can_admit(first)  # a third would need 3 x 40 = 120
-    assert not engine.can_admit(GenerationRequest(prompt_ids(1, 2), 2))  # slots span the longest: 3 x 40
-    while engine.num_active():
-        engine.step()
-    assert engine.can_admit(first)
-
-
-def engine_bytes_per_token(model: PreTrainedModel) -> int:
-    config = model.config
-    head_dim = config.hidden_size // config.num_attention_heads
-    kv_heads = getattr(config, "num_key_value_heads", config.num_attention_heads)
-    return config.num_hidden_layers * 2 * kv_heads * head_dim * 4
+    stats = engine.memory_stats()
+    assert stats.blocks_in_use == 0 and stats.blocks_cached + stats.blocks_free == stats.num_blocks
 
 
 @pytest.mark.real_model
@@ -153,39 +130,37 @@ def test_served_engine_is_built_and_stepped_on_one_thread() -> None:
     served.engine_thread.shutdown()
 
 
-def test_int8_cache_keeps_each_slot_through_insert_write_growth_and_move() -> None:
-    """What a slot of the 8-bit cache attends over is what was stored there: prompts inserted from staging,
-    tokens written one by one, kept when the cache grows, and carried by a move into another slot."""
+def test_int8_cache_attends_over_what_each_block_holds() -> None:
+    """What a row of the 8-bit cache attends over is what was written at its sequence's physical positions,
+    blocks scattered over the pool, and a block copied into another (copy-on-diverge) carries it all."""
     torch.manual_seed(0)
     layers, heads, groups, dim = 2, 2, 3, 16
-    cache = SlotKVCache(layers, heads, dim, torch.float32, torch.device("cpu"), "int8")
-    assert cache.quantized and cache.bytes_per_token == layers * 2 * heads * (dim + 4)
-    cache.reserve(2, 32, max_slots=4, max_positions=512)
-    stored: list[torch.Tensor] = []  # per slot: [layers, 2, heads, positions, dim]
-    for slot, prompt_len in enumerate((18, 5)):
-        staging = cache.new_staging(prompt_len)
-        staging[:, :, :, :prompt_len] = torch.randn(layers, 2, heads, prompt_len, dim)
-        cache.insert(slot, staging)
-        stored.append(staging[:, :, :, :prompt_len].clone())
-    for _ in range(2):  # two decode steps: one new token per slot
-        new = torch.randn(layers, 2, 2, heads, dim)  # [layers, key/value, slot, heads, dim]
-        positions = torch.tensor([seq.shape[3] for seq in stored])
-        for layer in range(layers):
-            cache.write(layer, torch.arange(2), positions, new[layer, 0], new[layer, 1])
-        stored = [torch.cat([seq, new[:, :, slot, :, None]], dim=3) for slot, seq in enumerate(stored)]
-    cache.reserve(2, 300, max_slots=4, max_positions=512)  # grows: a copy of everything held
-    cache.move(1, 0, stored[1].shape[3])  # slot 0 leaves; slot 1's sequence takes its place
-    query = torch.randn(1, heads, groups, dim)
+    cache = BlockKVCache(layers, heads, dim, torch.float32, torch.device("cpu"), num_blocks=8, kv_cache_dtype="int8")
+    assert cache.quantized and BlockKVCache.bytes_per_token(layers, heads, dim, torch.float32, "int8") == (
+        layers * 2 * heads * (dim + 4)
+    )
+    blocks = [5, 2]  # a sequence of 20 positions in blocks 5 and 2
+    slots = torch.tensor([blocks[p // 16] * 16 + p % 16 for p in range(20)])
+    stored = torch.randn(layers, 2, 20, heads, dim)
     for layer in range(layers):
-        got = cache.attend_int8(layer, query, torch.tensor([stored[1].shape[3]]), dim**-0.5)
-        keys, values = stored[1][layer]
-        want = torch.nn.functional.scaled_dot_product_attention(query, keys[None], values[None])
-        torch.testing.assert_close(got, want, atol=6e-2, rtol=6e-2)
+        cache.write(layer, slots, stored[layer, 0], stored[layer, 1])
+    cache.copy_block(5, 7)  # a sequence sharing the first block takes a copy of it
+    query = torch.randn(2, heads, groups, dim)
+    tables = torch.tensor([[5, 2], [7, 2]], dtype=torch.int32)
+    batch = StepBatch(cache, 2, slots[:2], tables, torch.tensor([20, 16]))
+    for layer in range(layers):
+        got = cache.attend(layer, query, batch, dim**-0.5)
+        keys, values = stored[layer, 0].transpose(0, 1), stored[layer, 1].transpose(0, 1)  # [heads, positions, dim]
+        for row, length in enumerate((20, 16)):
+            want = torch.nn.functional.scaled_dot_product_attention(
+                query[row : row + 1], keys[None, :, :length], values[None, :, :length]
+            )
+            torch.testing.assert_close(got[row : row + 1], want, atol=6e-2, rtol=6e-2)
 
 
 def test_int8_cache_refuses_a_head_size_its_kernels_do_not_take() -> None:
     with pytest.raises(ValueError, match="multiple of 4"):
-        SlotKVCache(2, 1, 6, torch.float32, torch.device("cpu"), "int8")
+        BlockKVCache(2, 1, 6, torch.float32, torch.device("cpu"), num_blocks=4, kv_cache_dtype="int8")
 
 
 @pytest.mark.real_model
@@ -207,19 +182,6 @@ def test_real_model_serves_from_an_int8_cache() -> None:
     served.engine_thread.shutdown()
 
 
-def test_cache_grows_in_slots_geometrically_within_the_token_budget() -> None:
-    """Each growth copies everything held, so a burst of arrivals must not grow the cache once per handful of
-    newcomers; spare slots stay within the KV budget."""
-    cache = SlotKVCache(2, 1, 16, torch.float32, torch.device("cpu"))
-    grown = []
-    for arrived in range(1, 41):
-        cache.reserve(arrived, 100, max_slots=64, max_positions=512, max_tokens=48 * 256)
-        if not grown or grown[-1] != cache.num_slots:
-            grown.append(cache.num_slots)
-    assert grown == [4, 8, 16, 32, 48]  # 64 would pass the budget of 48 slots of 256 positions
-    assert cache.num_positions == 256
-
-
 def _vm_flags(address: int) -> list[str]:
     """The VmFlags of the mapping of this process that holds ``address`` (Linux)."""
     inside = False
@@ -233,33 +195,28 @@ def _vm_flags(address: int) -> list[str]:
     raise AssertionError("no mapping holds the address")
 
 
+def _mapping_field(address: int, name: str) -> list[str]:
+    """A field of the smaps entry of this process's mapping that holds ``address`` (Linux)."""
+    inside = False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()[0]
+        if "-" in head and not head.endswith(":"):
+            start, end = (int(part, 16) for part in head.split("-"))
+            inside = start <= address < end
+        elif inside and head == f"{name}:":
+            return line.split()[1:]
+    raise AssertionError("no mapping holds the address")
+
+
 @pytest.mark.skipif(not os.path.exists("/proc/self/smaps"), reason="needs Linux's /proc")
-def test_large_kv_storage_is_zeroed_and_asked_for_huge_pages() -> None:
-    from engine.os_memory import zeros_in_huge_pages
-
-    shape = (2, 2, 8, 3, 1024, 64)  # 12 MiB
-    kv = zeros_in_huge_pages(shape, torch.bfloat16, torch.device("cpu"))
-    assert kv.shape == shape and kv.dtype == torch.bfloat16 and kv.is_contiguous()
-    assert not kv.any()
-    assert kv.data_ptr() % (2 << 20) == 0
-    assert "hg" in _vm_flags(kv.data_ptr())  # madvise(MADV_HUGEPAGE) reached the kernel
-    cache = SlotKVCache(2, 3, 64, torch.bfloat16, torch.device("cpu"))
-    cache.reserve(8, 1024, 8, 1024)
-    assert cache.kv is not None and "hg" in _vm_flags(cache.kv.data_ptr())
-
-
-def test_growth_keeps_only_live_slots_and_idle_storage_is_reused() -> None:
-    cache = SlotKVCache(2, 1, 4, torch.float32, torch.device("cpu"))
-    cache.reserve(2, 16, max_slots=16, max_positions=64)
-    assert cache.kv is not None and cache.num_slots == 4
-    cache.kv[:, :, 0] = 1.0
-    cache.kv[:, :, 1] = 2.0
-    cache.reserve(6, 16, max_slots=16, max_positions=64, live_slots=1)  # slot 1's sequence has left
-    assert cache.num_slots == 8
-    assert bool((cache.kv[:, :, 0] == 1.0).all()) and bool((cache.kv[:, :, 1:] == 0.0).all())
-    cache.kv.fill_(3.0)
-    storage = cache.kv.data_ptr()
-    cache.reserve(5, 16, max_slots=16, max_positions=64, live_slots=0)  # a new burst that fits: same storage
-    assert cache.kv.data_ptr() == storage
-    cache.reserve(12, 16, max_slots=16, max_positions=64, live_slots=0)  # one that does not: fresh, not copied
-    assert cache.num_slots == 12 and bool((cache.kv == 0.0).all())  # sized afresh
+def test_the_pool_costs_what_is_written_asks_for_huge_pages_and_gives_pages_back() -> None:
+    """The pool is sized for the worst case but the OS backs only the pages written; handed back, they read as
+    zeros. Huge pages are asked for (the decode kernels ran 10-20% faster from them)."""
+    cache = BlockKVCache(2, 3, 64, torch.bfloat16, torch.device("cpu"), num_blocks=2048)  # 96 MiB of K/V
+    kv = cache.kv
+    assert kv.shape == (2, 2, 3, 2048 * 16, 64) and kv.is_contiguous() and not kv[:, :, :, :64].any()
+    assert "hg" in _mapping_field(kv.data_ptr(), "VmFlags")  # madvise(MADV_HUGEPAGE) reached the kernel
+    kv[:, :, :, :16] = 1.0  # one block written
+    assert int(_mapping_field(kv.data_ptr(), "Rss")[0]) <= 12 * 2048  # kB: a few (huge) pages, not 96 MiB
+    cache.release_memory()
+    assert int(_mapping_field(kv.data_ptr(), "Rss")[0]) == 0 and not kv[:, :, :, :16].any()

@@ -22,32 +22,65 @@ def _reference(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, le
     return torch.stack(rows)
 
 
+def _blocks(rows: int, positions: int, block_size: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Block tables for ``rows`` sequences of ``positions`` positions each, over a pool with two spare blocks, the
+    blocks handed out in a shuffled order: ``(tables [rows, width] int32, physical [rows, positions])``."""
+    width = positions // block_size
+    order = torch.randperm(rows * width + 2, generator=torch.Generator().manual_seed(seed))[: rows * width]
+    tables = order.reshape(rows, width).to(torch.int32)
+    physical = (tables[:, :, None].long() * block_size + torch.arange(block_size)).flatten(1)
+    return tables, physical
+
+
+def _paged(per_row: torch.Tensor, physical: torch.Tensor, pool_positions: int) -> torch.Tensor:
+    """``per_row`` ``[rows, heads, positions, dim]`` placed in a pool ``[heads, pool_positions, dim]``."""
+    rows, heads, positions, dim = per_row.shape
+    pool = torch.zeros(heads, pool_positions, dim, dtype=per_row.dtype)
+    pool[:, physical.flatten()] = per_row.transpose(0, 1).reshape(heads, rows * positions, dim)
+    return pool
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 # Query heads per KV head past what one pass holds in registers (4 at dim 64, 2 at 128), and a head size the
 # kernel has no specialization for.
 @pytest.mark.parametrize(("kv_heads", "groups", "dim"), [(3, 3, 64), (1, 6, 64), (2, 1, 128), (1, 3, 128), (1, 4, 24)])
-def test_kernel_matches_torch_attention(dtype: torch.dtype, kv_heads: int, groups: int, dim: int) -> None:
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_kernel_matches_torch_attention(
+    dtype: torch.dtype, kv_heads: int, groups: int, dim: int, block_size: int
+) -> None:
+    """Each row reads its sequence's positions through its block table, the blocks scattered over the pool."""
     native = kernels.decode_attention()
     assert native is not None, "the kernel should build wherever the test suite runs (it has a C++ compiler)"
     torch.manual_seed(0)
     # One position, either side of a 16-position tile and of a 64-position block of scores, odd and even.
     lengths = [1, 15, 16, 17, 63, 64, 65, 200]
-    # Slot views as the cache holds them: more slots and positions than in use, so rows are strided.
-    cache = torch.randn(2, len(lengths) + 2, kv_heads, 256, dim, dtype=dtype)
+    keys, values = (torch.randn(len(lengths), kv_heads, 256, dim, dtype=dtype) for _ in range(2))
     query = torch.randn(len(lengths), kv_heads, groups, dim, dtype=dtype)
-    keys, values = cache[0, : len(lengths)], cache[1, : len(lengths)]
-    out = native(query, tile_keys(keys), values, torch.tensor(lengths), dim**-0.5)
+    tables, physical = _blocks(len(lengths), 256, block_size, seed=dim)
+    pool_positions = (len(lengths) * 256 // block_size + 2) * block_size
+    key_pool, value_pool = _paged(tile_keys(keys), physical, pool_positions), _paged(values, physical, pool_positions)
+    out = native(query, key_pool, value_pool, tables, torch.tensor(lengths), block_size, dim**-0.5)
     assert out.dtype == dtype and out.shape == query.shape
     tolerance = 1e-5 if dtype == torch.float32 else 1e-2
     torch.testing.assert_close(out.float(), _reference(query, keys, values, lengths), atol=tolerance, rtol=tolerance)
+    # Rows may share a block table through a stride-0 view (a prompt chunk's rows read one sequence's blocks).
+    shared = native(query[:3], key_pool, value_pool, tables[7:8].expand(3, -1), torch.tensor([5, 40, 200]),
+                    block_size, dim**-0.5)  # fmt: skip
+    expected = _reference(query[:3], keys[7:8].expand(3, -1, -1, -1), values[7:8].expand(3, -1, -1, -1), [5, 40, 200])
+    torch.testing.assert_close(shared.float(), expected, atol=tolerance, rtol=tolerance)
 
 
-def test_kernel_rejects_lengths_beyond_the_cache() -> None:
+def test_kernel_rejects_lengths_and_blocks_beyond_the_cache() -> None:
     native = kernels.decode_attention()
     assert native is not None
-    cache = torch.zeros(2, 1, 1, 16, 16)
+    pool = torch.zeros(1, 32, 16)  # two blocks of 16
+    query, table = torch.zeros(1, 1, 1, 16), torch.tensor([[0, 1]], dtype=torch.int32)
     with pytest.raises(RuntimeError, match="length out of range"):
-        native(torch.zeros(1, 1, 1, 16), cache[0], cache[1], torch.tensor([17]), 0.25)
+        native(query, pool, pool, table, torch.tensor([33]), 16, 0.25)
+    with pytest.raises(RuntimeError, match="block id out of range"):
+        native(query, pool, pool, torch.tensor([[0, 2]], dtype=torch.int32), torch.tensor([20]), 16, 0.25)
+    with pytest.raises(RuntimeError, match="whole tiles"):
+        native(query, pool, pool, table, torch.tensor([4]), 8, 0.25)
 
 
 def test_disabled_by_environment(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -99,17 +132,17 @@ def test_tiled_keys_hold_each_tile_as_pairs_of_dims() -> None:
 # -- the 8-bit KV cache -------------------------------------------------------------------------------------
 
 
-def _int8_cache(keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """``keys``, ``values`` ``[n, kv_heads, positions, dim]`` written into an 8-bit cache by the native op, as
-    the engine writes each token: (keys, values, key_scales, value_scales)."""
+def _int8_cache(keys: torch.Tensor, values: torch.Tensor, physical: torch.Tensor, pool_positions: int) -> tuple:
+    """``keys``, ``values`` ``[n, kv_heads, positions, dim]`` written by the native op into an 8-bit pool
+    ``[kv_heads, pool_positions, dim]`` at ``physical`` ``[n, positions]``, as the engine writes each token:
+    (keys, values, key_scales, value_scales)."""
     ops = kernels.native_ops()
     assert ops is not None
     n, heads, positions, dim = keys.shape
-    cache_keys, cache_values = (torch.zeros(n, heads, positions, dim, dtype=torch.uint8) for _ in range(2))
-    key_scales, value_scales = torch.zeros(n, heads, positions), torch.zeros(n, heads, positions)
-    slots, rows = torch.arange(n).repeat_interleave(positions), torch.arange(positions).repeat(n)
+    cache_keys, cache_values = (torch.zeros(heads, pool_positions, dim, dtype=torch.uint8) for _ in range(2))
+    key_scales, value_scales = torch.zeros(heads, pool_positions), torch.zeros(heads, pool_positions)
     as_rows = [t.transpose(1, 2).reshape(n * positions, heads, dim) for t in (keys, values)]
-    ops.write_kv_int8(cache_keys, cache_values, key_scales, value_scales, slots, rows, *as_rows)
+    ops.write_kv_int8(cache_keys, cache_values, key_scales, value_scales, physical.flatten(), *as_rows)
     return cache_keys, cache_values, key_scales, value_scales
 
 
@@ -128,10 +161,14 @@ def dequantize(
 def test_int8_write_quantizes_each_row_by_its_largest(dtype: torch.dtype) -> None:
     torch.manual_seed(1)
     keys, values = torch.randn(2, 3, 48, 64, dtype=dtype), torch.randn(2, 3, 48, 64, dtype=dtype) * 5
-    cache = _int8_cache(keys, values)
-    for original, restored, scales in zip((keys, values), dequantize(*cache), cache[2:], strict=True):
-        torch.testing.assert_close(scales, original.float().abs().amax(-1) / 127)
-        assert ((restored - original.float()).abs() <= scales[..., None] * 0.5001).all()
+    _, physical = _blocks(2, 48, 16, seed=1)
+    cache = _int8_cache(keys, values, physical, 8 * 16)
+    restored_keys, restored_values = dequantize(*cache)
+    for original, restored, scales in zip((keys, values), (restored_keys, restored_values), cache[2:], strict=True):
+        per_row = restored[:, physical].transpose(0, 1)  # [n, heads, positions, dim]
+        row_scales = scales[:, physical].transpose(0, 1)
+        torch.testing.assert_close(row_scales, original.float().abs().amax(-1) / 127)
+        assert ((per_row - original.float()).abs() <= row_scales[..., None] * 0.5001).all()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -140,17 +177,19 @@ def test_int8_write_quantizes_each_row_by_its_largest(dtype: torch.dtype) -> Non
 @pytest.mark.parametrize(("kv_heads", "groups", "dim"), [(3, 3, 64), (1, 6, 64), (2, 1, 128), (1, 3, 128), (1, 4, 24)])
 def test_int8_kernel_matches_attention_over_its_cache(dtype: torch.dtype, kv_heads: int, groups: int, dim: int) -> None:
     """Against exact attention over the dequantized cache: what is left is the kernel's own rounding of the
-    query (8 bits, a scale per 32 dims) and of the probabilities (15 bits)."""
+    query (8 bits, a scale per 32 dims) and of the probabilities (15 bits). The blocks are scattered over the
+    pool, so a 64-position block of weights spans several of them."""
     ops = kernels.native_ops()
     assert ops is not None
     torch.manual_seed(0)
     lengths = [1, 2, 3, 15, 16, 17, 63, 64, 65, 200]
     keys, values = (torch.randn(len(lengths), kv_heads, 208, dim, dtype=dtype) for _ in range(2))
     query = torch.randn(len(lengths), kv_heads, groups, dim, dtype=dtype)
-    cache = _int8_cache(keys, values)
-    out = ops.decode_attention_int8(query, *cache, torch.tensor(lengths), dim**-0.5)
+    tables, physical = _blocks(len(lengths), 208, 16, seed=dim)
+    cache = _int8_cache(keys, values, physical, (len(lengths) * 13 + 2) * 16)
+    out = ops.decode_attention_int8(query, *cache, tables, torch.tensor(lengths), 16, dim**-0.5)
     assert out.dtype == dtype and out.shape == query.shape
-    restored = dequantize(*cache)
+    restored = [t[:, physical].transpose(0, 1) for t in dequantize(*cache)]
     torch.testing.assert_close(out.float(), _reference(query, *restored, lengths), atol=3e-2, rtol=3e-2)
     torch.testing.assert_close(out.float(), _reference(query, keys, values, lengths), atol=6e-2, rtol=6e-2)
 
@@ -158,8 +197,9 @@ def test_int8_kernel_matches_attention_over_its_cache(dtype: torch.dtype, kv_hea
 def test_int8_kernel_rejects_a_cache_of_another_dtype() -> None:
     ops = kernels.native_ops()
     assert ops is not None
-    cache = torch.zeros(1, 1, 16, 16)
+    cache = torch.zeros(1, 16, 16)
     with pytest.raises(RuntimeError, match="uint8"):
         ops.decode_attention_int8(
-            torch.zeros(1, 1, 1, 16), cache, cache, cache[..., 0], cache[..., 0], torch.tensor([1]), 1.0
-        )
+            torch.zeros(1, 1, 1, 16), cache, cache, cache[..., 0], cache[..., 0],
+            torch.zeros(1, 1, dtype=torch.int32), torch.tensor([1]), 16, 1.0,
+        )  # fmt: skip

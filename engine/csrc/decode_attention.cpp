@@ -1,4 +1,5 @@
-// Decode attention over the slot KV cache: one new query token per sequence, grouped-query heads.
+// Decode attention over the block KV cache: one query token per row, grouped-query heads, each row reading its
+// sequence's blocks through its block table (block_table.h).
 //
 // For each (sequence, KV head) the kernel streams that head's keys once into a row of scores per query head,
 // takes the softmax over whole rows in float32, then streams the values once, serving every query head of the
@@ -8,6 +9,7 @@
 // Keys are stored in tiles of 16 positions, each tile laid out [dim / 2][16 positions][2 dims]: one 64-byte
 // row of a tile holds the same two dims of 16 positions, so a query's scores for 16 positions accumulate
 // lane-wise (one dpbf16 per two dims on AVX512-BF16) with no horizontal sums. Values stay [positions][dim].
+// A block holds a whole number of tiles, so a tile (and a pair of positions) never straddles two blocks.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -24,6 +26,7 @@
 #endif
 
 #include "block_softmax.h"
+#include "block_table.h"
 
 namespace {
 
@@ -61,7 +64,7 @@ inline void score_tile(const float* scaled_query, const T* tile, int64_t dynamic
 // loops over it then unroll and vectorize fully), or 0 for any size.
 template <typename T, int64_t Dim>
 void attend_one(const T* query, const T* keys, const T* values, T* out, int64_t groups, int64_t dynamic_dim,
-                int64_t length, int64_t value_stride, float scale) {
+                int64_t length, const int64_t* tiles, float scale) {
   const int64_t dim = Dim ? Dim : dynamic_dim;
   const int64_t width = (length + kTile - 1) / kTile * kTile;
   alignas(64) float q[kMaxGroups * kMaxDim];
@@ -72,12 +75,12 @@ void attend_one(const T* query, const T* keys, const T* values, T* out, int64_t 
     std::fill(&acc[g * dim], &acc[g * dim] + dim, 0.0f);
   }
   for (int64_t t = 0; t < length; t += kTile) {
-    for (int64_t g = 0; g < groups; ++g) score_tile<T, Dim>(&q[g * dim], keys + t * dim, dim, scores + g * width + t);
+    for (int64_t g = 0; g < groups; ++g) score_tile<T, Dim>(&q[g * dim], keys + tiles[t / kTile] * dim, dim, scores + g * width + t);
   }
   float total[kMaxGroups];
   for (int64_t g = 0; g < groups; ++g) total[g] = smolserve::softmax_row(scores + g * width, length);
   for (int64_t t = 0; t < length; ++t) {
-    const T* value = values + t * value_stride;
+    const T* value = values + (tiles[t / kTile] + t % kTile) * dim;
     for (int64_t g = 0; g < groups; ++g) {
       const float p = scores[g * width + t];
       float* a = &acc[g * dim];
@@ -145,14 +148,14 @@ inline void round_to_pairs(float* probabilities, int64_t width) {
 // which kept the core waiting on memory between the two streams even with software prefetch.
 template <int64_t Dim, int Groups>
 void attend_paired(const bf16* query, const bf16* keys, const bf16* values, bf16* out, int64_t length,
-                   int64_t value_stride, float scale) {
+                   const int64_t* tiles, float scale) {
   constexpr int64_t kChunks = Dim / 32;
   alignas(64) uint32_t query_pairs[Groups][Dim / 2];
   std::memcpy(query_pairs, query, sizeof(query_pairs));
   float* scores[Groups];
   const int64_t width = smolserve::score_rows(length, scores);
   for (int64_t t = 0; t < length; t += kTile) {
-    score_tile_paired<Dim, Groups>(query_pairs, keys + t * Dim, scale, scores, t);
+    score_tile_paired<Dim, Groups>(query_pairs, keys + tiles[t / kTile] * Dim, scale, scores, t);
   }
   float total[Groups];
   for (int g = 0; g < Groups; ++g) {
@@ -164,8 +167,8 @@ void attend_paired(const bf16* query, const bf16* keys, const bf16* values, bf16
     for (int64_t i = 0; i < 2 * kChunks; ++i) sums[g][i] = _mm512_setzero_ps();
   }
   for (int64_t t = 0; t < length; t += 2) {
-    const bf16* first = values + t * value_stride;
-    const bf16* second = t + 1 < length ? first + value_stride : first;  // an odd last one pairs with itself
+    const bf16* first = values + (tiles[t / kTile] + t % kTile) * Dim;  // t even: t + 1 is in the same tile
+    const bf16* second = t + 1 < length ? first + Dim : first;  // an odd last one pairs with itself
     __m512bh pair[Groups];
     for (int g = 0; g < Groups; ++g) {
       pair[g] = (__m512bh)_mm512_broadcastd_epi32(_mm_loadu_si32(scores[g] + t / 2));
@@ -191,17 +194,17 @@ void attend_paired(const bf16* query, const bf16* keys, const bf16* values, bf16
 // attend_one's arguments; the head size is `Dim`.
 template <int64_t Dim>
 void attend_paired_groups(const bf16* query, const bf16* keys, const bf16* values, bf16* out, int64_t groups,
-                          int64_t /*dim*/, int64_t length, int64_t value_stride, float scale) {
+                          int64_t /*dim*/, int64_t length, const int64_t* tiles, float scale) {
   constexpr int kMost = Dim == 64 ? 4 : 2;
   for (int64_t first = 0; first < groups; first += kMost) {
     const int64_t n = std::min<int64_t>(kMost, groups - first);
     const bf16* q = query + first * Dim;
     bf16* o = out + first * Dim;
-    if (n == 1) attend_paired<Dim, 1>(q, keys, values, o, length, value_stride, scale);
-    if (n == 2) attend_paired<Dim, 2>(q, keys, values, o, length, value_stride, scale);
+    if (n == 1) attend_paired<Dim, 1>(q, keys, values, o, length, tiles, scale);
+    if (n == 2) attend_paired<Dim, 2>(q, keys, values, o, length, tiles, scale);
     if constexpr (kMost == 4) {
-      if (n == 3) attend_paired<Dim, 3>(q, keys, values, o, length, value_stride, scale);
-      if (n == 4) attend_paired<Dim, 4>(q, keys, values, o, length, value_stride, scale);
+      if (n == 3) attend_paired<Dim, 3>(q, keys, values, o, length, tiles, scale);
+      if (n == 4) attend_paired<Dim, 4>(q, keys, values, o, length, tiles, scale);
     }
   }
 }
@@ -210,7 +213,7 @@ void attend_paired_groups(const bf16* query, const bf16* keys, const bf16* value
 // The kernel for one (sequence, KV head) that suits this dtype and head size on this CPU.
 template <typename T>
 auto pick_kernel(int64_t dim) {
-  using Kernel = void (*)(const T*, const T*, const T*, T*, int64_t, int64_t, int64_t, int64_t, float);
+  using Kernel = void (*)(const T*, const T*, const T*, T*, int64_t, int64_t, int64_t, const int64_t*, float);
 #if defined(__AVX512BF16__)
   if constexpr (std::is_same_v<T, bf16>) {
     if (dim == 64) return attend_paired_groups<64>;
@@ -222,7 +225,7 @@ auto pick_kernel(int64_t dim) {
 
 template <typename T>
 void run(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values, at::Tensor& out,
-         const int64_t* len, float scale) {
+         const smolserve::BlockTables& tables, float scale) {
   const int64_t heads = q.size(1), groups = q.size(2), dim = q.size(3);
   const T* qp = q.const_data_ptr<T>();
   const T* kp = keys.const_data_ptr<T>();
@@ -232,42 +235,37 @@ void run(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values, 
   at::parallel_for(0, q.size(0) * heads, 1, [&](int64_t begin, int64_t end) {
     for (int64_t item = begin; item < end; ++item) {
       const int64_t i = item / heads, h = item % heads;
-      attend(qp + item * groups * dim, kp + i * keys.stride(0) + h * keys.stride(1),
-             vp + i * values.stride(0) + h * values.stride(1), op + item * groups * dim, groups, dim, len[i],
-             values.stride(2), scale);
+      attend(qp + item * groups * dim, kp + h * keys.stride(0), vp + h * values.stride(0), op + item * groups * dim,
+             groups, dim, tables.length(i), tables.tile_starts(i), scale);
     }
   });
 }
 
-// query [n, kv_heads, groups, dim]; keys [n, kv_heads, positions, dim] holding tiles of 16 positions laid out
-// [dim / 2][16][2] (positions a multiple of 16, dim even, each head's positions contiguous); values
-// [n, kv_heads, positions, dim] (any strides, innermost 1); lengths [n] int64: sequence i attends positions
-// 0..lengths[i]-1. Returns [n, kv_heads, groups, dim].
+// query [rows, kv_heads, groups, dim]; keys [kv_heads, positions, dim], the pool's blocks of `block_size`
+// positions one after another, holding tiles of 16 positions laid out [dim / 2][16][2]; values
+// [kv_heads, positions, dim]; block_tables [rows, width] int32 (any row stride): row i's blocks in order;
+// lengths [rows] int64: row i attends its sequence's positions 0..lengths[i]-1. Returns [rows, kv_heads, groups,
+// dim].
 at::Tensor decode_attention(const at::Tensor& query, const at::Tensor& keys, const at::Tensor& values,
-                            const at::Tensor& lengths, double scale) {
-  TORCH_CHECK(query.dim() == 4 && keys.dim() == 4 && values.dim() == 4, "expected 4-d query, keys, values");
-  TORCH_CHECK(keys.stride(3) == 1 && keys.stride(2) == keys.size(3), "each head's keys must be contiguous");
-  TORCH_CHECK(values.stride(3) == 1, "values need a contiguous last dim");
+                            const at::Tensor& block_tables, const at::Tensor& lengths, int64_t block_size,
+                            double scale) {
+  TORCH_CHECK(query.dim() == 4 && keys.dim() == 3 && values.dim() == 3, "expected a 4-d query, 3-d keys and values");
+  TORCH_CHECK(keys.stride(2) == 1 && keys.stride(1) == keys.size(2), "each head's keys must be contiguous");
+  TORCH_CHECK(values.stride(2) == 1 && values.stride(1) == values.size(2), "each head's values must be contiguous");
   TORCH_CHECK(keys.scalar_type() == query.scalar_type() && values.scalar_type() == query.scalar_type(),
               "query, keys and values must share a dtype");
   const at::Tensor q = query.contiguous();
-  const at::Tensor lens = lengths.to(at::kLong).contiguous();
-  const int64_t n = q.size(0), heads = q.size(1), groups = q.size(2), dim = q.size(3);
-  TORCH_CHECK(keys.size(0) >= n && keys.size(1) == heads && keys.size(3) == dim, "keys shape mismatch");
-  TORCH_CHECK(values.size(0) >= n && values.size(1) == heads && values.size(3) == dim, "values shape mismatch");
-  TORCH_CHECK(keys.size(2) % kTile == 0 && dim % 2 == 0, "keys come in tiles of 16 positions and pairs of dims");
-  TORCH_CHECK(lens.numel() == n, "one length per sequence");
+  const int64_t heads = q.size(1), groups = q.size(2), dim = q.size(3);
+  TORCH_CHECK(keys.sizes() == values.sizes() && keys.size(0) == heads && keys.size(2) == dim, "cache shape mismatch");
+  TORCH_CHECK(dim % 2 == 0, "keys come in pairs of dims");
   TORCH_CHECK(dim <= kMaxDim && groups <= kMaxGroups, "head_dim or query heads per KV head too large");
-  const int64_t* len = lens.data_ptr<int64_t>();
-  for (int64_t i = 0; i < n; ++i) {
-    TORCH_CHECK(len[i] >= 1 && len[i] <= keys.size(2) && len[i] <= values.size(2), "length out of range");
-  }
+  const smolserve::BlockTables tables(block_tables, lengths, q.size(0), block_size, keys.size(1));
   at::Tensor out = at::empty_like(q);
   if (q.scalar_type() == at::kBFloat16) {
-    run<c10::BFloat16>(q, keys, values, out, len, static_cast<float>(scale));
+    run<c10::BFloat16>(q, keys, values, out, tables, static_cast<float>(scale));
   } else {
     TORCH_CHECK(q.scalar_type() == at::kFloat, "decode_attention supports float32 and bfloat16");
-    run<float>(q, keys, values, out, len, static_cast<float>(scale));
+    run<float>(q, keys, values, out, tables, static_cast<float>(scale));
   }
   return out;
 }
@@ -275,7 +273,9 @@ at::Tensor decode_attention(const at::Tensor& query, const at::Tensor& keys, con
 }  // namespace
 
 TORCH_LIBRARY(smolserve, m) {
-  m.def("decode_attention(Tensor query, Tensor keys, Tensor values, Tensor lengths, float scale) -> Tensor");
+  m.def(
+      "decode_attention(Tensor query, Tensor keys, Tensor values, Tensor block_tables, Tensor lengths, "
+      "int block_size, float scale) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(smolserve, CPU, m) { m.impl("decode_attention", &decode_attention); }

@@ -13,7 +13,8 @@
 //   positions in int16, multiplied by the two positions' probabilities (times each position's scale) as
 //   int16 against the block's largest (`vpdpwssd`), so the weights keep 15 bits.
 //
-// Each head's positions are contiguous; counts of positions are whole tiles (16).
+// The cache is in blocks (block_table.h): each head's positions are one run of whole blocks, read through each
+// row's block table; a block is whole tiles, so a tile and a pair of positions never straddle two blocks.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -26,6 +27,7 @@
 #include <limits>
 
 #include "block_softmax.h"
+#include "block_table.h"
 #include "prefetch.h"
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512F__)
@@ -81,7 +83,8 @@ inline float quantize_weights(const float* p, const float* value_scales, int64_t
   return most / kWeightMax;
 }
 
-// Everything one (sequence, KV head) needs: its `groups` query rows and output rows, its cache rows.
+// Everything one (row, KV head) needs: its `groups` query rows and output rows, its head's run of the cache
+// (keys, values and their scales, indexed by physical position) and where each of its tiles starts there.
 template <typename T>
 struct Item {
   const T* query;
@@ -89,9 +92,21 @@ struct Item {
   const int8_t* values;
   const float* key_scales;
   const float* value_scales;
+  const int64_t* tiles;
   T* out;
   int64_t groups, dim, length;
   float scale;
+
+  // The physical position of the row's position `p`.
+  int64_t at(int64_t p) const { return tiles[p / kTile] + p % kTile; }
+
+  // The value scales of positions start..start+count-1, gathered (they may lie in several blocks).
+  void value_scales_of(int64_t start, int64_t count, float* out_scales) const {
+    for (int64_t t = 0; t < count; t += kTile) {
+      const int64_t n = std::min(kTile, count - t);
+      std::memcpy(out_scales + t, value_scales + at(start + t), n * sizeof(float));
+    }
+  }
 };
 
 // The query rows in int8, a scale per 32 dims, with what turns a chunk's integer dot product with the offset
@@ -129,23 +144,25 @@ void attend_portable(const Item<T>& item) {
   std::fill(total, total + groups, 0.0f);
   for (int64_t start = 0; start < item.length; start += kBlock) {
     const int64_t count = std::min(kBlock, item.length - start);
+    float value_scales[kBlock];
+    item.value_scales_of(start, count, value_scales);
     for (int64_t g = 0; g < groups; ++g) {
       for (int64_t t = 0; t < count; ++t) {
         float score = 0.0f;
         for (int64_t c = 0; c * kQueryChunk < dim; ++c) {
           int32_t sum = 0;
           for (int64_t d = c * kQueryChunk; d < std::min(dim, (c + 1) * kQueryChunk); ++d) {
-            sum += item.keys[key_offset(start + t, d, dim)] * query.q[g][d];
+            sum += item.keys[key_offset(item.at(start + t), d, dim)] * query.q[g][d];
           }
           score += static_cast<float>(sum - query.correction[g][c]) * query.factor[g][c];
         }
-        scores[t] = score * item.key_scales[start + t];
+        scores[t] = score * item.key_scales[item.at(start + t)];
       }
       const float correction = smolserve::softmax_block(scores, count, running_max[g], total[g]);
-      const float factor = quantize_weights(scores, item.value_scales + start, count, weights);
+      const float factor = quantize_weights(scores, value_scales, count, weights);
       for (int64_t d = 0; d < dim; ++d) {
         int32_t sum = 0;
-        for (int64_t t = 0; t < count; ++t) sum += weights[t] * item.values[value_offset(start + t, d, dim)];
+        for (int64_t t = 0; t < count; ++t) sum += weights[t] * item.values[value_offset(item.at(start + t), d, dim)];
         acc[g][d] = acc[g][d] * correction + static_cast<float>(sum) * factor;
       }
     }
@@ -217,23 +234,26 @@ void attend_vnni(const Item<T>& item, const QuantizedQuery<T>& query, int64_t fi
   float* scores[Groups];
   const int64_t width = smolserve::score_rows(item.length, scores);
   for (int64_t t = 0; t < item.length; t += kTile) {
-    smolserve::prefetch_ahead(item.keys + t * Dim, kTile * Dim);
-    score_tile<Dim, Groups>(query_quads, query, first, item.keys + t * Dim, item.key_scales + t, scores, t);
+    const int64_t tile = item.tiles[t / kTile];
+    smolserve::prefetch_ahead(item.keys + tile * Dim, kTile * Dim);
+    score_tile<Dim, Groups>(query_quads, query, first, item.keys + tile * Dim, item.key_scales + tile, scores, t);
   }
   float total[Groups], factor[Groups];
   for (int g = 0; g < Groups; ++g) total[g] = smolserve::softmax_row_avx512(scores[g], item.length, width);
   for (int64_t start = 0; start < item.length; start += kBlock) {
     const int64_t count = std::min(kBlock, item.length - start);
+    float value_scales[kBlock];
+    item.value_scales_of(start, count, value_scales);
     for (int g = 0; g < Groups; ++g) {
-      factor[g] = quantize_weights_avx512(scores[g] + start, item.value_scales + start, count, weights[g]);
+      factor[g] = quantize_weights_avx512(scores[g] + start, value_scales, count, weights[g]);
     }
     __m512i sums[Groups][kRows];
     for (int g = 0; g < Groups; ++g) {
       for (int64_t r = 0; r < kRows; ++r) sums[g][r] = _mm512_setzero_si512();
     }
-    const int8_t* block = item.values + start * Dim;
     for (int64_t t = 0; t < count; t += 2) {
-      smolserve::prefetch_ahead(block + t * Dim, 2 * Dim);
+      const int8_t* pair_values = item.values + item.at(start + t) * Dim;  // t even: a pair shares a tile
+      smolserve::prefetch_ahead(pair_values, 2 * Dim);
       __m512i pair[Groups];
       for (int g = 0; g < Groups; ++g) {
         uint32_t packed;
@@ -241,7 +261,7 @@ void attend_vnni(const Item<T>& item, const QuantizedQuery<T>& query, int64_t fi
         pair[g] = _mm512_set1_epi32(static_cast<int>(packed));
       }
       for (int64_t r = 0; r < kRows; ++r) {
-        const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + t * Dim + 32 * r));
+        const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pair_values + 32 * r));
         const __m512i values = _mm512_cvtepi8_epi16(bytes);
         for (int g = 0; g < Groups; ++g) sums[g][r] = _mm512_dpwssd_epi32(sums[g][r], pair[g], values);
       }
@@ -289,74 +309,72 @@ void attend(const Item<T>& item) {
 
 void check_cache(const at::Tensor& keys, const at::Tensor& values, const at::Tensor& key_scales,
                  const at::Tensor& value_scales) {
-  TORCH_CHECK(keys.dim() == 4 && values.dim() == 4, "expected 4-d keys and values [n, kv_heads, positions, dim]");
+  TORCH_CHECK(keys.dim() == 3 && values.dim() == 3, "expected 3-d keys and values [kv_heads, positions, dim]");
   TORCH_CHECK(keys.scalar_type() == at::kByte && values.scalar_type() == at::kByte, "an 8-bit cache is uint8");
   TORCH_CHECK(key_scales.scalar_type() == at::kFloat && value_scales.scalar_type() == at::kFloat,
               "scales are float32");
-  TORCH_CHECK(keys.sizes() == values.sizes() && key_scales.sizes() == keys.sizes().slice(0, 3) &&
+  TORCH_CHECK(keys.sizes() == values.sizes() && key_scales.sizes() == keys.sizes().slice(0, 2) &&
                   value_scales.sizes() == key_scales.sizes(),
               "keys, values and their scales disagree in shape");
   for (const at::Tensor* t : {&keys, &values}) {
-    TORCH_CHECK(t->stride(3) == 1 && t->stride(2) == t->size(3), "each head's positions must be contiguous");
+    TORCH_CHECK(t->stride(2) == 1 && t->stride(1) == t->size(2), "each head's positions must be contiguous");
   }
-  TORCH_CHECK(key_scales.stride(2) == 1 && value_scales.stride(2) == 1, "each head's scales must be contiguous");
-  TORCH_CHECK(keys.size(2) % kTile == 0 && keys.size(3) % 4 == 0 && keys.size(3) <= kMaxDim,
+  TORCH_CHECK(key_scales.stride(1) == 1 && value_scales.stride(1) == 1, "each head's scales must be contiguous");
+  TORCH_CHECK(keys.size(1) % kTile == 0 && keys.size(2) % 4 == 0 && keys.size(2) <= kMaxDim,
               "positions come in tiles of 16, dims in fours (at most 256)");
 }
 
 template <typename T>
 void run(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values, const at::Tensor& key_scales,
-         const at::Tensor& value_scales, at::Tensor& out, const int64_t* len, float scale) {
+         const at::Tensor& value_scales, at::Tensor& out, const smolserve::BlockTables& tables, float scale) {
   const int64_t heads = q.size(1), groups = q.size(2), dim = q.size(3);
   at::parallel_for(0, q.size(0) * heads, 1, [&](int64_t begin, int64_t end) {
     for (int64_t index = begin; index < end; ++index) {
       const int64_t i = index / heads, h = index % heads;
       const Item<T> item{
           q.const_data_ptr<T>() + index * groups * dim,
-          keys.const_data_ptr<uint8_t>() + i * keys.stride(0) + h * keys.stride(1),
-          reinterpret_cast<const int8_t*>(values.const_data_ptr<uint8_t>()) + i * values.stride(0) +
-              h * values.stride(1),
-          key_scales.const_data_ptr<float>() + i * key_scales.stride(0) + h * key_scales.stride(1),
-          value_scales.const_data_ptr<float>() + i * value_scales.stride(0) + h * value_scales.stride(1),
+          keys.const_data_ptr<uint8_t>() + h * keys.stride(0),
+          reinterpret_cast<const int8_t*>(values.const_data_ptr<uint8_t>()) + h * values.stride(0),
+          key_scales.const_data_ptr<float>() + h * key_scales.stride(0),
+          value_scales.const_data_ptr<float>() + h * value_scales.stride(0),
+          tables.tile_starts(i),
           out.mutable_data_ptr<T>() + index * groups * dim,
           groups,
           dim,
-          len[i],
+          tables.length(i),
           scale};
       attend(item);
     }
   });
 }
 
-// query [n, kv_heads, groups, dim] (float32 or bfloat16); keys and values uint8 [n, kv_heads, positions, dim]
-// in the layouts above; key_scales and value_scales float32 [n, kv_heads, positions]; lengths [n]: sequence i
-// attends positions 0..lengths[i]-1. Returns [n, kv_heads, groups, dim] in the query's dtype.
+// query [rows, kv_heads, groups, dim] (float32 or bfloat16); keys and values uint8 [kv_heads, positions, dim]
+// in the layouts above, in blocks of `block_size` positions; key_scales and value_scales float32
+// [kv_heads, positions]; block_tables [rows, width] int32 and lengths [rows]: row i attends its sequence's
+// positions 0..lengths[i]-1 through its blocks. Returns [rows, kv_heads, groups, dim] in the query's dtype.
 at::Tensor decode_attention_int8(const at::Tensor& query, const at::Tensor& keys, const at::Tensor& values,
                                  const at::Tensor& key_scales, const at::Tensor& value_scales,
-                                 const at::Tensor& lengths, double scale) {
+                                 const at::Tensor& block_tables, const at::Tensor& lengths, int64_t block_size,
+                                 double scale) {
   check_cache(keys, values, key_scales, value_scales);
-  TORCH_CHECK(query.dim() == 4, "expected a 4-d query [n, kv_heads, groups, dim]");
+  TORCH_CHECK(query.dim() == 4, "expected a 4-d query [rows, kv_heads, groups, dim]");
   const at::Tensor q = query.contiguous();
-  const at::Tensor lens = lengths.to(at::kLong).contiguous();
-  const int64_t n = q.size(0);
-  TORCH_CHECK(keys.size(0) >= n && keys.size(1) == q.size(1) && keys.size(3) == q.size(3), "keys shape mismatch");
+  TORCH_CHECK(keys.size(0) == q.size(1) && keys.size(2) == q.size(3), "keys shape mismatch");
   TORCH_CHECK(q.size(2) <= kMaxGroups, "too many query heads per KV head");
-  TORCH_CHECK(lens.numel() == n, "one length per sequence");
-  const int64_t* len = lens.data_ptr<int64_t>();
-  for (int64_t i = 0; i < n; ++i) TORCH_CHECK(len[i] >= 1 && len[i] <= keys.size(2), "length out of range");
+  const smolserve::BlockTables tables(block_tables, lengths, q.size(0), block_size, keys.size(1));
   at::Tensor out = at::empty_like(q);
   if (q.scalar_type() == at::kBFloat16) {
-    run<c10::BFloat16>(q, keys, values, key_scales, value_scales, out, len, static_cast<float>(scale));
+    run<c10::BFloat16>(q, keys, values, key_scales, value_scales, out, tables, static_cast<float>(scale));
   } else {
     TORCH_CHECK(q.scalar_type() == at::kFloat, "the query must be float32 or bfloat16");
-    run<float>(q, keys, values, key_scales, value_scales, out, len, static_cast<float>(scale));
+    run<float>(q, keys, values, key_scales, value_scales, out, tables, static_cast<float>(scale));
   }
   return out;
 }
 
 template <typename T>
 void write_rows(const at::Tensor& keys, const at::Tensor& values, const at::Tensor& key_scales,
-                const at::Tensor& value_scales, const int64_t* slot, const int64_t* position, const at::Tensor& key,
+                const at::Tensor& value_scales, const int64_t* position, const at::Tensor& key,
                 const at::Tensor& value) {
   const int64_t heads = key.size(1), dim = key.size(2);
   uint8_t* kp = keys.mutable_data_ptr<uint8_t>();
@@ -367,8 +385,8 @@ void write_rows(const at::Tensor& keys, const at::Tensor& values, const at::Tens
   for (int64_t row = 0; row < key.size(0); ++row) {
     for (int64_t h = 0; h < heads; ++h) {
       const int64_t p = position[row];
-      const int64_t head = slot[row] * keys.stride(0) + h * keys.stride(1);
-      const int64_t scale_at = slot[row] * key_scales.stride(0) + h * key_scales.stride(1) + p;
+      const int64_t head = h * keys.stride(0);
+      const int64_t scale_at = h * key_scales.stride(0) + p;
       ks[scale_at] = quantize(key.const_data_ptr<T>() + (row * heads + h) * dim, dim, quantized);
       for (int64_t d = 0; d < dim; ++d) kp[head + key_offset(p, d, dim)] = static_cast<uint8_t>(quantized[d] + 128);
       vs[scale_at] = quantize(value.const_data_ptr<T>() + (row * heads + h) * dim, dim, quantized);
@@ -377,30 +395,27 @@ void write_rows(const at::Tensor& keys, const at::Tensor& values, const at::Tens
   }
 }
 
-// Quantizes one new token's key and value ([rows, kv_heads, dim]) per row and stores them, with their scales,
-// at (slots[row], positions[row]) of the cache (the same tensors decode_attention_int8 reads).
+// Quantizes each row's key and value ([rows, kv_heads, dim]) and stores them, with their scales, at the row's
+// physical position of the cache (the same tensors decode_attention_int8 reads).
 void write_kv_int8(const at::Tensor& keys, const at::Tensor& values, const at::Tensor& key_scales,
-                   const at::Tensor& value_scales, const at::Tensor& slots, const at::Tensor& positions,
-                   const at::Tensor& key, const at::Tensor& value) {
+                   const at::Tensor& value_scales, const at::Tensor& positions, const at::Tensor& key,
+                   const at::Tensor& value) {
   check_cache(keys, values, key_scales, value_scales);
   TORCH_CHECK(key.dim() == 3 && key.sizes() == value.sizes() && key.scalar_type() == value.scalar_type(),
               "key and value must both be [rows, kv_heads, dim]");
-  TORCH_CHECK(key.size(1) == keys.size(1) && key.size(2) == keys.size(3), "key shape mismatch");
+  TORCH_CHECK(key.size(1) == keys.size(0) && key.size(2) == keys.size(2), "key shape mismatch");
   const at::Tensor k = key.contiguous(), v = value.contiguous();
-  const at::Tensor slot = slots.to(at::kLong).contiguous(), position = positions.to(at::kLong).contiguous();
-  TORCH_CHECK(slot.numel() == k.size(0) && position.numel() == k.size(0), "one slot and position per row");
+  const at::Tensor position = positions.to(at::kLong).contiguous();
+  TORCH_CHECK(position.numel() == k.size(0), "one position per row");
   for (int64_t row = 0; row < k.size(0); ++row) {
-    TORCH_CHECK(slot.data_ptr<int64_t>()[row] >= 0 && slot.data_ptr<int64_t>()[row] < keys.size(0) &&
-                    position.data_ptr<int64_t>()[row] >= 0 && position.data_ptr<int64_t>()[row] < keys.size(2),
-                "slot or position out of range");
+    const int64_t p = position.data_ptr<int64_t>()[row];
+    TORCH_CHECK(p >= 0 && p < keys.size(1), "position out of range");
   }
   if (k.scalar_type() == at::kBFloat16) {
-    write_rows<c10::BFloat16>(keys, values, key_scales, value_scales, slot.data_ptr<int64_t>(),
-                              position.data_ptr<int64_t>(), k, v);
+    write_rows<c10::BFloat16>(keys, values, key_scales, value_scales, position.data_ptr<int64_t>(), k, v);
   } else {
     TORCH_CHECK(k.scalar_type() == at::kFloat, "key and value must be float32 or bfloat16");
-    write_rows<float>(keys, values, key_scales, value_scales, slot.data_ptr<int64_t>(), position.data_ptr<int64_t>(),
-                      k, v);
+    write_rows<float>(keys, values, key_scales, value_scales, position.data_ptr<int64_t>(), k, v);
   }
 }
 
@@ -409,10 +424,10 @@ void write_kv_int8(const at::Tensor& keys, const at::Tensor& values, const at::T
 TORCH_LIBRARY_FRAGMENT(smolserve, m) {
   m.def(
       "decode_attention_int8(Tensor query, Tensor keys, Tensor values, Tensor key_scales, Tensor value_scales, "
-      "Tensor lengths, float scale) -> Tensor");
+      "Tensor block_tables, Tensor lengths, int block_size, float scale) -> Tensor");
   m.def(
       "write_kv_int8(Tensor(a!) keys, Tensor(b!) values, Tensor(c!) key_scales, Tensor(d!) value_scales, "
-      "Tensor slots, Tensor positions, Tensor key, Tensor value) -> ()");
+      "Tensor positions, Tensor key, Tensor value) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(smolserve, CPU, m) {

@@ -1,0 +1,118 @@
+"""Each sequence's block table over the pool of ``engine/block_pool.py``, as the attention kernels read them.
+
+A sequence's table lists the blocks that hold its positions in order; all tables are rows of one int32 tensor,
+``[max_sequences, blocks per longest sequence]``, updated in place as blocks are added, so a step's tables are
+one index of it. Here too: growing a table (and failing to, when the pool is out of blocks), taking a cached
+prefix into a new table (copying the one block it shares only in part), and hashing a sequence's blocks into the
+prefix cache as they fill.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.block_pool import ROOT_HASH, BlockPool, NoFreeBlocks, block_hash
+
+
+@dataclass(slots=True, eq=False)
+class SeqBlocks:
+    """One sequence's blocks: its row of the table tensor, its blocks in order, the hashes of its full ones."""
+
+    row: int
+    blocks: list[int] = field(default_factory=list)
+    hashes: list[bytes] = field(default_factory=list)
+
+
+class BlockTables:
+    def __init__(
+        self,
+        pool: BlockPool,
+        max_sequences: int,
+        max_positions: int,
+        device: torch.device,
+        caching: bool = True,
+    ) -> None:
+        """``caching``: keep full blocks in the prefix cache after their sequence leaves, and reuse them."""
+        self.pool = pool
+        self.block_size = pool.block_size
+        self.caching = caching
+        self.table = torch.zeros(max_sequences, -(-max_positions // self.block_size), dtype=torch.int32, device=device)
+        self._free_rows = list(range(max_sequences - 1, -1, -1))
+
+    def blocks_for(self, positions: int) -> int:
+        return -(-positions // self.block_size)
+
+    def open(self) -> SeqBlocks:
+        return SeqBlocks(self._free_rows.pop())
+
+    def close(self, seq: SeqBlocks) -> None:
+        """The sequence leaves: its blocks go back to the pool (full ones stay cached) and its row is free."""
+        self.clear(seq)
+        self._free_rows.append(seq.row)
+
+    def clear(self, seq: SeqBlocks) -> None:
+        """Let go of the sequence's blocks but keep its row (it is preempted, and will fill it again)."""
+        self.pool.release(seq.blocks)
+        seq.blocks.clear()
+        seq.hashes.clear()
+
+    def grow(self, seq: SeqBlocks, positions: int) -> bool:
+        """Add blocks until the sequence's hold ``positions`` positions. False when the pool ran out first (the
+        blocks added so far are kept)."""
+        while len(seq.blocks) * self.block_size < positions:
+            try:
+                block = self.pool.allocate()
+            except NoFreeBlocks:
+                return False
+            self.table[seq.row, len(seq.blocks)] = block
+            seq.blocks.append(block)
+        return True
+
+    def take_prefix(self, seq: SeqBlocks, tokens: Sequence[int], limit: int, copy: Callable[[int, int], None]) -> int:
+        """Start the (empty) table with the longest cached prefix of ``tokens[:limit]``: whole cached blocks,
+        then, where the next cached block shares only its first tokens, a copy of it (``copy(src, dst)``
+        copies K/V between blocks). Returns the positions it holds. Counts ``len(tokens)`` tokens as queried."""
+        assert not seq.blocks
+        if not self.caching:
+            return 0
+        found = self.pool.match(tokens[:limit], queried=len(tokens))
+        for block in found:
+            self.table[seq.row, len(seq.blocks)] = block
+            seq.blocks.append(block)
+        seq.hashes.extend(self.pool.hash_of(block) or b"" for block in found)
+        held = len(found) * self.block_size
+        partial = self.pool.match_partial(seq.hashes[-1] if seq.hashes else ROOT_HASH, tokens[held:limit])
+        if partial is not None:
+            source, shared = partial
+            if self.grow(seq, held + 1):
+                copy(source, seq.blocks[-1])
+                held += shared
+                self.pool.hit_tokens += shared
+            self.pool.release([source])
+        return held
+
+    def commit_full(self, seq: SeqBlocks, computed: int, token_at: Callable[[int], int]) -> None:
+        """Hash the blocks that the first ``computed`` positions fill, into the prefix cache."""
+        if not self.caching:
+            return
+        size = self.block_size
+        while (len(seq.hashes) + 1) * size <= computed:
+            index = len(seq.hashes)
+            parent = seq.hashes[-1] if seq.hashes else ROOT_HASH
+            tokens = [token_at(p) for p in range(index * size, (index + 1) * size)]
+            digest = block_hash(parent, tokens)
+            self.pool.commit(seq.blocks[index], digest, parent, tokens)
+            seq.hashes.append(digest)
+
+    def slots(self, seq: SeqBlocks, start: int, end: int) -> list[int]:
+        """The physical positions of the sequence's positions ``start..end-1``."""
+        size, blocks = self.block_size, seq.blocks
+        return [blocks[p // size] * size + p % size for p in range(start, end)]
+
+    def rows(self, rows: list[int], positions: int) -> torch.Tensor:
+        """The tables of ``rows`` (one per packed row of a step), wide enough for ``positions`` positions."""
+        index = torch.tensor(rows, dtype=torch.long, device=self.table.device)
+        return self.table[index, : self.blocks_for(positions)]

@@ -1,0 +1,209 @@
+"""Block-based KV memory in HFEngine: prefix caching, admission by what is held, preemption and the pool's
+accounting, each against `generate` (greedy float32) or against the same run with the prefix cache off."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from engine_helpers import make_engine, prompt_ids, reference, run_outputs, run_staggered
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from transformers import AutoModelForCausalLM, PreTrainedModel
+
+from engine.hf_engine import HFEngine
+from engine.types import GenerationRequest, SamplingParams
+
+BLOCK = 16
+
+
+@pytest.fixture(scope="module")
+def tiny_pair(tiny_llama_dir: str) -> tuple[PreTrainedModel, PreTrainedModel]:
+    return AutoModelForCausalLM.from_pretrained(tiny_llama_dir), AutoModelForCausalLM.from_pretrained(tiny_llama_dir)
+
+
+def bytes_for_blocks(model: PreTrainedModel, blocks: int) -> int:
+    config = model.config
+    head_dim = config.hidden_size // config.num_attention_heads
+    return config.num_hidden_layers * 2 * config.num_key_value_heads * head_dim * 4 * BLOCK * blocks
+
+
+def assert_pool_settled(engine: HFEngine) -> None:
+    stats = engine.memory_stats()
+    assert stats.blocks_in_use == 0
+    assert stats.blocks_cached + stats.blocks_free == stats.num_blocks
+
+
+def run_one(engine: HFEngine, request: GenerationRequest) -> tuple[list[int], int | None]:
+    """Run ``request`` alone to the end: its tokens and the cached prompt tokens it reported."""
+    (seq_id,) = engine.admit([request])
+    tokens: list[int] = []
+    cached = None
+    while engine.num_active():
+        for out in engine.step():
+            assert out.seq_id == seq_id
+            tokens += out.token_ids
+            cached = out.cached_tokens if out.cached_tokens is not None else cached
+    return tokens, cached
+
+
+def test_prompts_that_hit_the_cache_fully_partly_or_not_match_generate(tiny_pair) -> None:
+    model, ref_model = tiny_pair
+    engine = make_engine(model, frozenset({7}), max_num_batched_tokens=40)
+    base = prompt_ids(1, 70)
+    cases = [
+        (base, 0),  # nothing cached yet
+        (base, 69),  # the same prompt again: all but its last token (which yields the first new one)
+        (base[:64], 63),  # a prompt that ends on a block boundary inside what is cached
+        (base[:50] + prompt_ids(2, 30), 50),  # diverges inside a block: 3 blocks + 2 tokens copied from the 4th
+        (prompt_ids(3, 40), 0),  # shares nothing
+    ]
+    for prompt, expected_cached in cases:
+        request = GenerationRequest(prompt, 12, ignore_eos=True)
+        tokens, cached = run_one(engine, request)
+        assert cached == expected_cached, len(prompt)
+        assert tokens == reference(ref_model, request), len(prompt)
+    stats = engine.memory_stats()
+    assert stats.prefix_hit_tokens == 69 + 63 + 50
+    assert stats.prefix_queried_tokens == 70 + 70 + 64 + 80 + 40
+    assert_pool_settled(engine)
+
+
+def test_the_next_turn_reuses_the_previous_answer(tiny_pair) -> None:
+    """Blocks of generated tokens are cached too: a follow-up that re-sends prompt + answer recomputes only
+    what is new."""
+    model, ref_model = tiny_pair
+    engine = make_engine(model, frozenset({7}))
+    first = GenerationRequest(prompt_ids(4, 20), 40, ignore_eos=True)
+    answer, _ = run_one(engine, first)
+    follow_up = GenerationRequest(first.prompt_ids + tuple(answer) + prompt_ids(5, 6), 8, ignore_eos=True)
+    tokens, cached = run_one(engine, follow_up)
+    # The answer's last token was never fed back, so its K/V is not there: the cache holds 20 + 39 positions,
+    # of which the full blocks count.
+    assert cached == (20 + 39) // BLOCK * BLOCK
+    assert tokens == reference(ref_model, follow_up)
+
+
+def test_sequences_sharing_a_prefix_decode_side_by_side(tiny_pair) -> None:
+    """Two sequences holding the same cached blocks at once (reference counts, never written), staggered."""
+    model, ref_model = tiny_pair
+    engine = make_engine(model, frozenset({7}), max_num_batched_tokens=32)
+    shared = prompt_ids(6, 48)
+    arrivals = [
+        (0, GenerationRequest(shared + prompt_ids(7, 5), 30, ignore_eos=True)),
+        (6, GenerationRequest(shared + prompt_ids(8, 9), 20, ignore_eos=True)),
+        (7, GenerationRequest(shared + prompt_ids(9, 2), 25, ignore_eos=True)),
+        (9, GenerationRequest(shared, 10, ignore_eos=True)),
+    ]
+    got = run_staggered(engine, arrivals)
+    for index, (_, request) in enumerate(arrivals):
+        assert got[index] == reference(ref_model, request), index
+    assert engine.memory_stats().prefix_hit_tokens >= 3 * 47
+    assert_pool_settled(engine)
+
+
+def test_admission_asks_for_the_prompt_not_for_max_tokens(tiny_pair) -> None:
+    """With the pool holding 20 blocks, four requests that may each run to 250 tokens are admitted together
+    (a reservation of prompt + max_tokens would admit one), and the prompt's blocks are what is asked."""
+    model, _ = tiny_pair
+    engine = make_engine(model, frozenset({7}), max_model_len=256, kv_cache_bytes=bytes_for_blocks(model, 20))
+    long_budget = GenerationRequest(prompt_ids(1, 30), 220)
+    for _ in range(4):
+        assert engine.can_admit(long_budget)
+        engine.admit([long_budget])
+    # 4 x 2 blocks promised + a headroom of 1 leave 11: a prompt (and its first token) of 12 blocks waits.
+    assert not engine.can_admit(GenerationRequest(prompt_ids(2, 176), 10))
+    assert engine.can_admit(GenerationRequest(prompt_ids(2, 160), 10))
+
+
+def test_a_preempted_sequence_resumes_its_stream_exactly(tiny_pair) -> None:
+    """A pool too small for everyone: the most recently admitted sequences are preempted and recomputed, and
+    every stream is still token-identical to `generate`: nothing repeated, nothing lost."""
+    model, ref_model = tiny_pair
+    engine = make_engine(
+        model, frozenset({7}), max_model_len=128, kv_cache_bytes=bytes_for_blocks(model, 12), max_num_batched_tokens=64
+    )
+    arrivals = [(at, GenerationRequest(prompt_ids(10 + at, 20 + 3 * at), 60, ignore_eos=True)) for at in range(5)]
+    got = run_staggered(engine, arrivals)
+    assert engine.num_preemptions > 0
+    for index, (_, request) in enumerate(arrivals):
+        assert got[index] == reference(ref_model, request), index
+    assert_pool_settled(engine)
+
+
+def test_a_seeded_sequence_goes_on_drawing_from_its_own_generator(tiny_pair) -> None:
+    """Sampled with a seed, a preempted sequence produces what it produces unpreempted."""
+    model, _ = tiny_pair
+    sampling = SamplingParams(temperature=1.0, seed=1234)
+    request = GenerationRequest(prompt_ids(20, 40), 70, ignore_eos=True, sampling=sampling)
+    alone = make_engine(model, frozenset({7}), max_model_len=128)
+    (expected, _) = run_one(alone, request)
+    tight = make_engine(model, frozenset({7}), max_model_len=128, kv_cache_bytes=bytes_for_blocks(model, 10))
+    others = [(0, GenerationRequest(prompt_ids(21 + i, 30), 60, ignore_eos=True)) for i in range(2)]
+    got = run_staggered(tight, [(0, request), *others])
+    assert tight.num_preemptions > 0
+    assert got[0] == expected
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    st.lists(
+        st.tuples(st.integers(0, 5), st.integers(1, 60), st.integers(1, 20), st.integers(0, 6)), min_size=1, max_size=8
+    )
+)
+def test_a_small_pool_never_serves_stale_kv(tiny_pair, requests: list[tuple[int, int, int, int]]) -> None:
+    """Prompts built from a few shared stems, admitted at random steps into a pool that holds a few of them:
+    blocks are cached, evicted and reused, sequences preempted; every output equals a run with the prefix
+    cache off and a large pool, and the pool settles."""
+    model, _ = tiny_pair
+    arrivals = [
+        (at, GenerationRequest(prompt_ids(stem, 40)[: 10 + length % 30] + prompt_ids(50 + length, length % 7), new))
+        for stem, length, new, at in requests
+    ]
+    tight = make_engine(
+        model, frozenset({7}), max_model_len=128, kv_cache_bytes=bytes_for_blocks(model, 10), max_num_batched_tokens=32
+    )
+    roomy = make_engine(model, frozenset({7}), max_model_len=128, prefix_caching=False, max_num_batched_tokens=32)
+    assert run_staggered(tight, arrivals) == run_staggered(roomy, arrivals)
+    assert_pool_settled(tight)
+
+
+def test_prompt_logprobs_score_every_prompt_token_past_the_cache(tiny_pair) -> None:
+    model, _ = tiny_pair
+    engine = make_engine(model, frozenset({7}))
+    prompt = prompt_ids(30, 50)
+    run_one(engine, GenerationRequest(prompt, 2))  # now cached
+    (seq_id,) = engine.admit([GenerationRequest(prompt, 2, prompt_logprobs=1)])
+    first = next(out for out in engine.step() if out.seq_id == seq_id)
+    assert first.cached_tokens == 0
+    assert first.prompt_logprobs is not None and len(first.prompt_logprobs) == 50
+    assert all(entry is not None for entry in first.prompt_logprobs[1:])
+    while engine.num_active():
+        engine.step()
+
+
+def test_accounting_after_aborts_failures_and_reset(tiny_pair, monkeypatch: pytest.MonkeyPatch) -> None:
+    """After a burst of finished, aborted and failed requests no block is in use; after a failed step the reset
+    leaves a consistent, empty pool."""
+    model, _ = tiny_pair
+    engine = make_engine(model, frozenset({7}), max_num_batched_tokens=32)
+    ids = engine.admit([GenerationRequest(prompt_ids(40 + i, 20 + 9 * i), 30, ignore_eos=True) for i in range(6)])
+    for _ in range(5):
+        engine.step()
+    engine.abort(ids[1])  # decoding
+    engine.abort(ids[5])  # still prefilling
+    assert engine.memory_stats().blocks_in_use > 0
+    while engine.num_active():
+        engine.step()
+    assert_pool_settled(engine)
+    engine.admit([GenerationRequest(prompt_ids(50, 40), 10)])
+    engine.step()
+
+    def broken(*args: object) -> torch.Tensor:
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(engine._runner, "forward", broken)
+    with pytest.raises(RuntimeError):
+        engine.step()
+    engine.reset()
+    stats = engine.memory_stats()
+    assert engine.num_active() == 0 and stats.blocks_free == stats.num_blocks
