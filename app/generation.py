@@ -54,6 +54,11 @@ class Generation:
         return sum(len(ids) for ids in self.prompts)
 
     @property
+    def num_cached_tokens(self) -> int:
+        """Prompt tokens the prefix cache gave: each prompt's first sample's, as prompts count once."""
+        return sum(choice.cached_tokens for choice in self.choices[:: self.options.best_of])
+
+    @property
     def num_completion_tokens(self) -> int:
         return sum(len(c.token_ids) for c in self.choices)
 
@@ -109,7 +114,7 @@ class Generation:
         return [(i, c.stream) for i, c in enumerate(self.choices) if c.stream is not None]
 
     def usage(self) -> dict[str, int]:
-        return protocol.usage(self.num_prompt_tokens, self.num_completion_tokens)
+        return protocol.usage(self.num_prompt_tokens, self.num_completion_tokens, self.num_cached_tokens)
 
     # -- a whole response -------------------------------------------------------------------------------
 
@@ -131,7 +136,9 @@ class Generation:
             "created": self.created,
             "model": self.model_name,
             "choices": [self.fmt.choice(i, choice, want_logprobs) for i, choice in enumerate(winners)],
-            "usage": protocol.usage(self.num_prompt_tokens, sum(len(c.token_ids) for c in winners)),
+            "usage": protocol.usage(
+                self.num_prompt_tokens, sum(len(c.token_ids) for c in winners), self.num_cached_tokens
+            ),
         }
 
     async def _collect(self, index: int, stream: RequestStream) -> None:
@@ -143,6 +150,8 @@ class Generation:
     def _record(choice: Choice, delta: Delta) -> None:
         if delta.prompt_logprobs is not None:
             choice.prompt_logprobs = delta.prompt_logprobs
+        if delta.cached_tokens is not None:
+            choice.cached_tokens = delta.cached_tokens
         if choice.prompt_only:
             choice.finish_reason = "length"
             return
@@ -210,7 +219,7 @@ class Generation:
             out.put_nowait((index, exc))
         out.put_nowait((index, None))
 
-    def _chunk(self, choices: list[dict[str, Any]], usage: dict[str, int] | None = None) -> str:
+    def _chunk(self, choices: list[dict[str, Any]], usage: dict[str, Any] | None = None) -> str:
         chunk: dict[str, Any] = {
             "id": self.request_id,
             "object": self.fmt.chunk_object_name,

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
 
 from engine.scheduler import Delta
+from engine.types import MemoryStats
 
 PREFIX = "smolserve:"
 _STEP_BUCKETS = (0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5)
@@ -18,9 +21,15 @@ _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0
 class Metrics:
     content_type = CONTENT_TYPE_LATEST
 
-    def __init__(self, num_running: Callable[[], int], num_waiting: Callable[[], int]) -> None:
+    def __init__(
+        self,
+        num_running: Callable[[], int],
+        num_waiting: Callable[[], int],
+        memory_stats: Callable[[], MemoryStats | None] = lambda: None,
+    ) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
+        r.register(_MemoryCollector(memory_stats))
         Gauge(f"{PREFIX}num_requests_running", "Requests in the engine's batch", registry=r).set_function(num_running)
         Gauge(f"{PREFIX}num_requests_waiting", "Requests waiting for a batch slot", registry=r).set_function(
             num_waiting
@@ -75,3 +84,31 @@ class Metrics:
                 self.e2e_latency.observe(now - arrived)
                 self.request_success.labels(delta.finish_reason).inc()
             yield delta
+
+
+class _MemoryCollector(Collector):
+    """The engine's KV blocks (gauges) and its prefix-cache and preemption counts (counters, named as vLLM's),
+    read from the engine when scraped. Nothing for an engine without block memory."""
+
+    def __init__(self, memory_stats: Callable[[], MemoryStats | None]) -> None:
+        self._memory_stats = memory_stats
+
+    def collect(self) -> Iterator[Metric]:
+        stats = self._memory_stats()
+        if stats is None:
+            return
+        gauges = {
+            "kv_blocks_in_use": ("KV cache blocks held by running sequences", stats.blocks_in_use),
+            "kv_blocks_cached": ("KV cache blocks held only by the prefix cache (evictable)", stats.blocks_cached),
+            "kv_blocks_free": ("KV cache blocks holding nothing", stats.blocks_free),
+            "kv_cache_usage_perc": ("Fraction of KV blocks in use", stats.blocks_in_use / max(stats.num_blocks, 1)),
+        }
+        for name, (documentation, value) in gauges.items():
+            yield GaugeMetricFamily(f"{PREFIX}{name}", documentation, value=value)
+        counters = {
+            "prefix_cache_queries": ("Prompt tokens looked up in the prefix cache", stats.prefix_queried_tokens),
+            "prefix_cache_hits": ("Prompt tokens found in the prefix cache", stats.prefix_hit_tokens),
+            "num_preemptions": ("Sequences preempted for want of KV blocks", stats.preemptions),
+        }
+        for name, (documentation, value) in counters.items():
+            yield CounterMetricFamily(f"{PREFIX}{name}", documentation, value=value)

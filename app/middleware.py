@@ -23,7 +23,7 @@ PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize")
 class RequestIdMiddleware:
     """Echoes ``X-Request-Id`` (or makes one up) and logs one line per request when its response ends.
 
-    Routes put token counts in ``scope["state"]["usage"]`` (prompt, completion) for the log line.
+    Routes put token counts in ``scope["state"]["usage"]`` (prompt, completion, cached prompt) for the log line.
     """
 
     def __init__(self, app: ASGIApp) -> None:
@@ -48,14 +48,15 @@ class RequestIdMiddleware:
         try:
             await self.app(scope, receive, send_with_id)
         finally:
-            prompt, completion = scope["state"].get("usage", (0, 0))
+            prompt, completion, cached = scope["state"].get("usage", (0, 0, 0))
             access_log.info(
-                '%s "%s %s" %d prompt_tokens=%d completion_tokens=%d latency=%.3fs',
+                '%s "%s %s" %d prompt_tokens=%d cached_prompt_tokens=%d completion_tokens=%d latency=%.3fs',
                 request_id,
                 scope["method"],
                 scope["path"],
                 status,
                 prompt,
+                cached,
                 completion,
                 time.perf_counter() - started,
             )

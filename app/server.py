@@ -76,7 +76,9 @@ class _State:
             engine_thread=served.engine_thread,
             idle_release_s=config.kv_cache_idle_release_s,
         )
-        self.metrics = Metrics(lambda: self.scheduler.num_running, lambda: self.scheduler.num_waiting)
+        self.metrics = Metrics(
+            lambda: self.scheduler.num_running, lambda: self.scheduler.num_waiting, served.engine.memory_stats
+        )
         self.scheduler.on_step = self.metrics.observe_step
         self.grammars = Grammars(served.tokenizer)
         #: Whether the chat template renders tools itself: it speaks the call syntax (``app/tools.py``).
@@ -197,7 +199,7 @@ class _State:
         except QueueFullError as exc:
             raise APIError(429, str(exc), code="queue_full", headers={"Retry-After": "1"}) from None
         self.metrics.prompt_tokens.inc(generation.num_prompt_tokens)
-        request.state.usage = (generation.num_prompt_tokens, 0)
+        request.state.usage = (generation.num_prompt_tokens, 0, 0)
         if generation.options.stream:
             events = _logged(request, generation, generation.events())
             return EventSourceResponse(events, sep="\n", ping=self.sse_ping)
@@ -210,7 +212,7 @@ class _State:
             if not complete.done():
                 complete.cancel()
             generation.abort()
-        request.state.usage = (generation.num_prompt_tokens, generation.num_completion_tokens)
+        request.state.usage = _usage_for_log(generation)
         if not complete.done() or complete.cancelled():
             return Response(status_code=499)  # the client left; nobody is listening
         return JSONResponse(complete.result())
@@ -221,7 +223,11 @@ async def _logged(request: Request, generation: Generation, events: AsyncIterato
         async for event in events:
             yield event
     finally:
-        request.state.usage = (generation.num_prompt_tokens, generation.num_completion_tokens)
+        request.state.usage = _usage_for_log(generation)
+
+
+def _usage_for_log(generation: Generation) -> tuple[int, int, int]:
+    return generation.num_prompt_tokens, generation.num_completion_tokens, generation.num_cached_tokens
 
 
 def create_app(served: ServedModel, config: ServerConfig | None = None) -> Starlette:

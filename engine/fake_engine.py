@@ -6,16 +6,19 @@ import time
 from dataclasses import dataclass
 
 from engine.base import InferenceEngine, finish_reason, validate_request
+from engine.block_pool import prefix_hashes
 from engine.tokenizer import ByteTokenizer
-from engine.types import Constraint, GenerationRequest, StepOutput
+from engine.types import Constraint, GenerationRequest, MemoryStats, StepOutput
 
 _ALPHABET = b"abcdefghijklmnopqrstuvwxyz"
+_BLOCK = 16
 
 
 @dataclass(slots=True)
 class _FakeSeq:
     request: GenerationRequest
     num_generated: int = 0
+    cached_tokens: int = 0
 
 
 class FakeEngine(InferenceEngine):
@@ -25,6 +28,8 @@ class FakeEngine(InferenceEngine):
     prefill), and a sequence leaves in the step that produces its last token. ``eos_after`` makes every
     sequence emit the end-of-sequence token as its n-th token; ``fail_on_step`` makes the n-th step raise,
     to test the scheduler's recovery; ``step_delay`` makes each step take that long, like a real forward.
+    It remembers the hashes of the prompts' full 16-token blocks, as a prefix cache would (never evicting),
+    to report cached prompt tokens.
     """
 
     def __init__(
@@ -43,6 +48,8 @@ class FakeEngine(InferenceEngine):
         self.num_steps = 0
         self._active: dict[int, _FakeSeq] = {}
         self._next_seq_id = 0
+        self._cached_blocks: set[bytes] = set()
+        self._queried = self._hit = 0
 
     def num_active(self) -> int:
         return len(self._active)
@@ -57,8 +64,24 @@ class FakeEngine(InferenceEngine):
             validate_request(request, self.max_model_len)
         seq_ids = list(range(self._next_seq_id, self._next_seq_id + len(requests)))
         self._next_seq_id += len(requests)
-        self._active.update((sid, _FakeSeq(req)) for sid, req in zip(seq_ids, requests, strict=True))
+        self._active.update(
+            (sid, _FakeSeq(req, 0, self._take_prefix(req))) for sid, req in zip(seq_ids, requests, strict=True)
+        )
         return seq_ids
+
+    def _take_prefix(self, request: GenerationRequest) -> int:
+        """Prompt tokens a prefix cache would give (all but the last at most), remembering the prompt's blocks."""
+        prompt = request.prompt_ids
+        hashes = prefix_hashes(prompt[: len(prompt) - 1], _BLOCK)
+        hit = next((i for i, digest in enumerate(hashes) if digest not in self._cached_blocks), len(hashes))
+        self._cached_blocks.update(prefix_hashes(prompt, _BLOCK))
+        self._queried += len(prompt)
+        self._hit += hit * _BLOCK
+        return hit * _BLOCK
+
+    def memory_stats(self) -> MemoryStats:
+        cached = len(self._cached_blocks)
+        return MemoryStats(cached, 0, cached, 0, self._queried, self._hit, 0)
 
     def step(self) -> list[StepOutput]:
         self.num_steps += 1
@@ -87,7 +110,10 @@ class FakeEngine(InferenceEngine):
         if constraint is not None:
             token = _allowed_token(constraint, token)
             constraint.accept(token)
-        return StepOutput(seq_id, [token], finish_reason(seq.request, token, n, frozenset({ByteTokenizer.EOS})))
+        out = StepOutput(seq_id, [token], finish_reason(seq.request, token, n, frozenset({ByteTokenizer.EOS})))
+        if n == 1:
+            out.cached_tokens = seq.cached_tokens
+        return out
 
 
 def _allowed_token(constraint: Constraint, wanted: int) -> int:

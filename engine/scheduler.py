@@ -43,6 +43,8 @@ class Delta:
     finish_reason: FinishReason | None = None
     logprobs: list[TokenLogprob] | None = None
     prompt_logprobs: list[TokenLogprob | None] | None = None
+    #: With the first delta: prompt tokens that came from the engine's prefix cache.
+    cached_tokens: int | None = None
 
 
 class RequestStream:
@@ -83,7 +85,8 @@ class RequestStream:
             elif finish is not None:
                 text += self._stop.flush()
         self.finished = finish is not None
-        self._queue.put_nowait(Delta(text, output.token_ids, finish, output.logprobs, output.prompt_logprobs))
+        delta = Delta(text, output.token_ids, finish, output.logprobs, output.prompt_logprobs, output.cached_tokens)
+        self._queue.put_nowait(delta)
         return stopped
 
     def _fail(self, error: EngineError) -> None:

@@ -41,7 +41,9 @@ def test_prompt_lists_and_n_order_choices_and_count_usage(client: TestClient) ->
     body = post(client, {"prompt": ["ab", "cde"], "n": 2, "max_tokens": 3, "temperature": 0})
     assert [c["index"] for c in body["choices"]] == [0, 1, 2, 3]
     assert all(c["text"] == "abc" for c in body["choices"])
-    assert body["usage"] == {"prompt_tokens": 5, "completion_tokens": 12, "total_tokens": 17}
+    assert body["usage"] == {
+        "prompt_tokens": 5, "completion_tokens": 12, "total_tokens": 17, "prompt_tokens_details": {"cached_tokens": 0}
+    }  # fmt: skip
     ids = post(client, {"prompt": [[104, 105], [106]], "max_tokens": 2})
     assert ids["usage"]["prompt_tokens"] == 3 and len(ids["choices"]) == 2
 

@@ -56,7 +56,12 @@ def test_completion_wire_format(client: TestClient) -> None:
     assert isinstance(body["created"], int)
     assert body["model"] == MODEL
     assert body["choices"] == [{"index": 0, "text": "abcde", "logprobs": None, "finish_reason": "length"}]
-    assert body["usage"] == {"prompt_tokens": 5, "completion_tokens": 5, "total_tokens": 10}
+    assert body["usage"] == {
+        "prompt_tokens": 5,
+        "completion_tokens": 5,
+        "total_tokens": 10,
+        "prompt_tokens_details": {"cached_tokens": 0},
+    }
 
 
 def test_max_tokens_defaults_to_16(client: TestClient) -> None:
@@ -92,7 +97,12 @@ def test_stream_include_usage_adds_a_final_usage_chunk(client: TestClient) -> No
     body = {"prompt": "hi", "max_tokens": 3, "stream": True, "stream_options": {"include_usage": True}}
     chunks = [json.loads(e) for e in sse_events(client, body)[:-1]]
     assert chunks[-1]["choices"] == []
-    assert chunks[-1]["usage"] == {"prompt_tokens": 2, "completion_tokens": 3, "total_tokens": 5}
+    assert chunks[-1]["usage"] == {
+        "prompt_tokens": 2,
+        "completion_tokens": 3,
+        "total_tokens": 5,
+        "prompt_tokens_details": {"cached_tokens": 0},
+    }
     assert all(c["usage"] is None for c in chunks[:-1])
 
 
@@ -220,7 +230,9 @@ def test_access_log_has_one_line_with_token_counts(client: TestClient, caplog: p
         client.post("/v1/completions", json={"prompt": "hey", "max_tokens": 4}, headers={"X-Request-Id": "r1"})
     lines = [r.getMessage() for r in caplog.records if r.name == "smolserve.access"]
     assert len(lines) == 1
-    assert lines[0].startswith('r1 "POST /v1/completions" 200 prompt_tokens=3 completion_tokens=4 latency=')
+    assert lines[0].startswith(
+        'r1 "POST /v1/completions" 200 prompt_tokens=3 cached_prompt_tokens=0 completion_tokens=4 latency='
+    )
 
 
 def test_cors_when_enabled() -> None:

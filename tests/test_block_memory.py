@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from engine_helpers import make_engine, prompt_ids, reference, run_outputs, run_staggered
+from engine_helpers import make_engine, prompt_ids, reference, run_staggered
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from transformers import AutoModelForCausalLM, PreTrainedModel
