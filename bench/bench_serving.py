@@ -40,8 +40,14 @@ MODEL = "SmolLM2-135M-Instruct"
 TOPICS = ["a lighthouse", "the moon", "a small robot", "an old map", "the ocean", "a mountain town", "a violin", "rain"]
 
 
+_RUNS = iter(range(10**9))
+
+
 def prompts(n: int) -> list[str]:
-    return [f"Write a short story about {TOPICS[i % len(TOPICS)]} (story {i}):" for i in range(n)]
+    """``n`` distinct prompts, distinct from every earlier call's too (each starts with a run number): with the
+    prefix cache on, a repeated run must not find its prompts cached."""
+    run = next(_RUNS)
+    return [f"Run {run}. Write a short story about {TOPICS[i % len(TOPICS)]} (story {i}):" for i in range(n)]
 
 
 @dataclass
@@ -332,6 +338,7 @@ def _prefill_times(lengths: list[int]) -> dict[int, float]:
         max_model_len=max(lengths) + 8,
         kv_cache_bytes=int(config.kv_cache_gib * 2**30),
         max_num_batched_tokens=config.max_num_batched_tokens,
+        prefix_caching=False,  # the same prompts again and again: each must be prefilled
     )
 
     def first_token_ms(length: int) -> float:
