@@ -6,6 +6,7 @@
     .venv/bin/python bench/bench_serving.py --ab-tree ../old  # this tree's server against another checkout's
     .venv/bin/python bench/bench_serving.py --prefill 15 255 1000  # first token of one prompt, idle engine
     .venv/bin/python bench/bench_serving.py --constrained 8 --concurrency 32  # 8 of 32 streams JSON-constrained
+    .venv/bin/python bench/bench_serving.py --max-batch-sizes 32 64 128 --concurrency 32 64 128  # candidates
 
 The server is started as a user would start it (`python -m app`). Each client streams one greedy request of
 `--new-tokens` tokens with `ignore_eos`. Reported: aggregate tokens/s, time to first token and inter-token
@@ -222,6 +223,30 @@ def compare_trees(
     return results
 
 
+def compare_batch_sizes(levels: list[int], new_tokens: int, sizes: list[int], repeats: int) -> None:
+    """The server at each ``--max-batch-size`` candidate (one after another: only one is up at a time), its
+    median run of every level: throughput, TTFT and ITL."""
+    print("| max batch size | streams | tok/s | TTFT p50 / p99 (s) | ITL p50 / p99 (ms) | mean step (ms) |")
+    print("|---|---|---|---|---|---|")
+    for size in sizes:
+        proc, base = start_server("--model", MODEL, "--max-batch-size", str(size), "--log-level", "warning")
+        try:
+            asyncio.run(run_level(base, 2, 8))  # warm-up
+            for n in levels:
+                runs = []
+                for _ in range(repeats):
+                    asyncio.run(run_level(base, n, 8))  # a short burst first, as in `compare`
+                    runs.append(measure_level(proc.pid, base, n, new_tokens))
+                r = median_run(runs)
+                print(
+                    f"| {size} | {n} | {r['tok_s']:.1f} | {r['ttft_p50']:.2f} / {r['ttft_p99']:.2f} | "
+                    f"{r['itl_p50'] * 1000:.0f} / {r['itl_p99'] * 1000:.0f} | {r['step_ms']:.1f} |",
+                    flush=True,
+                )
+        finally:
+            stop_server(proc)
+
+
 def compare_constrained(n: int, constrained: int, new_tokens: int, server_args: list[str], repeats: int) -> None:
     """``n`` free streams against ``n`` streams of which ``constrained`` carry a JSON schema, alternated on one
     server; prints each side's median run and the ratio."""
@@ -401,7 +426,13 @@ def main() -> None:
     parser.add_argument("--prefill", type=int, nargs="+", metavar="TOKENS", help="only time-to-first-token of prompts")
     parser.add_argument("--constrained", type=int, default=0, metavar="K", help="only: K streams JSON-constrained")
     parser.add_argument("--ab-tree", type=Path, default=None, help="another checkout to serve and compare against")
+    parser.add_argument(
+        "--max-batch-sizes", type=int, nargs="+", default=None, help="only: the server at each of these batch sizes"
+    )
     args = parser.parse_args()
+    if args.max_batch_sizes:
+        compare_batch_sizes(args.concurrency, args.new_tokens, args.max_batch_sizes, args.repeats)
+        return
     if args.step_context:
         step_context(args.kv_cache_dtype)
         return

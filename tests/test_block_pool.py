@@ -62,6 +62,22 @@ def test_eviction_takes_the_least_recently_used_cached_block_first() -> None:
         pool.allocate()
 
 
+def test_a_block_shared_only_in_part_is_found_to_copy_from_and_forgotten_when_evicted() -> None:
+    pool = BlockPool(num_blocks=3, block_size=SIZE)
+    hashes = prefix_hashes([1, 2, 3, 4, 5, 6, 7, 8], SIZE)
+    first, second = pool.allocate(), pool.allocate()
+    pool.commit(first, hashes[0], tokens=[1, 2, 3, 4])
+    pool.commit(second, hashes[1], hashes[0], [5, 6, 7, 8])
+    pool.release([first, second])
+    assert pool.match_partial(hashes[0], [5, 6, 9]) == (second, 2)  # shares 5, 6 with the cached block
+    assert pool.refs(second) == 1 and pool.num_cached == 1  # held while it is copied
+    assert pool.match_partial(hashes[0], [9]) is None and pool.match_partial(hashes[1], [5]) is None
+    pool.release([second])
+    for _ in range(3):
+        pool.allocate()  # evicts both cached blocks
+    assert pool.match_partial(hashes[0], [5, 6]) is None and pool.match_partial(b"", [1]) is None
+
+
 def test_hashes_chain_over_the_whole_prefix() -> None:
     assert block_hash(b"", [1, 2]) == block_hash(b"", [1, 2]) != block_hash(b"", [2, 1])
     one, two = prefix_hashes([1, 2, 3, 4, 5], 2), prefix_hashes([9, 9, 3, 4], 2)
