@@ -3,6 +3,8 @@ accounting, each against `generate` (greedy float32) or against the same run wit
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 import torch
 from engine_helpers import make_engine, prompt_ids, reference, run_staggered
@@ -207,3 +209,44 @@ def test_accounting_after_aborts_failures_and_reset(tiny_pair, monkeypatch: pyte
     engine.reset()
     stats = engine.memory_stats()
     assert engine.num_active() == 0 and stats.blocks_free == stats.num_blocks
+
+
+@pytest.mark.real_model
+def test_real_model_streams_through_preemption_read_as_without_it(real_model) -> None:
+    """The default model in float32 through the scheduler: six streams in a pool of 20 blocks, where they are
+    preempted and resumed, stream the same text, token for token, as in a roomy pool."""
+    from engine.scheduler import RequestStream, Scheduler
+    from engine.tokenizer import HFTokenizer
+
+    tokenizer = HFTokenizer(real_model.tokenizer, real_model.eos_token_ids)
+    texts = ["The history of", "My grandmother's recipe for", "Rivers of Europe:", "In the year 3000,",
+             "Ten facts about owls:", "def quicksort(xs):"]  # fmt: skip
+    requests = [GenerationRequest(tuple(tokenizer.encode(t)), 48, ignore_eos=True) for t in texts]
+    config = real_model.model.config
+    head_dim = config.hidden_size // config.num_attention_heads
+    per_block = config.num_hidden_layers * 2 * config.num_key_value_heads * head_dim * 4 * BLOCK
+
+    def stream_all(engine: HFEngine) -> list[tuple[str, int]]:
+        async def run() -> list[tuple[str, int]]:
+            scheduler = Scheduler(engine, tokenizer)
+            await scheduler.start()
+            try:
+                streams = [scheduler.submit(request) for request in requests]
+
+                async def collect(stream: RequestStream) -> tuple[str, int]:
+                    deltas = [delta async for delta in stream.deltas()]
+                    return "".join(d.text for d in deltas), sum(len(d.token_ids) for d in deltas)
+
+                return await asyncio.gather(*(collect(s) for s in streams))
+            finally:
+                await scheduler.stop()
+
+        return asyncio.run(run())
+
+    eos = real_model.eos_token_ids
+    tight = make_engine(real_model.model, eos, max_model_len=256, kv_cache_bytes=20 * per_block)
+    preempted = stream_all(tight)
+    assert tight.num_preemptions > 0
+    roomy = make_engine(real_model.model, eos, max_model_len=256)
+    assert preempted == stream_all(roomy)
+    assert all(count == 48 for _, count in preempted)
