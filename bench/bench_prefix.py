@@ -30,17 +30,10 @@ import httpx
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from compat.conftest import free_port, start_server, stop_server  # noqa: E402
+from compat.conftest import FACTS, free_port, start_server, stop_server, wait_until_healthy  # noqa: E402
 
 MODEL = "SmolLM2-135M-Instruct"
 GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-FACTS = [
-    "The Nile flows north through eleven countries before it reaches the Mediterranean Sea.",
-    "Honey found in ancient Egyptian tombs was still edible thousands of years later.",
-    "Octopuses have three hearts, and two of them stop beating while the animal swims.",
-    "A day on Venus lasts longer than a year on Venus, because the planet spins so slowly.",
-    "Bananas are berries in the botanical sense, while strawberries are not berries at all.",
-]
 PREAMBLE = "You answer questions using only these facts.\n" + "\n".join(FACTS * 12)  # ~1,000 tokens
 QUESTIONS = [f"Question {i}: which of the facts above is the most surprising, and why?" for i in range(64)]
 FOLLOW_UPS = ["Tell me more.", "Why is that?", "Give an example.", "Say it differently.", "Summarize so far."]
@@ -127,15 +120,8 @@ def start_llama(binary: str, slots: int) -> tuple[subprocess.Popen[bytes], str]:
            "-c", str(slots * 2048), "-t", "2"]  # fmt: skip
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     base = f"http://127.0.0.1:{port}"
-    for _ in range(600):
-        try:
-            if httpx.get(f"{base}/health", timeout=1).status_code == 200:
-                return proc, base
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    proc.kill()
-    raise RuntimeError("llama-server did not start")
+    wait_until_healthy(proc, base, 300)
+    return proc, base
 
 
 def main() -> None:

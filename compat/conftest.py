@@ -15,6 +15,14 @@ import pytest
 from openai import OpenAI
 
 MODEL = "SmolLM2-135M-Instruct"
+# Sentences to build long shared prompts from (prefix-cache tests and bench/bench_prefix.py).
+FACTS = [
+    "The Nile flows north through eleven countries before it reaches the Mediterranean Sea.",
+    "Honey found in ancient Egyptian tombs was still edible thousands of years later.",
+    "Octopuses have three hearts, and two of them stop beating while the animal swims.",
+    "A day on Venus lasts longer than a year on Venus, because the planet spins so slowly.",
+    "Bananas are berries in the botanical sense, while strawberries are not berries at all.",
+]
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -31,13 +39,20 @@ def start_server(*args: str, startup_timeout: float = 300, root: Path = ROOT) ->
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(root)}
     proc = subprocess.Popen(cmd, cwd=root, env=env)
     base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + startup_timeout  # a fresh machine converts the GGUF first
+    wait_until_healthy(proc, base, startup_timeout)  # a fresh machine converts the GGUF first
+    return proc, base
+
+
+def wait_until_healthy(proc: subprocess.Popen[bytes], base: str, timeout: float) -> None:
+    """Wait for ``GET {base}/health`` to answer 200 (llama.cpp's server answers there too); kill the process
+    and raise if it exits or ``timeout`` seconds pass first."""
+    deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise RuntimeError(f"server exited with {proc.returncode}")
         try:
             if httpx.get(f"{base}/health", timeout=1).status_code == 200:
-                return proc, base
+                return
         except httpx.HTTPError:
             pass
         time.sleep(0.3)

@@ -10,15 +10,7 @@ import uuid
 import httpx
 from openai import AsyncOpenAI, OpenAI
 
-from compat.conftest import MODEL
-
-FACTS = [
-    "The Nile flows north through eleven countries before it reaches the Mediterranean Sea.",
-    "Honey found in ancient Egyptian tombs was still edible thousands of years later.",
-    "Octopuses have three hearts, and two of them stop beating while the animal swims.",
-    "A day on Venus lasts longer than a year on Venus, because the planet spins so slowly.",
-    "Bananas are berries in the botanical sense, while strawberries are not berries at all.",
-]
+from compat.conftest import FACTS, MODEL
 
 
 def preamble(tokens_at_least: int, client: OpenAI) -> str:

@@ -182,19 +182,6 @@ def test_real_model_serves_from_an_int8_cache() -> None:
     served.engine_thread.shutdown()
 
 
-def _vm_flags(address: int) -> list[str]:
-    """The VmFlags of the mapping of this process that holds ``address`` (Linux)."""
-    inside = False
-    for line in Path("/proc/self/smaps").read_text().splitlines():
-        head = line.split()[0]
-        if "-" in head and not head.endswith(":"):
-            start, end = (int(part, 16) for part in head.split("-"))
-            inside = start <= address < end
-        elif inside and head == "VmFlags:":
-            return line.split()[1:]
-    raise AssertionError("no mapping holds the address")
-
-
 def _mapping_field(address: int, name: str) -> list[str]:
     """A field of the smaps entry of this process's mapping that holds ``address`` (Linux)."""
     inside = False
