@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Any
 
 from engine.base import InferenceEngine
 from engine.config import EngineConfig
@@ -41,6 +42,7 @@ def _build_hf(config: EngineConfig, engine_thread: ThreadPoolExecutor) -> Served
     from engine.os_memory import trim_heap
 
     loaded = loader.load(config.model, config.dtype)
+    quantized = quantized_weights(loaded) if config.quantization == "native" else None
     max_model_len = min(config.max_model_len or loaded.max_position_embeddings, loaded.max_position_embeddings)
     hf_engine = HFEngine(
         loaded.model,
@@ -51,6 +53,7 @@ def _build_hf(config: EngineConfig, engine_thread: ThreadPoolExecutor) -> Served
         max_num_batched_tokens=config.max_num_batched_tokens,
         kv_cache_dtype=config.kv_cache_dtype,
         prefix_caching=config.prefix_caching,
+        quantized=quantized,
     )
     served = ServedModel(loaded.name, hf_engine, HFTokenizer(loaded.tokenizer, loaded.eos_token_ids), engine_thread)
     # The engine runs on its own (prepacked) copies of the weights; the loaded model is freed here, and
@@ -58,3 +61,15 @@ def _build_hf(config: EngineConfig, engine_thread: ThreadPoolExecutor) -> Served
     del loaded
     trim_heap()
     return served
+
+
+def quantized_weights(loaded: Any) -> dict[str, Any]:
+    """The GGUF's own quantized matrices, for ``--quantization native``."""
+    from engine import gguf_weights, kernels
+
+    if loaded.gguf is None:
+        raise ValueError("--quantization native serves a GGUF model's own blocks; this model is not a GGUF")
+    if kernels.native_ops() is None:
+        raise ValueError("--quantization native needs the native CPU kernels (a C++ compiler)")
+    config = loaded.model.config
+    return gguf_weights.read(loaded.gguf, config.num_attention_heads, config.num_key_value_heads)

@@ -26,6 +26,7 @@ from transformers import PreTrainedModel
 from engine.base import InferenceEngine, finish_reason, validate_request
 from engine.block_pool import BlockPool
 from engine.block_tables import BlockTables, SeqBlocks
+from engine.gguf_weights import QuantizedWeight
 from engine.kv_cache import BLOCK_SIZE, BlockKVCache, PrefillChunk, StepBatch
 from engine.model_runner import make_runner
 from engine.sampler import Row, select_tokens, token_logprobs
@@ -91,9 +92,11 @@ class HFEngine(InferenceEngine):
         kv_cache_dtype: str = "auto",
         block_size: int = BLOCK_SIZE,
         prefix_caching: bool = True,
+        quantized: dict[str, QuantizedWeight] | None = None,
     ) -> None:
+        """``quantized``: weight matrices to multiply in their GGUF blocks (``engine/gguf_weights.py``)."""
         config = model.config
-        self._runner = make_runner(model, max_model_len)
+        self._runner = make_runner(model, max_model_len, quantized)
         self._device = model.device
         self.eos_token_ids = eos_token_ids
         self.capacity = capacity

@@ -19,7 +19,8 @@ import torch
 log = logging.getLogger(__name__)
 
 _SOURCES = [
-    Path(__file__).parent / "csrc" / name for name in ("decode_attention.cpp", "int8_attention.cpp", "fused_ops.cpp")
+    Path(__file__).parent / "csrc" / name
+    for name in ("decode_attention.cpp", "int8_attention.cpp", "fused_ops.cpp", "quant_matmul.cpp")
 ]
 _FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]
 

@@ -34,6 +34,8 @@ class LoadedModel:
     tokenizer: Any  # a transformers tokenizer
     eos_token_ids: frozenset[int]
     max_position_embeddings: int
+    #: The GGUF file the model was converted from, when it was one (its quantized blocks can be served as they are).
+    gguf: Path | None = None
 
 
 def load(spec: str, dtype: str = "float32") -> LoadedModel:
@@ -49,7 +51,7 @@ def load(spec: str, dtype: str = "float32") -> LoadedModel:
     offline = not Path(source).exists()
     tokenizer = AutoTokenizer.from_pretrained(source, local_files_only=offline)
     model = AutoModelForCausalLM.from_pretrained(source, dtype=torch_dtype, local_files_only=offline).to(device)
-    loaded = LoadedModel(name, model, tokenizer, _eos_token_ids(model, tokenizer), _max_positions(model))
+    loaded = LoadedModel(name, model, tokenizer, _eos_token_ids(model, tokenizer), _max_positions(model), _gguf(spec))
     log.info(
         "loaded %s (%.0fM parameters, %s on %s) in %.1f s",
         name,
@@ -101,6 +103,13 @@ def _resolve(spec: str) -> tuple[str, str]:
     if path.is_dir():
         return path.resolve().name, str(path)
     return spec, spec  # a hub id, which must already be in the local HF cache
+
+
+def _gguf(spec: str) -> Path | None:
+    if spec == DEFAULT_MODEL:
+        return _default_gguf()
+    path = Path(spec).expanduser()
+    return path if path.is_file() and path.suffix == ".gguf" else None
 
 
 def _default_gguf() -> Path:

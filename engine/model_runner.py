@@ -21,6 +21,7 @@ from transformers import AttentionInterface, PreTrainedModel
 
 from engine import kernels
 from engine.attention import ATTENTION_NAME, attend, slot_attention
+from engine.gguf_weights import QuantizedWeight
 from engine.kv_cache import StepBatch
 
 AttentionInterface.register(ATTENTION_NAME, slot_attention)
@@ -35,11 +36,16 @@ class ModelRunner(Protocol):
         ...
 
 
-def make_runner(model: PreTrainedModel, max_positions: int) -> ModelRunner:
-    """The runner for ``model``, for sequences of up to ``max_positions`` positions."""
+def make_runner(
+    model: PreTrainedModel, max_positions: int, quantized: dict[str, QuantizedWeight] | None = None
+) -> ModelRunner:
+    """The runner for ``model``, for sequences of up to ``max_positions`` positions; ``quantized``: weight
+    matrices to multiply in their GGUF blocks (``engine/gguf_weights.py``), by transformers' name."""
     model.eval()
     if LlamaRunner.supports(model):
-        return LlamaRunner(model, max_positions)
+        return LlamaRunner(model, max_positions, quantized or {})
+    if quantized:
+        raise ValueError(f"quantized weights are served for llama models only, not {model.config.model_type}")
     return HFRunner(model)
 
 
@@ -77,8 +83,10 @@ def _warn_unpacked(dtype: torch.dtype, reason: str) -> None:
     log.warning("%s weights stay unpacked (plain matmuls, slower steps, no batch invariance): %s", dtype, reason)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """``x @ weight.T`` for a ``weight`` from ``prepack``; ``x`` is ``[rows, in]``."""
+def linear(x: torch.Tensor, weight: torch.Tensor | QuantizedWeight) -> torch.Tensor:
+    """``x @ weight.T`` for a ``weight`` from ``prepack`` or a GGUF's blocks; ``x`` is ``[rows, in]``."""
+    if isinstance(weight, QuantizedWeight):
+        return kernels.native_ops().quant_linear(x, weight.data, weight.qtype)
     if weight.is_mkldnn:
         return torch.ops.mkldnn._linear_pointwise(x, weight, None, "none", [], "")
     return F.linear(x, weight)
@@ -93,11 +101,11 @@ _PACK_ROWS_HINT = 32
 @dataclass(slots=True)
 class _LlamaLayer:
     input_norm: torch.Tensor
-    qkv: torch.Tensor  # q, k and v projections stacked: [(heads + 2 * kv_heads) * dim, hidden]
-    o: torch.Tensor
+    qkv: torch.Tensor | QuantizedWeight  # q, k and v projections stacked: [(heads + 2 * kv_heads) * dim, hidden]
+    o: torch.Tensor | QuantizedWeight
     post_norm: torch.Tensor
-    gate_up: torch.Tensor  # [2 * intermediate, hidden]
-    down: torch.Tensor
+    gate_up: torch.Tensor | QuantizedWeight  # [2 * intermediate, hidden]
+    down: torch.Tensor | QuantizedWeight
 
 
 class LlamaRunner:
@@ -113,7 +121,11 @@ class LlamaRunner:
             and (getattr(config, "rope_parameters", None) or {}).get("rope_type", "default") != "dynamic"
         )
 
-    def __init__(self, model: PreTrainedModel, max_positions: int) -> None:
+    def __init__(
+        self, model: PreTrainedModel, max_positions: int, quantized: dict[str, QuantizedWeight] | None = None
+    ) -> None:
+        """``quantized``: matrices served in their GGUF blocks, by transformers' name; the rest are prepacked."""
+        quantized = quantized or {}
         config = model.config
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
@@ -128,11 +140,11 @@ class LlamaRunner:
         dummy = torch.empty(0, dtype=model.dtype, device=model.device)
         self.cos, self.sin = (table[0] for table in inner.rotary_emb(dummy, positions))  # [positions, dim]
         self.norm = inner.norm.weight
-        self.lm_head = prepack(model.lm_head.weight)
+        self.lm_head = quantized.get("lm_head.weight") or prepack(model.lm_head.weight)
         # torch.compile of the element-wise work between the matmuls was tried and dropped: with the matmuls
         # outside (oneDNN's prepacked weights are opaque to it), each compiled call cost 50-120 us against
         # 10-70 us eager, and whole steps came out no faster for ~30 s more start-up.
-        self.layers = [self._fuse(layer) for layer in inner.layers]
+        self.layers = [self._fuse(layer, f"model.layers.{i}.", quantized) for i, layer in enumerate(inner.layers)]
         # The norm after each layer: the following layer's input norm, then the final norm.
         self._next_norms = [layer.input_norm for layer in self.layers[1:]] + [self.norm]
         # bfloat16 on the CPU: the element-wise steps between the matmuls as one native op each (~30 torch
@@ -144,17 +156,25 @@ class LlamaRunner:
         self._silu_mul = _silu_mul if ops is None else ops.silu_mul
 
     @staticmethod
-    def _fuse(layer: torch.nn.Module) -> _LlamaLayer:
+    def _fuse(layer: torch.nn.Module, prefix: str, quantized: dict[str, QuantizedWeight]) -> _LlamaLayer:
         attn, mlp = layer.self_attn, layer.mlp
-        qkv = _stack_into_views([attn.q_proj, attn.k_proj, attn.v_proj])
-        gate_up = _stack_into_views([mlp.gate_proj, mlp.up_proj])
+
+        def fused(names: list[str], linears: list[torch.nn.Linear]) -> torch.Tensor | QuantizedWeight:
+            parts = [part for name in names if (part := quantized.get(f"{prefix}{name}.weight")) is not None]
+            stacked = QuantizedWeight.stack(parts) if len(parts) == len(names) else None
+            if stacked is not None:
+                return stacked
+            return prepack(_stack_into_views(linears) if len(linears) > 1 else linears[0].weight)
+
         return _LlamaLayer(
             layer.input_layernorm.weight,
-            prepack(qkv),
-            prepack(attn.o_proj.weight),
+            fused(
+                ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"], [attn.q_proj, attn.k_proj, attn.v_proj]
+            ),
+            fused(["self_attn.o_proj"], [attn.o_proj]),
             layer.post_attention_layernorm.weight,
-            prepack(gate_up),
-            prepack(mlp.down_proj.weight),
+            fused(["mlp.gate_proj", "mlp.up_proj"], [mlp.gate_proj, mlp.up_proj]),
+            fused(["mlp.down_proj"], [mlp.down_proj]),
         )
 
     def forward(

