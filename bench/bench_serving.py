@@ -96,7 +96,7 @@ async def one_stream(
             chunk = json.loads(line[6:])
             if chunk["choices"]:
                 timing.chunks.append(time.perf_counter())
-            elif chunk.get("usage"):
+            if chunk.get("usage"):  # llama.cpp's server sends it on its last chunk with choices
                 timing.tokens = chunk["usage"]["completion_tokens"]
     return timing
 

@@ -44,7 +44,11 @@ int64_t block_bytes(int64_t type) {
 inline float half_to_float(const uint8_t* p) {
   uint16_t bits;
   std::memcpy(&bits, p, 2);
+#if defined(SMOLSERVE_QUANT_AVX2)
+  return _cvtsh_ss(bits);  // one instruction (F16C), where c10::Half converts in software
+#else
   return static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
+#endif
 }
 
 // The activations of one row, per block of 32: int8 values, their scale and their sum.
