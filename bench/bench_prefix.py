@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import statistics
 import subprocess
 import sys
@@ -29,6 +28,10 @@ import httpx
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+
+sys.path.insert(0, str(ROOT / "bench"))
+
+from bench_serving import sse_chunks  # noqa: E402
 
 from compat.conftest import FACTS, free_port, start_server, stop_server, wait_until_healthy  # noqa: E402
 
@@ -50,11 +53,7 @@ async def chat(
     start = time.perf_counter()
     first, parts, cached = None, [], 0
     async with client.stream("POST", f"{base}/v1/chat/completions", json=body) as response:
-        response.raise_for_status()
-        async for line in response.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
+        async for chunk in sse_chunks(response):
             for choice in chunk.get("choices") or []:
                 text = (choice.get("delta") or {}).get("content")
                 if text:

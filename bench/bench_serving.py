@@ -27,8 +27,10 @@ import statistics
 import sys
 import threading
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -89,16 +91,20 @@ async def one_stream(
         body["response_format"] = LONG_STRING
     timing = StreamTiming(time.perf_counter())
     async with client.stream("POST", f"{base}/v1/completions", json=body) as response:
-        response.raise_for_status()
-        async for line in response.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
+        async for chunk in sse_chunks(response):
             if chunk["choices"]:
                 timing.chunks.append(time.perf_counter())
             if chunk.get("usage"):  # llama.cpp's server sends it on its last chunk with choices
                 timing.tokens = chunk["usage"]["completion_tokens"]
     return timing
+
+
+async def sse_chunks(response: httpx.Response) -> AsyncIterator[dict[str, Any]]:
+    """The JSON chunks of a streamed response (its status checked), up to ``[DONE]``."""
+    response.raise_for_status()
+    async for line in response.aiter_lines():
+        if line.startswith("data: ") and line != "data: [DONE]":
+            yield json.loads(line[6:])
 
 
 class RssSampler:

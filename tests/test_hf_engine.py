@@ -163,23 +163,32 @@ def test_int8_cache_refuses_a_head_size_its_kernels_do_not_take() -> None:
         BlockKVCache(2, 1, 6, torch.float32, torch.device("cpu"), num_blocks=4, kv_cache_dtype="int8")
 
 
-@pytest.mark.real_model
-def test_real_model_serves_from_an_int8_cache() -> None:
-    served = chooser.build(EngineConfig(max_batch_size=2, kv_cache_dtype="int8"))
-    assert isinstance(served.engine, HFEngine) and served.engine.cache.quantized
+def complete_on(served: chooser.ServedModel, text: str) -> str:
+    """Eight greedy tokens after ``text`` through a scheduler on the served engine's own thread; then the thread
+    is shut down."""
     assert served.engine_thread is not None
-    prompt = tuple(served.tokenizer.encode("The capital of France is"))
+    prompt = tuple(served.tokenizer.encode(text))
 
     async def generate() -> str:
         scheduler = Scheduler(served.engine, served.tokenizer, engine_thread=served.engine_thread)
         await scheduler.start()
         stream = scheduler.submit(GenerationRequest(prompt, 8))
-        text = "".join([delta.text async for delta in stream.deltas()])
+        completion = "".join([delta.text async for delta in stream.deltas()])
         await scheduler.stop()
-        return text
+        return completion
 
-    assert "Paris" in asyncio.run(generate())
-    served.engine_thread.shutdown()
+    try:
+        return asyncio.run(generate())
+    finally:
+        served.engine_thread.shutdown()
+
+
+@pytest.mark.real_model
+def test_real_model_serves_from_an_int8_cache() -> None:
+    served = chooser.build(EngineConfig(max_batch_size=2, kv_cache_dtype="int8"))
+    assert isinstance(served.engine, HFEngine) and served.engine.cache.quantized
+    assert served.engine_thread is not None
+    assert "Paris" in complete_on(served, "The capital of France is")
 
 
 def _mapping_field(address: int, name: str) -> list[str]:
@@ -218,18 +227,7 @@ def test_real_model_serves_from_its_gguf_blocks() -> None:
     assert isinstance(served.engine, HFEngine) and served.engine_thread is not None
     runner = served.engine._runner
     assert isinstance(runner.lm_head, QuantizedWeight) and isinstance(runner.layers[0].gate_up, QuantizedWeight)
-    prompt = tuple(served.tokenizer.encode("The capital of France is"))
-
-    async def generate() -> str:
-        scheduler = Scheduler(served.engine, served.tokenizer, engine_thread=served.engine_thread)
-        await scheduler.start()
-        stream = scheduler.submit(GenerationRequest(prompt, 8))
-        text = "".join([delta.text async for delta in stream.deltas()])
-        await scheduler.stop()
-        return text
-
-    assert "Paris" in asyncio.run(generate())
-    served.engine_thread.shutdown()
+    assert "Paris" in complete_on(served, "The capital of France is")
 
 
 def test_native_quantization_needs_a_gguf(tiny_llama_dir: str) -> None:
