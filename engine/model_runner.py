@@ -148,8 +148,10 @@ class LlamaRunner:
         # The norm after each layer: the following layer's input norm, then the final norm.
         self._next_norms = [layer.input_norm for layer in self.layers[1:]] + [self.norm]
         # bfloat16 on the CPU: the element-wise steps between the matmuls as one native op each (~30 torch
-        # ops a layer otherwise). float32 keeps torch's ops, token-identical to `generate`.
-        native = model.device.type == "cpu" and model.dtype == torch.bfloat16
+        # ops a layer otherwise). Dense float32 keeps torch's ops, token-identical to `generate`; float32 over
+        # quantized weights has no such parity to keep, and takes the native ops too.
+        cpu = model.device.type == "cpu"
+        native = cpu and (model.dtype == torch.bfloat16 or (model.dtype == torch.float32 and bool(quantized)))
         ops = kernels.native_ops() if native else None
         self._add_norm = _add_norm if ops is None else ops.add_rms_norm
         self._rope = _rope if ops is None else ops.rope

@@ -94,29 +94,33 @@ def test_disabled_by_environment(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @pytest.mark.parametrize("rows", [1, 32, 300])
-def test_fused_element_wise_ops_match_torch(rows: int) -> None:
-    """bfloat16 results within one rounding of torch's (the sums of squares add up in another order)."""
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_fused_element_wise_ops_match_torch(rows: int, dtype: torch.dtype) -> None:
+    """bfloat16 results within one rounding of torch's (the sums of squares add up in another order); float32
+    ones within float32's."""
     ops = kernels.native_ops()
     assert ops is not None
     torch.manual_seed(rows)
-    bf16 = torch.bfloat16
-    hidden, delta, weight = torch.randn(rows, 576, dtype=bf16), torch.randn(rows, 576, dtype=bf16), torch.randn(576)
-    expected = _add_norm(hidden, delta, weight.to(bf16), 1e-5)
-    for got, want in zip(ops.add_rms_norm(hidden, delta, weight.to(bf16), 1e-5), expected, strict=True):
-        torch.testing.assert_close(got, want, atol=1e-2, rtol=1e-2)
+    close = {"atol": 1e-2, "rtol": 1e-2} if dtype == torch.bfloat16 else {"atol": 1e-4, "rtol": 1e-4}
+    hidden, delta, weight = torch.randn(rows, 576, dtype=dtype), torch.randn(rows, 576, dtype=dtype), torch.randn(576)
+    expected = _add_norm(hidden, delta, weight.to(dtype), 1e-5)
+    for got, want in zip(ops.add_rms_norm(hidden, delta, weight.to(dtype), 1e-5), expected, strict=True):
+        torch.testing.assert_close(got, want, **close)
     # RoPE over the q and k heads of a fused projection: a view whose rows are strided.
-    heads = torch.randn(rows, 15, 64, dtype=bf16)[:, :12]
-    cos, sin = torch.randn(rows, 64, dtype=bf16), torch.randn(rows, 64, dtype=bf16)
-    torch.testing.assert_close(ops.rope(heads, cos, sin), _rope(heads, cos, sin), atol=1e-2, rtol=1e-2)
-    gate_up = torch.randn(rows, 2 * 1536, dtype=bf16)
-    torch.testing.assert_close(ops.silu_mul(gate_up), _silu_mul(gate_up), atol=1e-2, rtol=1e-2)
+    heads = torch.randn(rows, 15, 64, dtype=dtype)[:, :12]
+    cos, sin = torch.randn(rows, 64, dtype=dtype), torch.randn(rows, 64, dtype=dtype)
+    torch.testing.assert_close(ops.rope(heads, cos, sin), _rope(heads, cos, sin), **close)
+    gate_up = torch.randn(rows, 2 * 1536, dtype=dtype)
+    torch.testing.assert_close(ops.silu_mul(gate_up), _silu_mul(gate_up), **close)
 
 
 def test_fused_ops_reject_other_dtypes() -> None:
     ops = kernels.native_ops()
     assert ops is not None
-    with pytest.raises(RuntimeError, match="bfloat16"):
-        ops.silu_mul(torch.zeros(2, 8))
+    with pytest.raises(RuntimeError, match="bfloat16 or float32"):
+        ops.silu_mul(torch.zeros(2, 8, dtype=torch.float64))
+    with pytest.raises(RuntimeError, match="like the rows"):
+        ops.rope(torch.zeros(2, 1, 8), torch.zeros(2, 8, dtype=torch.bfloat16), torch.zeros(2, 8))
 
 
 def test_tiled_keys_hold_each_tile_as_pairs_of_dims() -> None:
