@@ -40,6 +40,16 @@ class QuantizedWeight:
     def out_features(self) -> int:
         return self.data.shape[0]
 
+    def rows(self, index: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Rows ``index`` dequantized to ``dtype``, ``[len(index), in]`` (an embedding lookup): for Q8_0, each
+        row's int8 values times its blocks' fp16 scales, as GGUF's own dequantization computes them."""
+        if self.qtype != SUPPORTED["Q8_0"]:
+            raise ValueError("rows are read from Q8_0 blocks only")
+        blocks = self.data[index].view(len(index), -1, 34)  # per block: fp16 scale, 32 int8 values
+        scales = blocks[..., :2].contiguous().view(torch.float16).float()
+        values = blocks[..., 2:].contiguous().view(torch.int8).float()
+        return (values * scales).flatten(1).to(dtype)
+
     @staticmethod
     def stack(weights: list[QuantizedWeight]) -> QuantizedWeight | None:
         """The matrices one above the other (a fused projection); None unless all share a type and input size."""

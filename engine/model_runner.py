@@ -21,7 +21,7 @@ from transformers import AttentionInterface, PreTrainedModel
 
 from engine import kernels
 from engine.attention import ATTENTION_NAME, attend, slot_attention
-from engine.gguf_weights import QuantizedWeight
+from engine.gguf_weights import SUPPORTED, QuantizedWeight
 from engine.kv_cache import StepBatch
 
 AttentionInterface.register(ATTENTION_NAME, slot_attention)
@@ -133,7 +133,13 @@ class LlamaRunner:
         self.scale = self.head_dim**-0.5
         self.eps = config.rms_norm_eps
         inner = model.model
-        self.embed = inner.embed_tokens.weight
+        # The token embedding, dense; or, when served from its Q8_0 blocks, read from them row by row (the dense
+        # copy is then not kept: ~113 MB in float32 for SmolLM2).
+        embedding = quantized.get("model.embed_tokens.weight")
+        self.embed: torch.Tensor | QuantizedWeight = inner.embed_tokens.weight
+        if embedding is not None and embedding.qtype == SUPPORTED["Q8_0"]:
+            self.embed = embedding
+        self.dtype = model.dtype
         # RoPE's cos and sin for every position, computed once: a row's rotation is then a lookup, the same
         # whatever other rows share its step (element-wise cos/sin may round a tensor's tail differently).
         positions = torch.arange(max_positions, device=model.device)[None]
@@ -182,7 +188,10 @@ class LlamaRunner:
     def forward(
         self, token_ids: torch.Tensor, positions: torch.Tensor, batch: StepBatch, rows: torch.Tensor | None
     ) -> torch.Tensor:
-        hidden = F.embedding(token_ids, self.embed)
+        if isinstance(self.embed, QuantizedWeight):
+            hidden = self.embed.rows(token_ids, self.dtype)
+        else:
+            hidden = F.embedding(token_ids, self.embed)
         cos, sin = self.cos[positions], self.sin[positions]  # [rows, dim]: shared by every head
         normed = _rms_norm(hidden, self.layers[0].input_norm, self.eps)
         for index, (layer, next_norm) in enumerate(zip(self.layers, self._next_norms, strict=True)):

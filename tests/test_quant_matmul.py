@@ -120,3 +120,7 @@ def test_the_default_gguf_s_blocks_are_the_loaded_model_s_weights(real_model) ->
         restored = torch.from_numpy(dequantize(weight.data.numpy(), qtype).copy())
         loaded = parameters.get(name, parameters["model.embed_tokens.weight"])
         assert torch.equal(restored, loaded.detach().float()), name
+    # The embedding is looked up in its Q8_0 blocks row by row: the same rows transformers dequantized.
+    tokens = torch.tensor([0, 17, 49151, 17])
+    embedding = parameters["model.embed_tokens.weight"].detach()
+    assert torch.equal(weights["model.embed_tokens.weight"].rows(tokens, torch.float32), embedding[tokens])
