@@ -9,7 +9,7 @@ and whether its prefix came from the prefix cache (batch-invariant greedy decodi
 ``scaled_dot_product_attention`` runs over K/V gathered from the blocks.
 
 Rows of one step's forward are packed into a single sequence: first one row per decoding sequence, then each
-prefill chunk. ``slot_attention`` receives a ``StepBatch`` through the model's kwargs.
+prefill chunk. ``block_attention`` receives a ``StepBatch`` through the model's kwargs.
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ def attend(
     return out
 
 
-def slot_attention(
+def block_attention(
     module: torch.nn.Module,
     query: torch.Tensor,
     key: torch.Tensor,

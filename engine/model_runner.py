@@ -4,7 +4,7 @@
 projections with prepacked weights, one RoPE table per step, no per-layer module dispatch, and in bfloat16 on
 the CPU one native op for each element-wise step between the matmuls. A decode step runs on a few rows, so
 on this project's 2-core CPU the number of ops counts as much as their arithmetic. ``HFRunner`` runs any
-other transformers causal LM through its own forward, with ``slot_attention`` registered as its attention
+other transformers causal LM through its own forward, with ``block_attention`` registered as its attention
 function.
 """
 
@@ -20,11 +20,11 @@ import torch.nn.functional as F
 from transformers import AttentionInterface, PreTrainedModel
 
 from engine import kernels
-from engine.attention import ATTENTION_NAME, attend, slot_attention
+from engine.attention import ATTENTION_NAME, attend, block_attention
 from engine.gguf_weights import SUPPORTED, QuantizedWeight
 from engine.kv_cache import StepBatch
 
-AttentionInterface.register(ATTENTION_NAME, slot_attention)
+AttentionInterface.register(ATTENTION_NAME, block_attention)
 log = logging.getLogger(__name__)
 
 
