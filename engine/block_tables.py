@@ -42,6 +42,11 @@ class BlockTables:
         self.table = torch.zeros(max_sequences, -(-max_positions // self.block_size), dtype=torch.int32, device=device)
         self._free_rows = list(range(max_sequences - 1, -1, -1))
 
+    def reset(self) -> None:
+        """Forget every sequence and every cached block: a fresh pool of the same size, every row free."""
+        self.pool = BlockPool(self.pool.num_blocks, self.block_size)
+        self._free_rows = list(range(self.table.shape[0] - 1, -1, -1))
+
     def blocks_for(self, positions: int) -> int:
         return -(-positions // self.block_size)
 
@@ -107,10 +112,13 @@ class BlockTables:
             self.pool.commit(seq.blocks[index], digest, parent, tokens)
             seq.hashes.append(digest)
 
+    def slot(self, seq: SeqBlocks, position: int) -> int:
+        """The physical position of the sequence's position ``position``."""
+        return seq.blocks[position // self.block_size] * self.block_size + position % self.block_size
+
     def slots(self, seq: SeqBlocks, start: int, end: int) -> list[int]:
         """The physical positions of the sequence's positions ``start..end-1``."""
-        size, blocks = self.block_size, seq.blocks
-        return [blocks[p // size] * size + p % size for p in range(start, end)]
+        return [self.slot(seq, position) for position in range(start, end)]
 
     def rows(self, rows: list[int], positions: int) -> torch.Tensor:
         """The tables of ``rows`` (one per packed row of a step), wide enough for ``positions`` positions."""

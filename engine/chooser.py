@@ -4,12 +4,16 @@ from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 from engine.base import InferenceEngine
 from engine.config import EngineConfig
 from engine.fake_engine import FakeEngine
 from engine.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
+
+if TYPE_CHECKING:  # both import torch, which is loaded only when a HF model is chosen
+    from engine.gguf_weights import QuantizedWeight
+    from engine.loader import LoadedModel
 
 
 @dataclass(slots=True)
@@ -63,7 +67,7 @@ def _build_hf(config: EngineConfig, engine_thread: ThreadPoolExecutor) -> Served
     return served
 
 
-def quantized_weights(loaded: Any) -> dict[str, Any]:
+def quantized_weights(loaded: LoadedModel) -> dict[str, QuantizedWeight]:
     """The GGUF's own quantized matrices, for ``--quantization native``."""
     from engine import gguf_weights, kernels
 

@@ -204,7 +204,7 @@ class HFEngine(InferenceEngine):
         seq = self._seqs.pop(seq_id, None)
         if seq is None:
             return
-        (self._decoding if seq in self._decoding else self._prefilling).remove(seq)
+        self._unqueue(seq)
         self.tables.close(seq.blocks)
 
     def reset(self) -> None:
@@ -212,11 +212,7 @@ class HFEngine(InferenceEngine):
         self._seqs.clear()
         self._decoding.clear()
         self._prefilling.clear()
-        pool = self.pool
-        self.tables = BlockTables(
-            BlockPool(pool.num_blocks, pool.block_size), self.capacity, self.max_model_len, self._device,
-            self.tables.caching,
-        )  # fmt: skip
+        self.tables.reset()
 
     def memory_stats(self) -> MemoryStats:
         pool = self.pool
@@ -292,7 +288,7 @@ class HFEngine(InferenceEngine):
 
     def _preempt(self, seq: _Seq) -> None:
         """Free ``seq``'s blocks and put it back at the head of the prefill queue, to recompute what it held."""
-        (self._decoding if seq in self._decoding else self._prefilling).remove(seq)
+        self._unqueue(seq)
         self.tables.clear(seq.blocks)
         seq.num_computed = 0
         seq.target = seq.prompt_len + len(seq.output_ids)
@@ -302,14 +298,17 @@ class HFEngine(InferenceEngine):
         self._prefilling.insert(0, seq)
         self.num_preemptions += 1
 
+    def _unqueue(self, seq: _Seq) -> None:
+        """Take ``seq`` out of whichever list it is in: decoding or prefilling."""
+        (self._decoding if seq in self._decoding else self._prefilling).remove(seq)
+
     def _forward(self, plan: _Plan, scored: list[tuple[_Seq, PrefillChunk]]) -> torch.Tensor:
         """Run the packed forward; return logits for the rows that yield a token (decode rows first), then
         for every row of the ``scored`` chunks (prompts whose logprobs were asked for)."""
         token_ids = [seq.output_ids[-1] for seq in plan.decoding]
         positions = [seq.num_computed for seq in plan.decoding]
         table_rows = [seq.blocks.row for seq in plan.decoding]
-        slots = [seq.blocks.blocks[p // self.tables.block_size] * self.tables.block_size + p % self.tables.block_size
-                 for seq, p in zip(plan.decoding, positions, strict=True)]  # fmt: skip
+        slots = [self.tables.slot(seq.blocks, seq.num_computed) for seq in plan.decoding]
         for seq, chunk in plan.chunks:
             end = chunk.start + chunk.length
             token_ids.extend(seq.token_at(p) for p in range(chunk.start, end))

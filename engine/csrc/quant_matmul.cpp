@@ -30,6 +30,8 @@
 namespace {
 
 constexpr int64_t kBlock = 32;
+// Rows taken at once per output, each weight block loaded once for all of them.
+constexpr int64_t kRows = 4;
 enum QuantType : int64_t { kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8 };  // GGML's type numbers
 
 int64_t block_bytes(int64_t type) {
@@ -153,9 +155,6 @@ inline __m256i block_dot_avx2(__m256i q, int64_t type, const int8_t* qx) {
   return _mm256_madd_epi16(pairs, _mm256_set1_epi16(1));
 }
 
-// Up to kRows rows at once, each weight block loaded once for all of them.
-constexpr int64_t kRows = 4;
-
 void dot_rows_avx2(const uint8_t* weight_row, int64_t type, int64_t blocks, const QuantizedRows& x, int64_t first,
                    int64_t count, float* out, int64_t out_stride) {
   const int64_t bytes = block_bytes(type);
@@ -204,14 +203,11 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& weight, int64_t t
   auto dot_rows = dot_rows_portable;
 #if defined(SMOLSERVE_QUANT_AVX2)
   if (!portable) dot_rows = dot_rows_avx2;
-  constexpr int64_t kGroup = kRows;
-#else
-  constexpr int64_t kGroup = 4;
 #endif
   at::parallel_for(0, out_features, 16, [&](int64_t begin, int64_t end) {
     for (int64_t o = begin; o < end; ++o) {
-      for (int64_t first = 0; first < rows; first += kGroup) {
-        dot_rows(w + o * row_bytes, type, blocks, quantized, first, std::min(kGroup, rows - first), out + o,
+      for (int64_t first = 0; first < rows; first += kRows) {
+        dot_rows(w + o * row_bytes, type, blocks, quantized, first, std::min(kRows, rows - first), out + o,
                  out_features);
       }
     }
