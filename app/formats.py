@@ -14,8 +14,9 @@ import codecs
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from app.backend import Stream
 from app.tools import ToolCallParser
-from engine.scheduler import Delta, RequestStream
+from engine.scheduler import Delta
 from engine.tokenizer import Tokenizer
 from engine.types import FinishReason, TokenLogprob
 
@@ -46,7 +47,7 @@ class Choice:
     prompt_logprobs: list[TokenLogprob | None] | None = None  # echo with logprobs
     cached_tokens: int = 0  # of its prompt, from the engine's prefix cache
     prompt_only: bool = False  # max_tokens 0: the sequence runs only to score the prompt
-    stream: RequestStream | None = None  # None when there is nothing to run (echo alone)
+    stream: Stream | None = None  # None when there is nothing to run (echo alone)
     offsets: TextOffsets = field(default_factory=TextOffsets)  # text_offset across a stream's deltas
 
     @property

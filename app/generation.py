@@ -13,24 +13,25 @@ import asyncio
 import dataclasses
 import json
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
 from app import protocol
+from app.backend import Backend, Stream, Submission
 from app.errors import APIError, error_body
 from app.formats import Choice, Format
 from app.metrics import Metrics
-from engine.scheduler import Delta, EngineError, RequestStream, Scheduler
+from engine.scheduler import Delta, EngineError
 from engine.tokenizer import Tokenizer
-from engine.types import Constraint, GenerationRequest
+from engine.types import GenerationRequest
 
 
 @dataclass(slots=True)
 class Generation:
     """One API request: its sequences, and how to answer with them."""
 
-    scheduler: Scheduler
+    backend: Backend
     metrics: Metrics
     tokenizer: Tokenizer
     model_name: str
@@ -39,8 +40,8 @@ class Generation:
     prompts: list[list[int]]
     echo_texts: list[str] | None  # the prompt text per prompt, when echoing
     arrived: float
-    #: Makes each sequence its own grammar matcher, for structured output.
-    new_constraint: Callable[[], Constraint] | None = None
+    #: The grammar every sequence's tokens follow (structured output, tool calls), compiled already.
+    grammar: str | None = None
     choices: list[Choice] = field(default_factory=list)
     request_id: str = ""
     created: int = 0  # seconds since the epoch, one value for the whole response
@@ -62,7 +63,7 @@ class Generation:
     def num_completion_tokens(self) -> int:
         return sum(len(c.token_ids) for c in self.choices)
 
-    def submit(self) -> None:
+    async def submit(self) -> None:
         """Queue every sequence; if the queue fills part-way, withdraw them all (429 for the request)."""
         opts = self.options
         for prompt_index, ids in enumerate(self.prompts):
@@ -73,9 +74,10 @@ class Generation:
                 if choice.prompt_only and not self.scores_prompt:
                     choice.finish_reason = "length"  # echo alone: nothing to run
                     continue
+                submission = Submission(self._request(ids, sample), opts.stop, opts.include_stop, self.grammar)
                 try:
-                    choice.stream = self.scheduler.submit(self._request(ids, sample), opts.stop, opts.include_stop)
-                except Exception:
+                    choice.stream = await self.backend.submit(submission)
+                except BaseException:  # cancelled too: the client left while it was being routed
                     self.abort()
                     raise
 
@@ -101,15 +103,20 @@ class Generation:
             min_tokens=opts.min_tokens,
             logprobs=logprobs,
             prompt_logprobs=opts.logprobs if self.scores_prompt else None,
-            constraint=None if self.new_constraint is None else self.new_constraint(),
         )
 
     def abort(self) -> None:
         for _, stream in self.running:
-            self.scheduler.abort(stream)
+            self.backend.abort(stream)
 
     @property
-    def running(self) -> list[tuple[int, RequestStream]]:
+    def replicas(self) -> str | None:
+        """What ran the sequences (a cluster's replicas, comma-separated), for the access log."""
+        names = sorted({s.replica for _, s in self.running if s.replica is not None})
+        return ",".join(names) or None
+
+    @property
+    def running(self) -> list[tuple[int, Stream]]:
         """The choices that have a sequence in the scheduler, by index."""
         return [(i, c.stream) for i, c in enumerate(self.choices) if c.stream is not None]
 
@@ -141,7 +148,7 @@ class Generation:
             ),
         }
 
-    async def _collect(self, index: int, stream: RequestStream) -> None:
+    async def _collect(self, index: int, stream: Stream) -> None:
         choice = self.choices[index]
         async for delta in self.metrics.observe(stream.deltas(), self.arrived):
             self._record(choice, delta)
@@ -211,7 +218,7 @@ class Generation:
             self.abort()  # the client may have left mid-stream: the sequences leave the batch at the next step
         yield "[DONE]"
 
-    async def _pump(self, index: int, stream: RequestStream, out: asyncio.Queue[Any]) -> None:
+    async def _pump(self, index: int, stream: Stream, out: asyncio.Queue[Any]) -> None:
         try:
             async for delta in self.metrics.observe(stream.deltas(), self.arrived):
                 out.put_nowait((index, delta))

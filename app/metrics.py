@@ -19,21 +19,14 @@ _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0
 
 
 class Metrics:
+    """The request-side series (tokens, outcomes, latencies). The engine-side ones (batch, steps, KV memory) come
+    from the backend: ``EngineMetrics`` in one process, every replica's, labelled, on a cluster."""
+
     content_type = CONTENT_TYPE_LATEST
 
-    def __init__(
-        self,
-        num_running: Callable[[], int],
-        num_waiting: Callable[[], int],
-        memory_stats: Callable[[], MemoryStats | None] = lambda: None,
-    ) -> None:
+    def __init__(self) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
-        r.register(_MemoryCollector(memory_stats))
-        Gauge(f"{PREFIX}num_requests_running", "Requests in the engine's batch", registry=r).set_function(num_running)
-        Gauge(f"{PREFIX}num_requests_waiting", "Requests waiting for a batch slot", registry=r).set_function(
-            num_waiting
-        )
         self.prompt_tokens = Counter(f"{PREFIX}prompt_tokens", "Prompt tokens of admitted requests", registry=r)
         self.generation_tokens = Counter(f"{PREFIX}generation_tokens", "Tokens generated", registry=r)
         self.request_success = Counter(
@@ -55,17 +48,6 @@ class Metrics:
             f"{PREFIX}e2e_request_latency_seconds", "Arrival to last token", buckets=_LATENCY_BUCKETS, registry=r
         )
 
-        self.engine_step = Histogram(
-            f"{PREFIX}engine_step_seconds", "Duration of one engine step", buckets=_STEP_BUCKETS, registry=r
-        )
-        self.engine_step_batch = Histogram(
-            f"{PREFIX}engine_step_batch_size", "Sequences in one engine step", buckets=_BATCH_BUCKETS, registry=r
-        )
-
-    def observe_step(self, seconds: float, batch_size: int) -> None:
-        self.engine_step.observe(seconds)
-        self.engine_step_batch.observe(batch_size)
-
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
@@ -84,6 +66,34 @@ class Metrics:
                 self.e2e_latency.observe(now - arrived)
                 self.request_success.labels(delta.finish_reason).inc()
             yield delta
+
+
+class EngineMetrics:
+    """One engine's series: its batch and queue (read when scraped), its steps, its KV memory."""
+
+    def __init__(
+        self,
+        registry: CollectorRegistry,
+        num_running: Callable[[], int],
+        num_waiting: Callable[[], int],
+        memory_stats: Callable[[], MemoryStats | None] = lambda: None,
+    ) -> None:
+        r = registry
+        r.register(_MemoryCollector(memory_stats))
+        Gauge(f"{PREFIX}num_requests_running", "Requests in the engine's batch", registry=r).set_function(num_running)
+        Gauge(f"{PREFIX}num_requests_waiting", "Requests waiting for a batch slot", registry=r).set_function(
+            num_waiting
+        )
+        self.engine_step = Histogram(
+            f"{PREFIX}engine_step_seconds", "Duration of one engine step", buckets=_STEP_BUCKETS, registry=r
+        )
+        self.engine_step_batch = Histogram(
+            f"{PREFIX}engine_step_batch_size", "Sequences in one engine step", buckets=_BATCH_BUCKETS, registry=r
+        )
+
+    def observe_step(self, seconds: float, batch_size: int) -> None:
+        self.engine_step.observe(seconds)
+        self.engine_step_batch.observe(batch_size)
 
 
 class _MemoryCollector(Collector):

@@ -49,8 +49,9 @@ class RequestIdMiddleware:
             await self.app(scope, receive, send_with_id)
         finally:
             prompt, completion, cached = scope["state"].get("usage", (0, 0, 0))
+            replica = scope["state"].get("replica")
             access_log.info(
-                '%s "%s %s" %d prompt_tokens=%d cached_prompt_tokens=%d completion_tokens=%d latency=%.3fs',
+                '%s "%s %s" %d prompt_tokens=%d cached_prompt_tokens=%d completion_tokens=%d latency=%.3fs%s',
                 request_id,
                 scope["method"],
                 scope["path"],
@@ -59,6 +60,7 @@ class RequestIdMiddleware:
                 cached,
                 completion,
                 time.perf_counter() - started,
+                f" replica={replica}" if replica else "",
             )
 
 

@@ -50,14 +50,14 @@ class DrainingServer(uvicorn.Server):
 
     async def _drain(self) -> None:
         self._state.draining = True
-        scheduler = self._state.scheduler
+        backend = self._state.backend
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self._shutdown_timeout
-        while not scheduler.is_idle and loop.time() < deadline:
+        while not backend.is_idle and loop.time() < deadline:
             await asyncio.sleep(0.05)
-        if not scheduler.is_idle:
-            log.warning("shutdown timeout: ending %d requests", scheduler.num_running + scheduler.num_waiting)
-            scheduler.fail_all("the server shut down before this request finished")
+        if not backend.is_idle:
+            log.warning("shutdown timeout: ending the requests still running")
+            backend.fail_all("the server shut down before this request finished")
             await asyncio.sleep(0.2)  # let the routes send their errors
         self.should_exit = True
 

@@ -5,11 +5,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import functools
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from sse_starlette import EventSourceResponse
 from sse_starlette.sse import AppStatus
@@ -22,6 +21,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from app import protocol, tools
+from app.backend import Backend, LocalBackend
 from app.errors import (
     APIError,
     bad_request,
@@ -39,7 +39,7 @@ from app.tools import ToolCalling
 from engine.chooser import ServedModel
 from engine.grammar import Grammars
 from engine.scheduler import QueueFullError, Scheduler
-from engine.types import Constraint
+from engine.tokenizer import Tokenizer
 
 # Streams end when their generation ends, also at shutdown: app/serve.py drains them before the server stops.
 AppStatus.disable_automatic_graceful_drain()
@@ -62,27 +62,48 @@ class ServerConfig:
     sse_keepalive_s: float | None = None
 
 
+class Model(Protocol):
+    """What the routes need to know of the model: ``engine.chooser.ServedModel`` in one process, what a replica
+    tells the ingress on a cluster."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def tokenizer(self) -> Tokenizer: ...
+
+    @property
+    def max_model_len(self) -> int: ...
+
+
+def local_backend(served: ServedModel, config: ServerConfig, grammars: Grammars) -> LocalBackend:
+    """This process's scheduler over ``served``'s engine."""
+    scheduler = Scheduler(
+        served.engine,
+        served.tokenizer,
+        max_queue=config.max_queue,
+        engine_thread=served.engine_thread,
+        idle_release_s=config.kv_cache_idle_release_s,
+    )
+    return LocalBackend(scheduler, grammars)
+
+
 class _State:
     """Everything the routes share, built once per app."""
 
-    def __init__(self, served: ServedModel, config: ServerConfig) -> None:
-        self.model_name = config.served_model_name or served.name
-        self.tokenizer = served.tokenizer
-        self.max_model_len = served.max_model_len
-        self.scheduler = Scheduler(
-            served.engine,
-            served.tokenizer,
-            max_queue=config.max_queue,
-            engine_thread=served.engine_thread,
-            idle_release_s=config.kv_cache_idle_release_s,
-        )
-        self.metrics = Metrics(
-            lambda: self.scheduler.num_running, lambda: self.scheduler.num_waiting, served.engine.memory_stats
-        )
-        self.scheduler.on_step = self.metrics.observe_step
-        self.grammars = Grammars(served.tokenizer)
+    def __init__(self, model: Model, config: ServerConfig, backend: Backend | None) -> None:
+        self.model_name = config.served_model_name or model.name
+        self.tokenizer = model.tokenizer
+        self.max_model_len = model.max_model_len
+        self.grammars = Grammars(model.tokenizer)
+        if backend is None:
+            assert isinstance(model, ServedModel), "without a backend the app runs the model's engine itself"
+            backend = local_backend(model, config, self.grammars)
+        self.backend = backend
+        self.metrics = Metrics()
+        backend.register_metrics(self.metrics.registry)
         #: Whether the chat template renders tools itself: it speaks the call syntax (``app/tools.py``).
-        self.native_tools = tools.OPEN in (served.tokenizer.info().get("chat_template") or "")
+        self.native_tools = tools.OPEN in (model.tokenizer.info().get("chat_template") or "")
         self.created = int(time.time())
         self.sse_ping = config.sse_keepalive_s or 0  # sse-starlette: 0 sends no pings
         #: Set when shutdown begins: new requests get 503 while in-flight ones finish.
@@ -151,19 +172,19 @@ class _State:
             self.check_context(len(ids), options.max_tokens)
         self.check_tokens(options)
         if calling is not None and calling.calls_allowed:
-            constraints = await self.tool_constraints(calling)
+            grammar = await self.tool_grammar(calling)
         elif options.structured is not None:
-            constraints = await self.constraints(options.structured)
+            grammar = await self.compile(options.structured)
         else:
-            constraints = None
+            grammar = None
         return Generation(
-            self.scheduler, self.metrics, self.tokenizer, self.model_name, fmt, options, prompts, echo_texts, arrived,
-            constraints,
+            self.backend, self.metrics, self.tokenizer, self.model_name, fmt, options, prompts, echo_texts, arrived,
+            grammar,
         )  # fmt: skip
 
-    async def constraints(self, structured: protocol.StructuredOutput) -> Callable[[], Constraint]:
+    async def compile(self, structured: protocol.StructuredOutput) -> str:
         """Compile the grammar (off the event loop; cached) before anything is admitted: a bad one is a 400.
-        Returns what makes each sequence its own matcher."""
+        Returns the grammar, which each sequence's matcher is made from where it runs."""
         kind, value = structured.kind, structured.value
         build = {
             "json": Grammars.json_schema, "regex": Grammars.regex, "choice": Grammars.choice, "grammar": Grammars.lark,
@@ -173,14 +194,14 @@ class _State:
             await asyncio.to_thread(self.grammars.matcher, grammar)
         except ValueError as exc:  # GrammarError among them
             raise bad_request(f"{structured.param}: {exc}", structured.param) from None
-        return functools.partial(self.grammars.matcher, grammar)
+        return grammar
 
-    async def tool_constraints(self, calling: ToolCalling) -> Callable[[], Constraint]:
+    async def tool_grammar(self, calling: ToolCalling) -> str:
         """The grammar of the calls ``calling`` allows; a 400 naming the tool whose parameters do not compile."""
         grammar = tools.grammar(calling)
         assert grammar is not None, "tool_choice none has no grammar"
         try:
-            return await self.constraints(protocol.StructuredOutput("grammar", grammar, "tools"))
+            return await self.compile(protocol.StructuredOutput("grammar", grammar, "tools"))
         except APIError:
             for index, tool in enumerate(calling.tools):
                 param = f"tools[{index}].function.parameters"
@@ -195,11 +216,12 @@ class _State:
         if self.draining:
             raise APIError(503, "The server is shutting down; retry on another instance.", code="shutting_down")
         try:
-            generation.submit()
+            await generation.submit()
         except QueueFullError as exc:
             raise APIError(429, str(exc), code="queue_full", headers={"Retry-After": "1"}) from None
         self.metrics.prompt_tokens.inc(generation.num_prompt_tokens)
         request.state.usage = (generation.num_prompt_tokens, 0, 0)
+        request.state.replica = generation.replicas
         if generation.options.stream:
             events = _logged(request, generation, generation.events())
             return EventSourceResponse(events, sep="\n", ping=self.sse_ping)
@@ -230,20 +252,21 @@ def _usage_for_log(generation: Generation) -> tuple[int, int, int]:
     return generation.num_prompt_tokens, generation.num_completion_tokens, generation.num_cached_tokens
 
 
-def create_app(served: ServedModel, config: ServerConfig | None = None) -> Starlette:
+def create_app(model: Model, config: ServerConfig | None = None, backend: Backend | None = None) -> Starlette:
+    """The app over ``backend``; by default over a scheduler of its own driving ``model``'s engine."""
     config = config or ServerConfig()
-    state = _State(served, config)
+    state = _State(model, config, backend)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        await state.scheduler.start()
+        await state.backend.start()
         try:
             yield
         finally:
-            await state.scheduler.stop()
+            await state.backend.stop()
 
     async def health(request: Request) -> Response:
-        return JSONResponse({"status": "draining" if state.draining else "ok"})
+        return JSONResponse({"status": "draining" if state.draining else "ok", **await state.backend.health()})
 
     async def metrics(request: Request) -> Response:
         return Response(state.metrics.render(), media_type=state.metrics.content_type)

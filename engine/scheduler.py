@@ -55,6 +55,8 @@ class RequestStream:
         self.num_generated = 0
         self.finished = False
         self.seq_id: int | None = None
+        #: What runs it when there are several engines (a cluster's replica); None in one process.
+        self.replica: str | None = None
         self._detokenizer = IncrementalDetokenizer(tokenizer)
         self._stop = stop
         self._queue: asyncio.Queue[Delta | EngineError] = asyncio.Queue()

@@ -47,7 +47,7 @@ def live_server(engine: FakeEngine, **config: int) -> Iterator[LiveServer]:
     wait_until(lambda: server.started)
     port = server.servers[0].sockets[0].getsockname()[1]
     try:
-        yield LiveServer(f"http://127.0.0.1:{port}", engine, app.state.server.scheduler)
+        yield LiveServer(f"http://127.0.0.1:{port}", engine, app.state.server.backend.scheduler)
     finally:
         server.should_exit = True
         thread.join(timeout=10)
