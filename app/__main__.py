@@ -81,7 +81,31 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--shutdown-timeout", type=float, default=30.0, help="seconds in-flight requests get to finish on SIGTERM"
     )
     parser.add_argument("--log-level", default="info")
-    return parser.parse_args(argv)
+    cluster = parser.add_argument_group("scaling out on Ray Serve (any of these starts the cluster mode)")
+    cluster.add_argument("--replicas", type=int, default=None, help="engine replicas (each one engine, its own KV)")
+    cluster.add_argument("--min-replicas", type=int, default=None, help="autoscale between this and --max-replicas")
+    cluster.add_argument("--max-replicas", type=int, default=None)
+    cluster.add_argument(
+        "--ray-address", default=None, help="join this Ray cluster (e.g. 10.0.0.1:6379) instead of starting one"
+    )
+    cluster.add_argument(
+        "--replica-cpus", type=float, default=None, help="CPUs each replica reserves (default: this machine's / max)"
+    )
+    args = parser.parse_args(argv)
+    if (args.min_replicas is None) != (args.max_replicas is None):
+        parser.error("--min-replicas and --max-replicas go together")
+    for name in ("replicas", "min_replicas", "max_replicas"):
+        value = getattr(args, name)
+        if value is not None and value < (0 if name == "min_replicas" else 1):
+            parser.error(f"--{name.replace('_', '-')} must be at least {0 if name == 'min_replicas' else 1}")
+    if args.min_replicas is not None and args.min_replicas > args.max_replicas:
+        parser.error("--min-replicas must not exceed --max-replicas")
+    return args
+
+
+def clustered(args: argparse.Namespace) -> bool:
+    """Whether the flags ask for Ray Serve; without them the server is one process and never imports Ray."""
+    return any(v is not None for v in (args.replicas, args.min_replicas, args.ray_address))
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
@@ -98,11 +122,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     )
 
 
-def main(argv: list[str] | None = None) -> None:
-    args = parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    served = chooser.build(engine_config(args))
-    server_config = ServerConfig(
+def server_config(args: argparse.Namespace) -> ServerConfig:
+    return ServerConfig(
         served_model_name=args.served_model_name,
         max_queue=args.max_queue,
         kv_cache_idle_release_s=args.kv_cache_idle_release,
@@ -110,7 +131,17 @@ def main(argv: list[str] | None = None) -> None:
         cors_origins=tuple(args.cors_origins),
         sse_keepalive_s=args.sse_keepalive,
     )
-    app = create_app(served, server_config)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if clustered(args):
+        from cluster.launch import run
+
+        run(args)
+        return
+    app = create_app(chooser.build(engine_config(args)), server_config(args))
     serve(app, args.host, args.port, shutdown_timeout=args.shutdown_timeout, log_level=args.log_level)
 
 

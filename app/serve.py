@@ -12,6 +12,7 @@ import contextlib
 import logging
 import signal
 from collections.abc import Iterator
+from typing import Any
 
 import uvicorn
 from starlette.applications import Starlette
@@ -49,17 +50,23 @@ class DrainingServer(uvicorn.Server):
             self.should_exit = True
 
     async def _drain(self) -> None:
-        self._state.draining = True
-        backend = self._state.backend
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + self._shutdown_timeout
-        while not backend.is_idle and loop.time() < deadline:
-            await asyncio.sleep(0.05)
-        if not backend.is_idle:
-            log.warning("shutdown timeout: ending the requests still running")
-            backend.fail_all("the server shut down before this request finished")
-            await asyncio.sleep(0.2)  # let the routes send their errors
+        await drain(self._state, self._shutdown_timeout)
         self.should_exit = True
+
+
+async def drain(state: Any, timeout: float) -> None:
+    """Stop admitting (503), let in-flight requests finish for up to ``timeout`` s, then end the rest with an
+    error. ``state`` is the app's ``app.state.server``."""
+    state.draining = True
+    backend = state.backend
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while not backend.is_idle and loop.time() < deadline:
+        await asyncio.sleep(0.05)
+    if not backend.is_idle:
+        log.warning("shutdown timeout: ending the requests still running")
+        backend.fail_all("the server shut down before this request finished")
+        await asyncio.sleep(0.2)  # let the routes send their errors
 
 
 def serve(app: Starlette, host: str, port: int, *, shutdown_timeout: float, log_level: str) -> None:

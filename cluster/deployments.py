@@ -1,0 +1,110 @@
+"""The Ray Serve application: an ingress deployment (the HTTP layer over a ``RayBackend``) bound to the engine
+deployment (``EngineReplica``s behind the prefix-affinity router), configured from the command line's flags.
+
+``app_builder`` is the same application for ``serve deploy``/``serve run`` (``cluster/serve.yaml``): its ``args``
+are the command line's flags, spelled as YAML keys (``max_batch_size: 64``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from typing import Any
+
+from ray import serve
+from ray.serve import Application
+from ray.serve.config import RequestRouterConfig
+from ray.serve.handle import DeploymentHandle
+
+from app.__main__ import engine_config, parse_args, server_config
+from app.serve import drain
+from app.server import ServerConfig, create_app
+from cluster.backend import RayBackend
+from cluster.replica import EngineReplica, configure_logging, reports_actor
+
+APP_NAME = "smolserve"
+#: The ingress holds every request of the cluster while it streams; it does no model work.
+INGRESS_MAX_ONGOING = 100_000
+
+
+def application(args: argparse.Namespace, name: str = APP_NAME) -> Application:
+    servers = server_config(args)
+    engine = serve.deployment(EngineReplica).options(**engine_options(args))
+    engine = engine.bind(engine_config(args), servers, name, args.log_level)
+    ingress = serve.deployment(serve.ingress()(Ingress)).options(
+        name="Ingress",
+        num_replicas=1,
+        max_ongoing_requests=INGRESS_MAX_ONGOING,
+        ray_actor_options={"num_cpus": 0},
+        graceful_shutdown_timeout_s=args.shutdown_timeout + 5,
+    )
+    return ingress.bind(engine, servers, name, args.log_level)
+
+
+def engine_options(args: argparse.Namespace) -> dict[str, Any]:
+    """Each replica takes as many requests as its batch and queue hold (Ray's default of 5 would starve continuous
+    batching); past that the ingress's handle queues ``--max-queue`` more, then answers 429."""
+    most = args.max_replicas or args.replicas or 1
+    cpus = args.replica_cpus or max((os.cpu_count() or 1) // most, 1)
+    # torch takes every core by default: replicas sharing a machine would each run that many threads.
+    threads = {"OMP_NUM_THREADS": str(max(int(cpus), 1))}
+    options: dict[str, Any] = {
+        "name": "EngineReplica",
+        "max_ongoing_requests": args.max_batch_size + args.max_queue,
+        "max_queued_requests": args.max_queue,
+        "ray_actor_options": {"num_cpus": cpus, "runtime_env": {"env_vars": threads}},
+        "request_router_config": RequestRouterConfig(
+            request_router_class="cluster.router:PrefixAffinityRouter",
+            request_router_kwargs={"batch_size": args.max_batch_size},
+        ),
+        "graceful_shutdown_timeout_s": args.shutdown_timeout,
+    }
+    if args.min_replicas is not None:
+        options["autoscaling_config"] = autoscaling(args)
+    else:
+        options["num_replicas"] = args.replicas or 1
+    return options
+
+
+def autoscaling(args: argparse.Namespace) -> dict[str, Any]:
+    """Serve's autoscaler on ongoing requests per replica. The target is half a batch: a replica past it is running
+    a big enough batch that its tokens per second per stream start to drop (bench/README.md), and a new replica
+    takes a while (loading the model) to arrive, so scaling starts before requests queue."""
+    return {
+        "min_replicas": args.min_replicas,
+        "max_replicas": args.max_replicas,
+        "initial_replicas": args.replicas or max(args.min_replicas, 1),
+        "target_ongoing_requests": max(args.max_batch_size // 2, 1),
+        "upscale_delay_s": 5,
+        "downscale_delay_s": 60,
+    }
+
+
+class Ingress:
+    """The HTTP layer of ``app/`` in one Serve replica, over the engine deployment's handle."""
+
+    async def __init__(self, engine: DeploymentHandle, config: ServerConfig, name: str, log_level: str) -> None:
+        configure_logging(log_level)
+        model = await engine.model_info.remote()
+        self._backend = RayBackend(engine, reports_actor(name), config.max_queue)
+        self._app = create_app(model, config, self._backend)
+
+    def __serve_build_asgi_app__(self) -> Any:
+        return self._app
+
+    async def drain(self, timeout: float) -> None:
+        """What SIGTERM does to the one-process server: 503 for newcomers, in-flight requests finish (up to
+        ``timeout``), the rest end with an error. The launcher calls it before shutting Serve down."""
+        await drain(self._app.state.server, timeout)
+
+
+def app_builder(args: dict[str, Any]) -> Application:
+    """For ``serve run cluster.deployments:app_builder key=value`` and ``serve deploy cluster/serve.yaml``."""
+    argv: list[str] = []
+    for key, value in args.items():
+        flag = "--" + key.replace("_", "-")
+        if value is True:
+            argv.append(flag)
+        elif value is not False and value is not None:
+            argv += [flag, *(map(str, value) if isinstance(value, list) else [str(value)])]
+    return application(parse_args(argv))

@@ -1,0 +1,62 @@
+"""Prefix-affinity routing, the policy alone (no Ray): which replica should take a prompt.
+
+The router remembers, per replica, the block hashes of the prompts it sent there (chained, as the engines' prefix
+caches know blocks: ``engine.block_pool.prefix_hashes``), most recent first and bounded. A prompt goes to the
+replica that holds its longest run of leading blocks, unless that replica is overloaded: its batch full (``load``
+at least ``batch_size``) and ``batch_size // 2`` or more requests ahead of the least loaded one. Otherwise, and
+for a prompt nobody holds, every replica is a candidate and the least loaded wins. Loads are ongoing requests
+per replica, as the caller last saw them. ``bench/sim_routing.py`` drives this same class.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import OrderedDict
+from collections.abc import Mapping, Sequence
+
+
+class PrefixAffinity:
+    def __init__(self, batch_size: int, max_blocks_per_replica: int = 1 << 16) -> None:
+        self.batch_size = batch_size
+        self.max_blocks = max_blocks_per_replica
+        self._held: dict[str, OrderedDict[bytes, None]] = {}
+
+    def matched_blocks(self, replica: str, hashes: Sequence[bytes]) -> int:
+        """How many of the prompt's leading blocks ``replica`` was sent before."""
+        held = self._held.get(replica)
+        if not held:
+            return 0
+        for count, digest in enumerate(hashes):
+            if digest not in held:
+                return count
+        return len(hashes)
+
+    def choose(self, hashes: Sequence[bytes], loads: Mapping[str, int]) -> list[list[str]]:
+        """Ranks of replicas to try, best first: the affine replica alone, then all of them (least loaded wins)."""
+        everyone = sorted(loads, key=lambda r: (loads[r], random.random()))  # equal loads: any of them
+        if not hashes or not everyone:
+            return [everyone]
+        best = max(everyone, key=lambda r: self.matched_blocks(r, hashes))  # ties: the least loaded
+        if self.matched_blocks(best, hashes) == 0 or self._overloaded(loads[best], loads[everyone[0]]):
+            return [everyone]
+        return [[best], everyone]
+
+    def _overloaded(self, load: int, least: int) -> bool:
+        return load >= self.batch_size and load - least >= max(self.batch_size // 2, 1)
+
+    def record(self, replica: str, hashes: Sequence[bytes]) -> None:
+        """``replica`` took a prompt with these blocks: it will hold them (its prefix cache) for a while."""
+        held = self._held.setdefault(replica, OrderedDict())
+        for digest in hashes:
+            held[digest] = None
+            held.move_to_end(digest)
+        while len(held) > self.max_blocks:
+            held.popitem(last=False)
+
+    def forget(self, replica: str) -> None:
+        """``replica`` is gone (and its cache with it)."""
+        self._held.pop(replica, None)
+
+    def keep_only(self, replicas: set[str]) -> None:
+        for gone in set(self._held) - replicas:
+            self.forget(gone)

@@ -1,0 +1,227 @@
+"""The server as engine replicas on Ray Serve (``python -m app --replicas N``), on a local Ray instance bound to
+127.0.0.1: the official client gets the one-process server's answers; load spreads; a shared prefix stays on one
+replica; a client leaving frees its sequence; a killed replica's requests end cleanly and Serve brings it back;
+full queues are a 429; SIGTERM drains and exits 0. The clusters start once per module (their start-up is paid
+once): one with two replicas, one with tiny queues."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+from openai import OpenAI
+
+from compat.conftest import FACTS, MODEL, start_server, stop_server
+
+pytestmark = pytest.mark.real_model
+
+REPLICA_PROCESS = "ray::ServeReplica:smolserve:EngineReplica"
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[str]:
+    proc, base = start_server("--model", MODEL, "--replicas", "2")
+    try:
+        wait_for(lambda: live_replicas(base) == 2, 120)
+        yield base
+    finally:
+        stop_server(proc)
+
+
+def live_replicas(base: str) -> int:
+    return httpx.get(f"{base}/health", timeout=5).json()["replicas"]["live"]
+
+
+def wait_for(condition: object, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if condition():  # type: ignore[operator]
+            return
+        time.sleep(0.25)
+    raise AssertionError("timed out waiting")
+
+
+def replica_series(base: str, name: str) -> dict[str, float]:
+    """``smolserve:<name>`` by replica, from the cluster's /metrics."""
+    text = httpx.get(f"{base}/metrics", timeout=5).text
+    pattern = re.compile(rf'^smolserve:{name}\{{replica="([^"]+)"\}} (\S+)$', re.M)
+    return {replica: float(value) for replica, value in pattern.findall(text)}
+
+
+def client_for(base: str) -> OpenAI:
+    return OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=300)
+
+
+# -- the same answers as one process ------------------------------------------------------------------------
+
+
+def answers(base: str) -> list[object]:
+    """Greedy completions and chats, plain and streamed, with n, stop strings and logprobs."""
+    with client_for(base) as client:
+        out: list[object] = []
+        done = client.completions.create(
+            model=MODEL, prompt=["The capital of France is", "def fib(n):"], max_tokens=12, temperature=0, logprobs=2
+        )
+        out += [(c.text, c.finish_reason, [round(x, 2) for x in c.logprobs.token_logprobs]) for c in done.choices]
+        out.append(done.usage.model_dump())
+        stopped = client.completions.create(
+            model=MODEL, prompt="Count: one, two, three,", max_tokens=30, temperature=0, stop=[" five"]
+        )
+        out.append((stopped.choices[0].text, stopped.choices[0].finish_reason))
+        chat = client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "Name a color."}], max_tokens=16, temperature=0, n=2
+        )
+        out += [(c.message.content, c.finish_reason) for c in chat.choices]
+        stream = client.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": "Say hello."}],
+            max_tokens=16,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+        chunks = list(stream)
+        out.append("".join(c.choices[0].delta.content or "" for c in chunks if c.choices))
+        out.append(chunks[-1].usage.completion_tokens)
+        return out
+
+
+def test_the_cluster_answers_as_one_process(cluster: str, server_url: str) -> None:
+    assert answers(cluster) == answers(server_url)
+
+
+# -- routing --------------------------------------------------------------------------------------------------
+
+
+def test_concurrent_requests_spread_over_both_replicas(cluster: str) -> None:
+    before = replica_series(cluster, "prefix_cache_queries_total")
+
+    def one(i: int) -> int:
+        body = {"model": MODEL, "prompt": f"Request {i}: tell me about {FACTS[i % 5]}", "max_tokens": 24}
+        return httpx.post(f"{cluster}/v1/completions", json=body, timeout=120).status_code
+
+    with ThreadPoolExecutor(16) as pool:
+        assert list(pool.map(one, range(16))) == [200] * 16
+    time.sleep(2.5)  # replicas report their metrics every second
+    after = replica_series(cluster, "prefix_cache_queries_total")
+    assert len(after) == 2
+    assert all(after[r] > before.get(r, 0) for r in after), (before, after)
+
+
+def test_a_shared_prefix_stays_on_the_replica_that_holds_it(cluster: str) -> None:
+    preamble = " ".join(FACTS * 12)  # ~1,000 tokens
+    before_queries = replica_series(cluster, "prefix_cache_queries_total")
+    before_hits = replica_series(cluster, "prefix_cache_hits_total")
+    cached = []
+    with client_for(cluster) as client:
+        for i in range(6):
+            prompt = f"{preamble}\nQuestion {i}: which fact is the strangest?"
+            done = client.completions.create(model=MODEL, prompt=prompt, max_tokens=4, temperature=0)
+            cached.append(done.usage.prompt_tokens_details.cached_tokens)
+    assert cached[0] < 900 and all(c >= 992 for c in cached[1:]), cached
+    time.sleep(2.5)
+    queried = {r: v - before_queries.get(r, 0) for r, v in replica_series(cluster, "prefix_cache_queries_total").items()}
+    hits = {r: v - before_hits.get(r, 0) for r, v in replica_series(cluster, "prefix_cache_hits_total").items()}
+    assert sorted(1 if q > 0 else 0 for q in queried.values()) == [0, 1], queried  # one replica saw them all
+    assert max(hits.values()) >= 5 * 992
+
+
+# -- clients leaving, replicas dying ------------------------------------------------------------------------
+
+
+def test_a_client_leaving_mid_stream_frees_its_sequence(cluster: str) -> None:
+    body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 1000, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", f"{cluster}/v1/completions", json=body, timeout=60) as response:
+        lines = response.iter_lines()
+        assert [next(lines) for _ in range(6)]
+        wait_for(lambda: sum(replica_series(cluster, "num_requests_running").values()) == 1, 10)
+    wait_for(lambda: sum(replica_series(cluster, "num_requests_running").values()) == 0, 10)
+
+
+def read_stream(base: str, prompt: str, events: list[str], started: threading.Event) -> None:
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 400, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", f"{base}/v1/completions", json=body, timeout=120) as response:
+        for line in response.iter_lines():
+            if line.startswith("data: "):
+                events.append(line[6:])
+                started.set()
+
+
+def test_a_killed_replica_ends_its_streams_cleanly_and_comes_back(cluster: str) -> None:
+    streams = [([], threading.Event()) for _ in range(4)]
+    readers = [
+        threading.Thread(target=read_stream, args=(cluster, f"Story {i}: {FACTS[i]}", events, started))
+        for i, (events, started) in enumerate(streams)
+    ]
+    for reader in readers:
+        reader.start()
+    assert all(started.wait(60) for _, started in streams)
+    victim = int(subprocess.run(["pgrep", "-f", REPLICA_PROCESS], capture_output=True, text=True).stdout.split()[0])
+    os.kill(victim, signal.SIGKILL)
+    with client_for(cluster) as client:  # meanwhile, new requests go to the live replica
+        assert client.completions.create(model=MODEL, prompt="Hello", max_tokens=4).choices[0].text
+    for reader in readers:
+        reader.join(timeout=120)
+        assert not reader.is_alive()
+    outcomes = []
+    for events, _ in streams:
+        assert events[-1] == "[DONE]"
+        last = json.loads(events[-2])
+        outcomes.append("error" if "error" in last else last["choices"][0]["finish_reason"])
+    assert sorted(set(outcomes)) == ["error", "length"], outcomes
+    wait_for(lambda: live_replicas(cluster) == 2, 120)  # Serve restarted it
+
+
+# -- full queues, SIGTERM ---------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def small_cluster() -> Iterator[tuple[subprocess.Popen[bytes], str]]:
+    proc, base = start_server("--model", MODEL, "--replicas", "2", "--max-batch-size", "1", "--max-queue", "1")
+    try:
+        wait_for(lambda: live_replicas(base) == 2, 120)
+        yield proc, base
+    finally:
+        stop_server(proc)
+
+
+def test_full_queues_answer_429_with_retry_after(small_cluster: tuple[subprocess.Popen[bytes], str]) -> None:
+    _, base = small_cluster
+
+    def one(i: int) -> httpx.Response:
+        body = {"model": MODEL, "prompt": f"Story {i}", "max_tokens": 64, "ignore_eos": True}
+        return httpx.post(f"{base}/v1/completions", json=body, timeout=120)
+
+    with ThreadPoolExecutor(12) as pool:
+        responses = list(pool.map(one, range(12)))
+    codes = sorted(r.status_code for r in responses)
+    assert codes.count(200) >= 4 and codes.count(429) >= 1 and set(codes) == {200, 429}, codes
+    rejected = next(r for r in responses if r.status_code == 429)
+    assert rejected.headers["retry-after"] == "1"
+    assert rejected.json()["error"]["code"] == "queue_full"
+
+
+def test_sigterm_drains_the_cluster_and_exits_0(small_cluster: tuple[subprocess.Popen[bytes], str]) -> None:
+    proc, base = small_cluster
+    events: list[str] = []
+    started = threading.Event()
+    reader = threading.Thread(target=read_stream, args=(base, "Once upon a time", events, started))
+    reader.start()
+    assert started.wait(60)
+    proc.send_signal(signal.SIGTERM)
+    time.sleep(0.5)
+    newcomer = httpx.post(f"{base}/v1/completions", json={"model": MODEL, "prompt": "Hi"}, timeout=30)
+    assert newcomer.status_code == 503
+    reader.join(timeout=120)
+    assert events[-1] == "[DONE]"
+    assert json.loads(events[-2])["choices"][0]["finish_reason"] == "length"
+    assert proc.wait(timeout=60) == 0
