@@ -57,6 +57,10 @@ def replica_series(base: str, name: str) -> dict[str, float]:
     return {replica: float(value) for replica, value in pattern.findall(text)}
 
 
+def growth(base: str, name: str, before: dict[str, float]) -> dict[str, float]:
+    return {replica: value - before.get(replica, 0) for replica, value in replica_series(base, name).items()}
+
+
 def client_for(base: str) -> OpenAI:
     return OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=300)
 
@@ -129,8 +133,8 @@ def test_a_shared_prefix_stays_on_the_replica_that_holds_it(cluster: str) -> Non
             cached.append(done.usage.prompt_tokens_details.cached_tokens)
     assert cached[0] < 900 and all(c >= 992 for c in cached[1:]), cached
     time.sleep(2.5)
-    queried = {r: v - before_queries.get(r, 0) for r, v in replica_series(cluster, "prefix_cache_queries_total").items()}
-    hits = {r: v - before_hits.get(r, 0) for r, v in replica_series(cluster, "prefix_cache_hits_total").items()}
+    queried = growth(cluster, "prefix_cache_queries_total", before_queries)
+    hits = growth(cluster, "prefix_cache_hits_total", before_hits)
     assert sorted(1 if q > 0 else 0 for q in queried.values()) == [0, 1], queried  # one replica saw them all
     assert max(hits.values()) >= 5 * 992
 
