@@ -100,6 +100,12 @@ class Ingress:
 
 def app_builder(args: dict[str, Any]) -> Application:
     """For ``serve run cluster.deployments:app_builder key=value`` and ``serve deploy cluster/serve.yaml``."""
+    return application(parse_args(flags(args)))
+
+
+def flags(args: dict[str, Any]) -> list[str]:
+    """A config file's ``args`` as the command line: ``{"max_batch_size": 64, "no_prefix_caching": True}`` is
+    ``--max-batch-size 64 --no-prefix-caching``."""
     argv: list[str] = []
     for key, value in args.items():
         flag = "--" + key.replace("_", "-")
@@ -107,4 +113,4 @@ def app_builder(args: dict[str, Any]) -> Application:
             argv.append(flag)
         elif value is not False and value is not None:
             argv += [flag, *(map(str, value) if isinstance(value, list) else [str(value)])]
-    return application(parse_args(argv))
+    return argv
