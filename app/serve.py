@@ -69,6 +69,15 @@ async def drain(state: Any, timeout: float) -> None:
         await asyncio.sleep(0.2)  # let the routes send their errors
 
 
+class EmbeddedServer(uvicorn.Server):
+    """uvicorn inside a process that owns its signals (a Ray Serve replica): it installs no handlers; whoever
+    embeds it stops it with ``should_exit``."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
 def serve(app: Starlette, host: str, port: int, *, shutdown_timeout: float, log_level: str) -> None:
     # uvicorn's own graceful phase only has to close connections the drain has already finished; the app
     # logs each request itself (app/middleware.py), with its token counts.

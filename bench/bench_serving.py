@@ -164,10 +164,10 @@ async def run_level(base: str, n: int, new_tokens: int, constrained: int = 0) ->
 
 
 def step_totals(base: str) -> tuple[float, float]:
-    """The server's engine-step histogram so far: (seconds in steps, number of steps)."""
+    """The server's engine-step histogram so far: (seconds in steps, number of steps), over every replica."""
     text = httpx.get(f"{base}/metrics").text
     total, count = (
-        float(re.search(rf"^smolserve:engine_step_seconds_{name} (\S+)$", text, re.M).group(1))
+        sum(float(v) for v in re.findall(rf"^smolserve:engine_step_seconds_{name}(?:{{[^}}]*}})? (\S+)$", text, re.M))
         for name in ("sum", "count")
     )
     return total, count

@@ -8,10 +8,13 @@ exit. The HTTP ingress listens on ``--host``:``--port`` as the one-process serve
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
 import os
 import signal
 import threading
+
+from cluster import RAY_ENV
 
 log = logging.getLogger(__name__)
 
@@ -25,6 +28,8 @@ def run(args: argparse.Namespace) -> None:
         # Ray's switch for one-machine clusters, read when Ray is imported: every Ray process then advertises and
         # binds 127.0.0.1. (Without it Ray resolves "127.0.0.1" to the machine's interface address.)
         os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    for name, value in RAY_ENV.items():  # for the Serve controller and proxy this process starts, too
+        os.environ.setdefault(name, value)
     import ray
     from ray import serve
 
@@ -41,17 +46,39 @@ def run(args: argparse.Namespace) -> None:
         )
     else:
         ray.init(address=args.ray_address, namespace="smolserve", logging_level=logging.WARNING)
+    draining = False
     try:
         stop = _stop_on_signals()  # after ray.init, which installs handlers of its own
-        serve.start(http_options={"host": args.host, "port": args.port})
-        serve.run(application(args), name=APP_NAME, route_prefix="/", blocking=False)
+        serve.start(proxy_location="Disabled")  # the ingress serves HTTP itself (cluster/deployments.py)
+        serve.run(application(args), name=APP_NAME, route_prefix=None, blocking=False)
         log.info("serving on http://%s:%d/ (Ray Serve, application %r)", args.host, args.port, APP_NAME)
         stop.wait()
         log.info("draining (up to %.0f s), then exiting", args.shutdown_timeout)
-        ingress = serve.get_app_handle(APP_NAME)
-        ingress.drain.remote(args.shutdown_timeout).result(timeout_s=args.shutdown_timeout + 30)
+        draining = True
     finally:
-        _shutdown(APP_NAME, local)
+        try:
+            # One event loop for the handle and the shutdown: with Ray's throughput settings a handle routes on
+            # the loop of whoever calls it.
+            asyncio.run(_stop(APP_NAME, args.shutdown_timeout if draining else None, local))
+        finally:
+            ray.shutdown()
+
+
+async def _stop(name: str, drain_timeout: float | None, local: bool) -> None:
+    """Drain the ingress (when it got that far), then remove the application, or all of Serve if we started it."""
+    import ray
+    from ray import serve
+
+    from cluster.replica import reports_actor
+
+    if drain_timeout is not None:
+        ingress = serve.get_app_handle(name)
+        await asyncio.wait_for(ingress.drain.remote(drain_timeout), drain_timeout + 30)
+    ray.kill(reports_actor(name))
+    if local:
+        await serve.shutdown_async()
+    else:
+        await asyncio.to_thread(serve.delete, name)
 
 
 def _stop_on_signals() -> threading.Event:
@@ -65,19 +92,3 @@ def _stop_on_signals() -> threading.Event:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, on_signal)
     return stop
-
-
-def _shutdown(name: str, local: bool) -> None:
-    import ray
-    from ray import serve
-
-    from cluster.replica import reports_actor
-
-    try:
-        ray.kill(reports_actor(name))
-        if local:
-            serve.shutdown()
-        else:
-            serve.delete(name)
-    finally:
-        ray.shutdown()
