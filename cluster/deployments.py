@@ -64,7 +64,6 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
         "ray_actor_options": {"num_cpus": cpus, "runtime_env": {"env_vars": env}},
         "request_router_config": RequestRouterConfig(
             request_router_class="cluster.router:PrefixAffinityRouter",
-            request_router_kwargs={"batch_size": args.max_batch_size},
         ),
         "graceful_shutdown_timeout_s": args.shutdown_timeout,
     }

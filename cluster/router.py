@@ -23,8 +23,8 @@ MAX_ROUTED_BLOCKS = 256
 
 
 class PrefixAffinityRouter(FIFOMixin, LocalityMixin, MultiplexMixin, RequestRouter):
-    def initialize_state(self, batch_size: int = 128, block_size: int = 16) -> None:
-        self._policy = PrefixAffinity(batch_size)
+    def initialize_state(self, imbalance: int = 4, block_size: int = 16) -> None:
+        self._policy = PrefixAffinity(imbalance)
         self._block_size = block_size
 
     async def choose_replicas(

@@ -2,10 +2,14 @@
 
 The router remembers, per replica, the block hashes of the prompts it sent there (chained, as the engines' prefix
 caches know blocks: ``engine.block_pool.prefix_hashes``), most recent first and bounded. A prompt goes to the
-replica that holds its longest run of leading blocks, unless that replica is overloaded: its batch full (``load``
-at least ``batch_size``) and ``batch_size // 2`` or more requests ahead of the least loaded one. Otherwise, and
-for a prompt nobody holds, every replica is a candidate and the least loaded wins. Loads are ongoing requests
-per replica, as the caller last saw them. ``bench/sim_routing.py`` drives this same class.
+replica that holds its longest run of leading blocks, unless that replica is ``imbalance`` or more requests ahead
+of the least loaded one; then, and for a prompt nobody holds, every replica is a candidate and the least loaded
+wins (which then holds the prefix too: a hot prefix spreads over as many replicas as its load needs). Loads are
+ongoing requests per replica, as the caller last saw them.
+
+``bench/sim_routing.py`` drives this same class over 4-16 simulated replicas. ``imbalance`` 4 is its choice:
+across 2, 4, 8, 16, 32 it kept the cache hit rate within 1-2 points of the best while TTFT p99 grew with larger
+values (a popular system prompt pinned to one replica queues there) and the hit rate fell with 2.
 """
 
 from __future__ import annotations
@@ -16,8 +20,8 @@ from collections.abc import Mapping, Sequence
 
 
 class PrefixAffinity:
-    def __init__(self, batch_size: int, max_blocks_per_replica: int = 1 << 16) -> None:
-        self.batch_size = batch_size
+    def __init__(self, imbalance: int = 4, max_blocks_per_replica: int = 1 << 16) -> None:
+        self.imbalance = imbalance
         self.max_blocks = max_blocks_per_replica
         self._held: dict[str, OrderedDict[bytes, None]] = {}
 
@@ -42,7 +46,7 @@ class PrefixAffinity:
         return [[best], everyone]
 
     def _overloaded(self, load: int, least: int) -> bool:
-        return load >= self.batch_size and load - least >= max(self.batch_size // 2, 1)
+        return load - least >= self.imbalance
 
     def record(self, replica: str, hashes: Sequence[bytes]) -> None:
         """``replica`` took a prompt with these blocks: it will hold them (its prefix cache) for a while."""

@@ -37,13 +37,13 @@ def hashes(*tokens: int) -> list[bytes]:
 
 
 def test_a_prompt_nobody_holds_goes_to_the_least_loaded() -> None:
-    policy = PrefixAffinity(batch_size=8)
+    policy = PrefixAffinity(imbalance=4)
     assert policy.choose(hashes(1, 2, 3), {"a": 5, "b": 2, "c": 9}) == [["b", "a", "c"]]
     assert policy.choose([], {"a": 1, "b": 0}) == [["b", "a"]]
 
 
 def test_the_replica_holding_the_longest_prefix_comes_first() -> None:
-    policy = PrefixAffinity(batch_size=8)
+    policy = PrefixAffinity(imbalance=4)
     policy.record("a", hashes(1, 2))
     policy.record("b", hashes(1, 2, 3, 4))
     assert policy.choose(hashes(1, 2, 3, 9), {"a": 0, "b": 3, "c": 0})[0] == ["b"]
@@ -52,15 +52,15 @@ def test_the_replica_holding_the_longest_prefix_comes_first() -> None:
 
 
 def test_an_overloaded_replica_loses_its_affinity() -> None:
-    policy = PrefixAffinity(batch_size=8)
+    policy = PrefixAffinity(imbalance=4)
     policy.record("a", hashes(1, 2, 3))
-    assert policy.choose(hashes(1, 2, 3), {"a": 7, "b": 0}) == [["a"], ["b", "a"]]  # batch not full: stay
-    assert policy.choose(hashes(1, 2, 3), {"a": 9, "b": 6}) == [["a"], ["b", "a"]]  # full, but others nearly too
-    assert policy.choose(hashes(1, 2, 3), {"a": 9, "b": 5}) == [["b", "a"]]
+    assert policy.choose(hashes(1, 2, 3), {"a": 3, "b": 0}) == [["a"], ["b", "a"]]  # a little busier: stay
+    assert policy.choose(hashes(1, 2, 3), {"a": 9, "b": 6}) == [["a"], ["b", "a"]]  # all busy alike
+    assert policy.choose(hashes(1, 2, 3), {"a": 9, "b": 5}) == [["b", "a"]]  # 4 ahead: the least loaded
 
 
 def test_a_replica_that_left_is_forgotten_and_memory_is_bounded() -> None:
-    policy = PrefixAffinity(batch_size=8, max_blocks_per_replica=3)
+    policy = PrefixAffinity(max_blocks_per_replica=3)
     policy.record("a", hashes(1, 2, 3))
     policy.record("b", hashes(1, 2, 3))
     policy.keep_only({"b"})
@@ -78,7 +78,7 @@ def test_a_replica_that_left_is_forgotten_and_memory_is_bounded() -> None:
 def test_every_choice_ends_with_every_replica_least_loaded_first(
     loads: dict[str, int], history: list[tuple[str, list[int]]], prompt: list[int]
 ) -> None:
-    policy = PrefixAffinity(batch_size=8)
+    policy = PrefixAffinity(imbalance=4)
     for replica, tokens in history:
         policy.record(replica, hashes(*tokens))
     ranks = policy.choose(hashes(*prompt), loads)
@@ -110,7 +110,6 @@ def test_each_replica_takes_its_batch_and_queue_and_the_router_is_ours() -> None
     assert options["max_ongoing_requests"] == 42 and options["max_queued_requests"] == 10
     router = options["request_router_config"]
     assert router.request_router_class == "cluster.router:PrefixAffinityRouter"
-    assert router.request_router_kwargs == {"batch_size": 32}
     assert options["ray_actor_options"]["num_cpus"] >= 1
 
 
