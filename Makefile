@@ -4,7 +4,8 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install serve test soak lint bench clean
+.PHONY: install serve serve-cluster test soak lint bench clean
+REPLICAS ?= 2
 
 install: $(STAMP)
 
@@ -18,6 +19,10 @@ $(STAMP): pyproject.toml Makefile
 
 serve: install
 	$(PY) -m app --host 127.0.0.1 --port 8000
+
+# The same API on Ray Serve, $(REPLICAS) engine replicas (README "Scaling out").
+serve-cluster: install
+	$(PY) -m app --host 127.0.0.1 --port 8000 --replicas $(REPLICAS)
 
 test: install
 	HF_HUB_OFFLINE=1 $(PY) -m pytest -q
