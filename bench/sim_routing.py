@@ -164,6 +164,7 @@ def prefix_affinity(rng: random.Random) -> Callable[[Request, list[Replica]], Re
 
 def simulate(num_replicas: int, router: str, seconds: float, rate: float, seed: int) -> dict[str, float]:
     rng = random.Random(seed)
+    random.seed(seed)  # the policy breaks ties between equally loaded replicas at random
     workload = Workload(rng, USERS_PER_REPLICA * num_replicas)
     route = {"prefix affinity": prefix_affinity, "power of two": power_of_two}[router](random.Random(seed + 1))
     replicas = [Replica(f"r{i}") for i in range(num_replicas)]
