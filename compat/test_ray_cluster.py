@@ -76,7 +76,7 @@ def answers(base: str) -> list[object]:
             model=MODEL, prompt=["The capital of France is", "def fib(n):"], max_tokens=12, temperature=0, logprobs=2
         )
         out += [(c.text, c.finish_reason, [round(x, 2) for x in c.logprobs.token_logprobs]) for c in done.choices]
-        out.append(done.usage.model_dump())
+        out.append((done.usage.prompt_tokens, done.usage.completion_tokens))  # cached tokens: what each has seen
         stopped = client.completions.create(
             model=MODEL, prompt="Count: one, two, three,", max_tokens=30, temperature=0, stop=[" five"]
         )
