@@ -28,6 +28,10 @@ def run(args: argparse.Namespace) -> None:
         # Ray's switch for one-machine clusters, read when Ray is imported: every Ray process then advertises and
         # binds 127.0.0.1. (Without it Ray resolves "127.0.0.1" to the machine's interface address.)
         os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    else:
+        # `ray start` clusters require Ray's token authentication (its default since 2.5x): the token is read from
+        # ~/.ray/auth_token or $RAY_AUTH_TOKEN, as on every node of the cluster.
+        os.environ.setdefault("RAY_AUTH_MODE", "token")
     for name, value in RAY_ENV.items():  # for the Serve controller and proxy this process starts, too
         os.environ.setdefault(name, value)
     import ray
