@@ -25,6 +25,11 @@ from compat.conftest import FACTS, MODEL, start_server, stop_server
 pytestmark = pytest.mark.real_model
 
 REPLICA_PROCESS = "ray::ServeReplica:smolserve:EngineReplica"
+PLACE = {
+    "type": "object",
+    "properties": {"city": {"type": "string", "maxLength": 20}, "country": {"type": "string", "maxLength": 20}},
+    "required": ["city", "country"],
+}
 
 
 @pytest.fixture(scope="module")
@@ -96,6 +101,14 @@ def answers(base: str) -> list[object]:
         chunks = list(stream)
         out.append("".join(c.choices[0].delta.content or "" for c in chunks if c.choices))
         out.append(chunks[-1].usage.completion_tokens)
+        structured = client.chat.completions.create(  # a grammar, compiled again where the sequence runs
+            model=MODEL,
+            messages=[{"role": "user", "content": "Give a city and its country as JSON."}],
+            max_tokens=40,
+            temperature=0,
+            response_format={"type": "json_schema", "json_schema": {"name": "place", "schema": PLACE}},
+        )
+        out.append(structured.choices[0].message.content)
         return out
 
 
