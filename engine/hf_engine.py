@@ -123,6 +123,8 @@ class HFEngine(InferenceEngine):
         self._prefilling: list[_Seq] = []  # FIFO; preempted sequences go back to its head
         self._next_seq_id = 0
         self.num_preemptions = 0
+        #: Sequences preempted while the current step was planned: whatever was planned for them is void.
+        self._preempted_in_plan: set[int] = set()
         self._plan_now: _Plan | None = None  # the step being run, for describe_step
 
     @property
@@ -230,6 +232,7 @@ class HFEngine(InferenceEngine):
     # -- one step -------------------------------------------------------------------------------------
 
     def _plan(self) -> _Plan:
+        self._preempted_in_plan.clear()
         decoding = []
         for seq in list(self._decoding):  # oldest first: the newest are preempted first
             if seq in self._decoding and self._grow(seq, 1):
@@ -248,7 +251,9 @@ class HFEngine(InferenceEngine):
                 break  # the pool is full: later ones wait too (FIFO)
             planned.append((seq, length))
             budget -= length
-        planned = [(seq, length) for seq, length in planned if seq in self._prefilling]
+        # A sequence planned and then preempted for a later one (a preempted sequence planned first, at the
+        # head of the queue, is newer than those behind it) is back in the queue with no blocks: not this step.
+        planned = [(seq, length) for seq, length in planned if seq.seq_id not in self._preempted_in_plan]
         decoding = [seq for seq in decoding if seq in self._decoding]
         row = len(decoding)
         chunks: list[tuple[_Seq, PrefillChunk]] = []
@@ -297,6 +302,7 @@ class HFEngine(InferenceEngine):
             seq.prompt_logprobs = [None]
         self._prefilling.insert(0, seq)
         self.num_preemptions += 1
+        self._preempted_in_plan.add(seq.seq_id)
 
     def _unqueue(self, seq: _Seq) -> None:
         """Take ``seq`` out of whichever list it is in: decoding or prefilling."""
