@@ -89,6 +89,8 @@ class BlockKVCache:
         # Built (or loaded from the build cache) now, so that no request waits for the compiler.
         native = device.type == "cpu" and dtype in _NATIVE_DTYPES and head_dim % 2 == 0
         self.native_attention = kernels.decode_attention() if native and not self.quantized else None
+        # With the native kernel, keys are in its tiles and each layer's rows are stored by one native call.
+        self._native_write = kernels.native_ops().write_kv if self.native_attention is not None else None
         self._int8_ops = _int8_ops(device, dtype, head_dim) if self.quantized else None
         positions = num_blocks * block_size
         self.kv = lazy_zeros((num_layers, 2, num_kv_heads, positions, head_dim), self.storage_dtype, device)
@@ -126,12 +128,12 @@ class BlockKVCache:
             kv, scales = self.kv[layer], self.scales[layer]
             self._int8_ops.write_kv_int8(kv[0], kv[1], scales[0], scales[1], slots, key, value)
             return
-        keys = self.kv[layer, 0]
-        if self.tiled_keys:
-            write_tiled(keys, (slice(None), slots), key)
-        else:
-            keys[:, slots] = key.transpose(0, 1)
-        self.kv[layer, 1][:, slots] = value.transpose(0, 1)
+        keys, values = self.kv[layer, 0], self.kv[layer, 1]
+        if self._native_write is not None:
+            self._native_write(keys, values, slots, key, value)
+            return
+        keys[:, slots] = key.transpose(0, 1)
+        values[:, slots] = value.transpose(0, 1)
 
     def attend(self, layer: int, query: torch.Tensor, batch: StepBatch, scale: float) -> torch.Tensor:
         """Attention of ``query`` ``[rows, kv_heads, groups, dim]`` over each row's blocks, in the native kernel."""

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from engine import kernels
-from engine.kv_cache import KEY_TILE, tile_keys
+from engine.kv_cache import KEY_TILE, tile_keys, untile_keys, write_tiled
 from engine.model_runner import _add_norm, _rope, _silu_mul
 
 
@@ -131,6 +131,35 @@ def test_tiled_keys_hold_each_tile_as_pairs_of_dims() -> None:
         for dim in range(4):
             expected = keys[1, position, dim]
             assert tiled[1, position // 16, dim // 2, position % 16, dim % 2] == expected
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("kv_heads", "dim"), [(3, 64), (1, 24)])
+def test_native_write_stores_rows_as_the_torch_write_does(dtype: torch.dtype, kv_heads: int, dim: int) -> None:
+    ops = kernels.native_ops()
+    assert ops is not None
+    pool = torch.zeros(2, kv_heads, 64, dim, dtype=dtype)  # [keys / values, heads, positions, dim]
+    expected = pool.clone()
+    slots = torch.tensor([37, 0, 15, 16, 63])  # across tiles, both ends of a tile
+    key, value = (torch.randn(5, kv_heads, dim).to(dtype) for _ in range(2))
+    ops.write_kv(pool[0], pool[1], slots.to(torch.int32), key.transpose(1, 2).contiguous().transpose(1, 2), value)
+    write_tiled(expected[0], (slice(None), slots), key)  # the torch path: keys into their tiles
+    expected[1][:, slots] = value.transpose(0, 1)
+    assert torch.equal(pool, expected)
+    assert torch.equal(untile_keys(pool[0])[:, slots].transpose(0, 1), key)
+
+
+def test_native_write_rejects_what_it_cannot_store() -> None:
+    ops = kernels.native_ops()
+    assert ops is not None
+    keys, values = torch.zeros(2, 32, 8), torch.zeros(2, 32, 8)
+    with pytest.raises(RuntimeError, match="slot out of range"):
+        ops.write_kv(keys, values, torch.tensor([32]), torch.zeros(1, 2, 8), torch.zeros(1, 2, 8))
+    with pytest.raises(RuntimeError, match="share a dtype"):
+        ops.write_kv(keys, values, torch.tensor([1]), torch.zeros(1, 2, 8, dtype=torch.bfloat16), torch.zeros(1, 2, 8))
+    with pytest.raises(RuntimeError, match="whole tiles"):
+        ops.write_kv(torch.zeros(2, 20, 8), torch.zeros(2, 20, 8), torch.tensor([1]), torch.zeros(1, 2, 8),
+                     torch.zeros(1, 2, 8))  # fmt: skip
 
 
 # -- the 8-bit KV cache -------------------------------------------------------------------------------------
