@@ -94,6 +94,8 @@ class BlockKVCache:
         self._int8_ops = _int8_ops(device, dtype, head_dim) if self.quantized else None
         positions = num_blocks * block_size
         self.kv = lazy_zeros((num_layers, 2, num_kv_heads, positions, head_dim), self.storage_dtype, device)
+        # Each layer's keys and values as views made once: indexing them anew costs ~8 small ops a layer a step.
+        self._layer_kv = [(self.kv[layer, 0], self.kv[layer, 1]) for layer in range(num_layers)]
         # int8: one float32 scale per stored key and value.
         self.scales = (
             lazy_zeros((num_layers, 2, num_kv_heads, positions), torch.float32, device) if self.quantized else None
@@ -128,7 +130,7 @@ class BlockKVCache:
             kv, scales = self.kv[layer], self.scales[layer]
             self._int8_ops.write_kv_int8(kv[0], kv[1], scales[0], scales[1], slots, key, value)
             return
-        keys, values = self.kv[layer, 0], self.kv[layer, 1]
+        keys, values = self._layer_kv[layer]
         if self._native_write is not None:
             self._native_write(keys, values, slots, key, value)
             return
@@ -137,7 +139,7 @@ class BlockKVCache:
 
     def attend(self, layer: int, query: torch.Tensor, batch: StepBatch, scale: float) -> torch.Tensor:
         """Attention of ``query`` ``[rows, kv_heads, groups, dim]`` over each row's blocks, in the native kernel."""
-        keys, values = self.kv[layer, 0], self.kv[layer, 1]
+        keys, values = self._layer_kv[layer]
         if self._int8_ops is not None:
             assert self.scales is not None
             key_scales, value_scales = self.scales[layer, 0], self.scales[layer, 1]
