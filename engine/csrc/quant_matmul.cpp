@@ -58,12 +58,14 @@ struct QuantizedRows {
   std::vector<int8_t> q;
   std::vector<float> scale;
   std::vector<int32_t> sum;
+  std::vector<float> scaled_sum;  // scale * sum: what a block's offset m multiplies
 };
 
 template <typename T>
 QuantizedRows quantize_rows(const T* x, int64_t rows, int64_t in) {
   const int64_t blocks = in / kBlock;
-  QuantizedRows out{std::vector<int8_t>(rows * in), std::vector<float>(rows * blocks), std::vector<int32_t>(rows * blocks)};
+  QuantizedRows out{std::vector<int8_t>(rows * in), std::vector<float>(rows * blocks), std::vector<int32_t>(rows * blocks),
+                    std::vector<float>(rows * blocks)};
   at::parallel_for(0, rows * blocks, 64, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const T* block = x + i * kBlock;  // rows are contiguous, so block i of the flattened rows
@@ -79,6 +81,7 @@ QuantizedRows quantize_rows(const T* x, int64_t rows, int64_t in) {
       }
       out.scale[i] = scale;
       out.sum[i] = total;
+      out.scaled_sum[i] = scale * static_cast<float>(total);
     }
   });
   return out;
@@ -122,7 +125,7 @@ void dot_rows_portable(const uint8_t* weight_row, int64_t type, int64_t blocks, 
       block_header(weight_row + b * bytes, type, d, m, quants);
       const int64_t at = r * blocks + b;
       const int32_t dot = block_dot_portable(quants, type, &x.q[at * kBlock]);
-      total += d * x.scale[at] * static_cast<float>(dot) + m * x.scale[at] * static_cast<float>(x.sum[at]);
+      total += d * x.scale[at] * static_cast<float>(dot) + m * x.scaled_sum[at];
     }
     out[r * out_stride] = total;
   }
@@ -136,18 +139,23 @@ inline float hsum(__m256 v) {
 }
 
 // A block's 32 weights as bytes in element order: unsigned 4-bit values, or (Q8_0) signed 8-bit ones.
-inline __m256i load_quants(const uint8_t* quants, int64_t type) {
-  if (type == kQ8_0) return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(quants));
-  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(quants));
-  const __m128i low = _mm_set1_epi8(0x0F);
-  return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(raw, 4), low), _mm_and_si128(raw, low));
+template <int64_t Type>
+inline __m256i load_quants(const uint8_t* quants) {
+  if constexpr (Type == kQ8_0) {
+    return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(quants));
+  } else {
+    const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(quants));
+    const __m128i low = _mm_set1_epi8(0x0F);
+    return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(raw, 4), low), _mm_and_si128(raw, low));
+  }
 }
 
 // 8 partial sums of q qx as int32 lanes.
-inline __m256i block_dot_avx2(__m256i q, int64_t type, const int8_t* qx) {
+template <int64_t Type>
+inline __m256i block_dot_avx2(__m256i q, const int8_t* qx) {
   const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qx));
   __m256i pairs;
-  if (type == kQ8_0) {
+  if constexpr (Type == kQ8_0) {
     pairs = _mm256_maddubs_epi16(_mm256_sign_epi8(q, q), _mm256_sign_epi8(x, q));  // |q| times x with q's sign
   } else {
     pairs = _mm256_maddubs_epi16(q, x);
@@ -155,26 +163,36 @@ inline __m256i block_dot_avx2(__m256i q, int64_t type, const int8_t* qx) {
   return _mm256_madd_epi16(pairs, _mm256_set1_epi16(1));
 }
 
-void dot_rows_avx2(const uint8_t* weight_row, int64_t type, int64_t blocks, const QuantizedRows& x, int64_t first,
-                   int64_t count, float* out, int64_t out_stride) {
-  const int64_t bytes = block_bytes(type);
+// The type is a template parameter: no branch on it per block, and the compiler schedules each type's loop alone.
+template <int64_t Type>
+void dot_rows_avx2_of(const uint8_t* weight_row, int64_t blocks, const QuantizedRows& x, int64_t first,
+                      int64_t count, float* out, int64_t out_stride) {
+  constexpr int64_t bytes = Type == kQ4_0 ? 18 : Type == kQ4_1 ? 20 : 34;
   __m256 acc[kRows];
   float offsets[kRows] = {};
   for (int64_t i = 0; i < count; ++i) acc[i] = _mm256_setzero_ps();
   for (int64_t b = 0; b < blocks; ++b) {
     float d, m;
     const uint8_t* quants;
-    block_header(weight_row + b * bytes, type, d, m, quants);
-    const __m256i q = load_quants(quants, type);
+    block_header(weight_row + b * bytes, Type, d, m, quants);
+    const __m256i q = load_quants<Type>(quants);
     for (int64_t i = 0; i < count; ++i) {
       const int64_t at = (first + i) * blocks + b;
-      const float scale = x.scale[at];
-      const __m256 dot = _mm256_cvtepi32_ps(block_dot_avx2(q, type, &x.q[at * kBlock]));
-      acc[i] = _mm256_fmadd_ps(_mm256_set1_ps(d * scale), dot, acc[i]);
-      offsets[i] += m * scale * static_cast<float>(x.sum[at]);
+      const __m256 dot = _mm256_cvtepi32_ps(block_dot_avx2<Type>(q, &x.q[at * kBlock]));
+      acc[i] = _mm256_fmadd_ps(_mm256_set1_ps(d * x.scale[at]), dot, acc[i]);
+      if constexpr (Type != kQ8_0) offsets[i] += m * x.scaled_sum[at];
     }
   }
   for (int64_t i = 0; i < count; ++i) out[(first + i) * out_stride] = hsum(acc[i]) + offsets[i];
+}
+
+void dot_rows_avx2(const uint8_t* weight_row, int64_t type, int64_t blocks, const QuantizedRows& x, int64_t first,
+                   int64_t count, float* out, int64_t out_stride) {
+  switch (type) {
+    case kQ4_0: return dot_rows_avx2_of<kQ4_0>(weight_row, blocks, x, first, count, out, out_stride);
+    case kQ4_1: return dot_rows_avx2_of<kQ4_1>(weight_row, blocks, x, first, count, out, out_stride);
+    default: return dot_rows_avx2_of<kQ8_0>(weight_row, blocks, x, first, count, out, out_stride);
+  }
 }
 #endif
 
