@@ -235,7 +235,7 @@ class HFEngine(InferenceEngine):
         self._preempted_in_plan.clear()
         decoding = []
         for seq in list(self._decoding):  # oldest first: the newest are preempted first
-            if seq in self._decoding and self._grow(seq, 1):
+            if seq.seq_id not in self._preempted_in_plan and self._grow(seq, 1):
                 decoding.append(seq)
         # Decode rows count against the step's token budget; prefill gets the rest, but always some, so a
         # full batch of decodes cannot starve newcomers.
@@ -244,8 +244,8 @@ class HFEngine(InferenceEngine):
         for seq in list(self._prefilling):
             if budget <= 0:
                 break
-            if seq not in self._prefilling:
-                continue  # preempted while this plan was made
+            if seq.seq_id in self._preempted_in_plan:
+                continue  # preempted while this plan was made: back at the queue's head, for a later step
             length = self._prefill_length(seq, budget)
             if length == 0:
                 break  # the pool is full: later ones wait too (FIFO)
@@ -254,7 +254,7 @@ class HFEngine(InferenceEngine):
         # A sequence planned and then preempted for a later one (a preempted sequence planned first, at the
         # head of the queue, is newer than those behind it) is back in the queue with no blocks: not this step.
         planned = [(seq, length) for seq, length in planned if seq.seq_id not in self._preempted_in_plan]
-        decoding = [seq for seq in decoding if seq in self._decoding]
+        decoding = [seq for seq in decoding if seq.seq_id not in self._preempted_in_plan]
         row = len(decoding)
         chunks: list[tuple[_Seq, PrefillChunk]] = []
         for seq, length in planned:
