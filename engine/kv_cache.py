@@ -14,10 +14,11 @@ The tensor is one anonymous mapping of the whole pool (``os_memory.lazy_zeros``)
 first written, so memory follows the blocks ever used, not the pool's size.
 
 Where the native decode kernel runs, keys are stored in its tiles of 16 positions laid out ``[head_dim / 2][16][2]``
-(``write_tiled``, ``tile_keys``); a block is a whole number of tiles. With ``kv_cache_dtype="int8"`` the tensor holds
-uint8 (keys offset by 128, in tiles of 16 positions laid out ``[head_dim / 4][16][4]``; values in pairs of positions
-laid out ``[head_dim][2]``) and ``scales`` one float32 per stored key and value, ``[layers, 2, kv_heads,
-positions]``; ``csrc/int8_attention.cpp`` writes and reads both.
+(written by ``write_kv`` in ``csrc/decode_attention.cpp``; ``tile_keys`` is the same layout in torch); a block is a
+whole number of tiles. With ``kv_cache_dtype="int8"`` the tensor holds uint8 (keys offset by 128, in tiles of 16
+positions laid out ``[head_dim / 4][16][4]``; values in pairs of positions laid out ``[head_dim][2]``) and
+``scales`` one float32 per stored key and value, ``[layers, 2, kv_heads, positions]``; ``csrc/int8_attention.cpp``
+writes and reads both.
 
 The attention that reads and writes this memory is ``engine/attention.py``.
 """
@@ -110,11 +111,6 @@ class BlockKVCache:
         return num_layers * 2 * num_kv_heads * per_head
 
     @property
-    def tiled_keys(self) -> bool:
-        """Keys are held in the native kernel's tiles where it runs, else as torch's attention reads them."""
-        return self.native_attention is not None
-
-    @property
     def native_decode(self) -> bool:
         """Rows attend in a native kernel that reads through block tables."""
         return self.native_attention is not None or self.quantized
@@ -174,16 +170,6 @@ class BlockKVCache:
         forget_pages(self.kv)
         if self.scales is not None:
             forget_pages(self.scales)
-
-
-def write_tiled(keys: torch.Tensor, where: tuple[Any, ...], key: torch.Tensor) -> None:
-    """Store ``key`` into ``keys`` (``[..., positions, dim]`` in the native kernel's tiles) at ``where``: one
-    index per dim of ``keys`` but the last, the last a tensor of positions. ``key`` is shaped as
-    ``keys[where]`` would be in torch's indexing (the indexed rows first: ``[rows, heads, dim]``)."""
-    *lead, positions, dim = keys.shape
-    tiles = keys.view(*lead, positions // KEY_TILE, dim // 2, KEY_TILE, 2)
-    *outer, position = where
-    tiles[(*outer, position // KEY_TILE, slice(None), position % KEY_TILE)] = key.unflatten(-1, (dim // 2, 2))
 
 
 def tile_keys(keys: torch.Tensor) -> torch.Tensor:
