@@ -31,11 +31,10 @@ class Submission:
 
 
 class Stream(Protocol):
-    """A submitted sequence: its deltas as they come; ``finished`` once its last one (or an error) is out."""
+    """A submitted sequence: its deltas as they come."""
 
     #: What runs it, for the access log: a replica's name, or None in one process.
     replica: str | None
-    finished: bool
 
     def deltas(self) -> AsyncIterator[Delta]: ...
 
