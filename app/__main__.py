@@ -40,9 +40,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--quantization",
-        choices=["none", "native"],
+        choices=["auto", "native", "int8", "none"],
         default=defaults.quantization,
-        help="native: a GGUF model's Q4_0/Q4_1/Q8_0 weights multiplied in their blocks (faster for a few streams)",
+        help="native: a GGUF model's Q4_0/Q4_1/Q8_0 weights multiplied in their blocks; int8: linear weights "
+        "quantized per output channel at load; none: dense --dtype weights; auto: native for a GGUF llama, else none",
     )
     parser.add_argument(
         "--no-prefix-caching",

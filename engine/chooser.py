@@ -12,8 +12,8 @@ from engine.fake_engine import FakeEngine
 from engine.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
 
 if TYPE_CHECKING:  # both import torch, which is loaded only when a HF model is chosen
-    from engine.gguf_weights import QuantizedWeight
     from engine.loader import LoadedModel
+    from engine.quantized_weights import QuantizedWeight
 
 
 @dataclass(slots=True)
@@ -46,7 +46,7 @@ def _build_hf(config: EngineConfig, engine_thread: ThreadPoolExecutor) -> Served
     from engine.os_memory import trim_heap
 
     loaded = loader.load(config.model, config.dtype)
-    quantized = quantized_weights(loaded) if config.quantization == "native" else None
+    quantized = quantized_weights(loaded, config.quantization)
     max_model_len = min(config.max_model_len or loaded.max_position_embeddings, loaded.max_position_embeddings)
     hf_engine = HFEngine(
         loaded.model,
@@ -67,13 +67,30 @@ def _build_hf(config: EngineConfig, engine_thread: ThreadPoolExecutor) -> Served
     return served
 
 
-def quantized_weights(loaded: LoadedModel) -> dict[str, QuantizedWeight]:
-    """The GGUF's own quantized matrices, for ``--quantization native``."""
+def quantized_weights(loaded: LoadedModel, quantization: str) -> dict[str, QuantizedWeight] | None:
+    """The matrices to multiply in quantized blocks for ``--quantization`` (``None``: all dense): ``native``, a
+    GGUF's own Q4_0/Q4_1/Q8_0 blocks; ``int8``, every linear layer quantized per output channel now; ``auto``,
+    ``native`` where it can serve (a GGUF llama on the CPU, native kernels built), else none."""
     from engine import gguf_weights, kernels
+    from engine.model_runner import LlamaRunner
+    from engine.quantized_weights import int8_weights
 
+    if quantization == "none":
+        return None
+    model = loaded.model
+    servable = LlamaRunner.supports(model) and model.device.type == "cpu" and kernels.native_ops() is not None
+    config = model.config
+    if quantization == "auto":
+        if not servable or loaded.gguf is None:
+            return None
+        return gguf_weights.read(loaded.gguf, config.num_attention_heads, config.num_key_value_heads) or None
+    if not servable:
+        raise ValueError(
+            f"--quantization {quantization} needs a llama-architecture model on the CPU and the native CPU kernels "
+            "(a C++ compiler)"
+        )
+    if quantization == "int8":
+        return int8_weights(model)
     if loaded.gguf is None:
         raise ValueError("--quantization native serves a GGUF model's own blocks; this model is not a GGUF")
-    if kernels.native_ops() is None:
-        raise ValueError("--quantization native needs the native CPU kernels (a C++ compiler)")
-    config = loaded.model.config
     return gguf_weights.read(loaded.gguf, config.num_attention_heads, config.num_key_value_heads)

@@ -1,5 +1,6 @@
 """A GGUF's quantized weight matrices as they are stored, for the native quantized matmul
-(``csrc/quant_matmul.cpp``). Q4_0, Q4_1 and Q8_0 are read; matrices of other types are left to the dense path.
+(``csrc/quant_matmul.cpp``, through ``engine/quantized_weights.py``). Q4_0, Q4_1 and Q8_0 are read; matrices of
+other types are left to the dense path.
 
 Names are transformers' llama names (``model.layers.3.mlp.up_proj.weight``); the rows of the query and key
 projections are put back in transformers' order (GGUF files store them permuted for llama.cpp's RoPE), as
@@ -8,14 +9,12 @@ transformers does when it dequantizes the file, so a quantized matrix and the de
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 
-#: GGML type numbers the native matmul reads.
-SUPPORTED = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8}
+from engine.quantized_weights import SUPPORTED, QuantizedWeight
 
 _LAYER_NAMES = {
     "attn_q": "self_attn.q_proj",
@@ -26,37 +25,6 @@ _LAYER_NAMES = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
-
-
-@dataclass(slots=True, frozen=True)
-class QuantizedWeight:
-    """A ``[out, in]`` weight matrix as GGML blocks: ``data`` uint8 ``[out, bytes per row]``, of type ``qtype``."""
-
-    data: torch.Tensor
-    qtype: int
-    in_features: int
-
-    @property
-    def out_features(self) -> int:
-        return self.data.shape[0]
-
-    def rows(self, index: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """Rows ``index`` dequantized to ``dtype``, ``[len(index), in]`` (an embedding lookup): for Q8_0, each
-        row's int8 values times its blocks' fp16 scales, as GGUF's own dequantization computes them."""
-        if self.qtype != SUPPORTED["Q8_0"]:
-            raise ValueError("rows are read from Q8_0 blocks only")
-        blocks = self.data[index].view(len(index), -1, 34)  # per block: fp16 scale, 32 int8 values
-        scales = blocks[..., :2].contiguous().view(torch.float16).float()
-        values = blocks[..., 2:].contiguous().view(torch.int8).float()
-        return (values * scales).flatten(1).to(dtype)
-
-    @staticmethod
-    def stack(weights: list[QuantizedWeight]) -> QuantizedWeight | None:
-        """The matrices one above the other (a fused projection); None unless all share a type and input size."""
-        first = weights[0]
-        if any(w.qtype != first.qtype or w.in_features != first.in_features for w in weights):
-            return None
-        return QuantizedWeight(torch.cat([w.data for w in weights]), first.qtype, first.in_features)
 
 
 def read(path: Path, num_heads: int, num_kv_heads: int) -> dict[str, QuantizedWeight]:

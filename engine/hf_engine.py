@@ -26,9 +26,9 @@ from transformers import PreTrainedModel
 from engine.base import InferenceEngine, finish_reason, validate_request
 from engine.block_pool import BlockPool
 from engine.block_tables import BlockTables, SeqBlocks
-from engine.gguf_weights import QuantizedWeight
 from engine.kv_cache import BLOCK_SIZE, BlockKVCache, PrefillChunk, StepBatch
 from engine.model_runner import make_runner
+from engine.quantized_weights import QuantizedWeight
 from engine.sampler import Row, select_tokens, token_logprobs
 from engine.types import GenerationRequest, MemoryStats, StepOutput, TokenLogprob
 

@@ -21,8 +21,8 @@ from transformers import AttentionInterface, PreTrainedModel
 
 from engine import kernels
 from engine.attention import ATTENTION_NAME, attend, block_attention
-from engine.gguf_weights import SUPPORTED, QuantizedWeight
 from engine.kv_cache import StepBatch
+from engine.quantized_weights import SUPPORTED, PackedWeight, QuantizedWeight
 
 AttentionInterface.register(ATTENTION_NAME, block_attention)
 log = logging.getLogger(__name__)
@@ -83,10 +83,10 @@ def _warn_unpacked(dtype: torch.dtype, reason: str) -> None:
     log.warning("%s weights stay unpacked (plain matmuls, slower steps, no batch invariance): %s", dtype, reason)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor | QuantizedWeight) -> torch.Tensor:
-    """``x @ weight.T`` for a ``weight`` from ``prepack`` or a GGUF's blocks; ``x`` is ``[rows, in]``."""
-    if isinstance(weight, QuantizedWeight):
-        return kernels.native_ops().quant_linear(x, weight.data, weight.qtype)
+def linear(x: torch.Tensor, weight: torch.Tensor | PackedWeight) -> torch.Tensor:
+    """``x @ weight.T`` for a ``weight`` from ``prepack`` or a GGUF's packed blocks; ``x`` is ``[rows, in]``."""
+    if isinstance(weight, PackedWeight):
+        return weight.matmul(x)
     if weight.is_mkldnn:
         return torch.ops.mkldnn._linear_pointwise(x, weight, None, "none", [], "")
     return F.linear(x, weight)
@@ -101,11 +101,11 @@ _PACK_ROWS_HINT = 32
 @dataclass(slots=True)
 class _LlamaLayer:
     input_norm: torch.Tensor
-    qkv: torch.Tensor | QuantizedWeight  # q, k and v projections stacked: [(heads + 2 * kv_heads) * dim, hidden]
-    o: torch.Tensor | QuantizedWeight
+    qkv: torch.Tensor | PackedWeight  # q, k and v projections stacked: [(heads + 2 * kv_heads) * dim, hidden]
+    o: torch.Tensor | PackedWeight
     post_norm: torch.Tensor
-    gate_up: torch.Tensor | QuantizedWeight  # [2 * intermediate, hidden]
-    down: torch.Tensor | QuantizedWeight
+    gate_up: torch.Tensor | PackedWeight  # [2 * intermediate, hidden]
+    down: torch.Tensor | PackedWeight
 
 
 class LlamaRunner:
@@ -136,9 +136,9 @@ class LlamaRunner:
         # The token embedding, dense; or, when served from its Q8_0 blocks, read from them row by row (the dense
         # copy is then not kept: ~113 MB in float32 for SmolLM2).
         embedding = quantized.get("model.embed_tokens.weight")
-        self.embed: torch.Tensor | QuantizedWeight = inner.embed_tokens.weight
+        self.embed: torch.Tensor | PackedWeight = inner.embed_tokens.weight
         if embedding is not None and embedding.qtype == SUPPORTED["Q8_0"]:
-            self.embed = embedding
+            self.embed = embedding.pack()
         self.dtype = model.dtype
         # RoPE's cos and sin for every position, computed once: a row's rotation is then a lookup, the same
         # whatever other rows share its step (element-wise cos/sin may round a tensor's tail differently).
@@ -146,7 +146,13 @@ class LlamaRunner:
         dummy = torch.empty(0, dtype=model.dtype, device=model.device)
         self.cos, self.sin = (table[0] for table in inner.rotary_emb(dummy, positions))  # [positions, dim]
         self.norm = inner.norm.weight
-        self.lm_head = quantized.get("lm_head.weight") or prepack(model.lm_head.weight)
+        head = quantized.get("lm_head.weight")
+        # A tied output layer reads the embedding's packed blocks: one copy of them.
+        self.lm_head = (
+            prepack(model.lm_head.weight) if head is None
+            else self.embed if head is embedding and isinstance(self.embed, PackedWeight)
+            else head.pack()
+        )  # fmt: skip
         # torch.compile of the element-wise work between the matmuls was tried and dropped: with the matmuls
         # outside (oneDNN's prepacked weights are opaque to it), each compiled call cost 50-120 us against
         # 10-70 us eager, and whole steps came out no faster for ~30 s more start-up.
@@ -167,11 +173,11 @@ class LlamaRunner:
     def _fuse(layer: torch.nn.Module, prefix: str, quantized: dict[str, QuantizedWeight]) -> _LlamaLayer:
         attn, mlp = layer.self_attn, layer.mlp
 
-        def fused(names: list[str], linears: list[torch.nn.Linear]) -> torch.Tensor | QuantizedWeight:
+        def fused(names: list[str], linears: list[torch.nn.Linear]) -> torch.Tensor | PackedWeight:
             parts = [part for name in names if (part := quantized.get(f"{prefix}{name}.weight")) is not None]
             stacked = QuantizedWeight.stack(parts) if len(parts) == len(names) else None
             if stacked is not None:
-                return stacked
+                return stacked.pack()
             return prepack(_stack_into_views(linears) if len(linears) > 1 else linears[0].weight)
 
         return _LlamaLayer(
@@ -188,7 +194,7 @@ class LlamaRunner:
     def forward(
         self, token_ids: torch.Tensor, positions: torch.Tensor, batch: StepBatch, rows: torch.Tensor | None
     ) -> torch.Tensor:
-        if isinstance(self.embed, QuantizedWeight):
+        if isinstance(self.embed, PackedWeight):
             hidden = self.embed.rows(token_ids, self.dtype)
         else:
             hidden = F.embedding(token_ids, self.embed)

@@ -34,4 +34,8 @@ def test_quantization_and_prefix_caching_reach_the_engine() -> None:
     config = engine_config(parse_args(["--quantization", "native", "--no-prefix-caching"]))
     assert config.quantization == "native" and not config.prefix_caching
     defaults = engine_config(parse_args([]))
-    assert defaults.quantization == "none" and defaults.prefix_caching
+    assert defaults.quantization == "auto" and defaults.prefix_caching
+    for mode in ("none", "int8"):
+        assert engine_config(parse_args(["--quantization", mode])).quantization == mode
+    with pytest.raises(SystemExit):
+        parse_args(["--quantization", "fp8"])

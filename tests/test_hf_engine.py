@@ -220,13 +220,14 @@ def test_the_pool_costs_what_is_written_asks_for_huge_pages_and_gives_pages_back
 
 @pytest.mark.real_model
 def test_real_model_serves_from_its_gguf_blocks() -> None:
-    """`--quantization native`: the default model's Q4_1 and Q8_0 matrices multiplied in their blocks."""
-    from engine.gguf_weights import QuantizedWeight
+    """The default `--quantization auto`: the default model's Q4_1 and Q8_0 matrices multiplied in their blocks."""
+    from engine.quantized_weights import PackedWeight
 
-    served = chooser.build(EngineConfig(max_batch_size=2, quantization="native"))
+    served = chooser.build(EngineConfig(max_batch_size=2))
     assert isinstance(served.engine, HFEngine) and served.engine_thread is not None
     runner = served.engine._runner
-    assert isinstance(runner.lm_head, QuantizedWeight) and isinstance(runner.layers[0].gate_up, QuantizedWeight)
+    assert isinstance(runner.lm_head, PackedWeight) and isinstance(runner.layers[0].gate_up, PackedWeight)
+    assert runner.lm_head is runner.embed  # the tied output layer: one packed copy
     assert "Paris" in complete_on(served, "The capital of France is")
 
 
@@ -235,4 +236,24 @@ def test_native_quantization_needs_a_gguf(tiny_llama_dir: str) -> None:
 
     loaded = SimpleNamespace(gguf=None, model=AutoModelForCausalLM.from_pretrained(tiny_llama_dir))
     with pytest.raises(ValueError, match="not a GGUF"):
-        chooser.quantized_weights(loaded)
+        chooser.quantized_weights(loaded, "native")
+    assert chooser.quantized_weights(loaded, "auto") is None  # auto: the dense path, no error
+    assert chooser.quantized_weights(loaded, "none") is None
+
+
+def test_int8_quantizes_a_llama_s_linear_layers_and_refuses_other_architectures(
+    tiny_llama_dir: str, tiny_gpt2_dir: str
+) -> None:
+    from types import SimpleNamespace
+
+    from engine.quantized_weights import SUPPORTED
+
+    loaded = SimpleNamespace(gguf=None, model=AutoModelForCausalLM.from_pretrained(tiny_llama_dir))
+    weights = chooser.quantized_weights(loaded, "int8")
+    layers = loaded.model.config.num_hidden_layers
+    assert len(weights) == layers * 7 + 1 and "lm_head.weight" in weights  # 7 projections a layer, the output
+    assert {w.qtype for w in weights.values()} == {SUPPORTED["Q8_0"]}
+    gpt2 = SimpleNamespace(gguf=None, model=AutoModelForCausalLM.from_pretrained(tiny_gpt2_dir))
+    with pytest.raises(ValueError, match="llama-architecture"):
+        chooser.quantized_weights(gpt2, "int8")
+    assert chooser.quantized_weights(gpt2, "auto") is None

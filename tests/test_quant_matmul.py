@@ -1,5 +1,5 @@
-"""The native matmul on GGUF quantized weights (Q4_0, Q4_1, Q8_0) against dequantize-then-matmul, its portable
-loops against its AVX2 path, and rows computed alike whatever shares their call."""
+"""The native matmul on GGUF quantized weights (Q4_0, Q4_1, Q8_0, packed 8 rows at a time) against
+dequantize-then-matmul, its portable loops against its AVX2 path, and rows computed alike whatever shares their call."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import torch
 from gguf.quants import GGMLQuantizationType, dequantize, quantize
 
 from engine import kernels
-from engine.gguf_weights import QuantizedWeight
+from engine.quantized_weights import QuantizedWeight, int8_weight, int8_weights
 
 TYPES = [GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0]
 
@@ -27,14 +27,23 @@ def ops():
     return native
 
 
+def packed(weight: torch.Tensor, qtype: GGMLQuantizationType) -> torch.Tensor:
+    return ops().quant_pack(weight, int(qtype))
+
+
+def matmul(x: torch.Tensor, weight: torch.Tensor, qtype: GGMLQuantizationType, portable: bool = False) -> torch.Tensor:
+    return ops().quant_linear(x, packed(weight, qtype), int(qtype), weight.shape[0], portable)
+
+
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
-@pytest.mark.parametrize("rows", [1, 3, 4, 9])
+@pytest.mark.parametrize("rows", [1, 3, 4, 9, 70])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_matches_dequantize_then_matmul(qtype: GGMLQuantizationType, rows: int, dtype: torch.dtype) -> None:
-    """What is left is the activations' 8-bit rounding per block of 32: about 1% of an output's typical size."""
-    weight, dense = quantized_weight(67, 96, qtype, seed=rows)  # an odd number of outputs; three blocks a row
+    """What is left is the activations' 8-bit rounding per block of 32: about 1% of an output's typical size.
+    67 outputs: a last group of 8 with 3 rows; 70 rows: more than one 64-row sweep, a last tile of 2."""
+    weight, dense = quantized_weight(67, 96, qtype, seed=rows)  # three blocks a row
     x = torch.randn(rows, 96, generator=torch.Generator().manual_seed(rows)).to(dtype)
-    got = ops().quant_linear(x, weight, int(qtype))
+    got = matmul(x, weight, qtype)
     assert got.dtype == dtype and got.shape == (rows, 67)
     want = x.float() @ dense.T
     scale = want.abs().mean()
@@ -42,55 +51,98 @@ def test_matches_dequantize_then_matmul(qtype: GGMLQuantizationType, rows: int, 
 
 
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
-def test_portable_loops_agree_with_the_native_path(qtype: GGMLQuantizationType) -> None:
-    weight, _ = quantized_weight(40, 64, qtype, seed=7)
-    x = torch.randn(5, 64, generator=torch.Generator().manual_seed(7))
-    native, portable = ops().quant_linear(x, weight, int(qtype)), ops().quant_linear(x, weight, int(qtype), True)
-    torch.testing.assert_close(native, portable, atol=1e-4, rtol=1e-5)  # the same integers, summed in another order
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 67])
+def test_portable_loops_agree_with_the_native_path(qtype: GGMLQuantizationType, rows: int) -> None:
+    """The same integers and the same float operations in the same order: equal, bit for bit."""
+    weight, _ = quantized_weight(43, 64, qtype, seed=7)
+    x = torch.randn(rows, 64, generator=torch.Generator().manual_seed(7))
+    assert torch.equal(matmul(x, weight, qtype), matmul(x, weight, qtype, portable=True))
 
 
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
 def test_a_row_comes_out_the_same_whatever_shares_its_call(qtype: GGMLQuantizationType) -> None:
     weight, _ = quantized_weight(50, 64, qtype, seed=3)
-    x = torch.randn(11, 64, generator=torch.Generator().manual_seed(3))
-    together = ops().quant_linear(x, weight, int(qtype))
-    for row in range(11):
-        assert torch.equal(ops().quant_linear(x[row : row + 1], weight, int(qtype))[0], together[row])
+    x = torch.randn(70, 64, generator=torch.Generator().manual_seed(3))
+    together = matmul(x, weight, qtype)
+    for row in [0, 1, 5, 63, 64, 69]:  # first and last of a tile, of a 64-row sweep, of the call
+        assert torch.equal(matmul(x[row : row + 1], weight, qtype)[0], together[row])
+        assert torch.equal(matmul(x[row : row + 3], weight, qtype)[0], together[row])
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_extreme_blocks_do_not_overflow(qtype: GGMLQuantizationType) -> None:
+    """Every 4-bit weight at 15 (Q8_0: at +-127) against activations all at +127 or -127: the largest sums the
+    16-bit lanes hold, and the correct answer."""
+    values = np.full((16, 64), -1.0 if qtype == GGMLQuantizationType.Q4_0 else 1.0, dtype=np.float32)
+    values[:, ::32] = 1.0 if qtype == GGMLQuantizationType.Q4_0 else 0.0  # sets each block's scale so q = 15
+    if qtype == GGMLQuantizationType.Q8_0:
+        values[:, ::32] = -1.0  # q = -127 there: both signs
+    raw = quantize(values, qtype)
+    dense = torch.from_numpy(dequantize(raw, qtype).copy())
+    for sign in (1.0, -1.0):
+        x = torch.full((3, 64), sign)
+        torch.testing.assert_close(matmul(x, torch.from_numpy(raw.copy()), qtype), x @ dense.T, rtol=1e-3, atol=1e-3)
 
 
 def test_refuses_what_it_cannot_read() -> None:
     weight, _ = quantized_weight(4, 64, GGMLQuantizationType.Q4_1, seed=0)
+    q4_1 = int(GGMLQuantizationType.Q4_1)
     with pytest.raises(RuntimeError, match="multiple of 32"):
-        ops().quant_linear(torch.zeros(1, 40), weight, int(GGMLQuantizationType.Q4_1))
-    with pytest.raises(RuntimeError, match="bytes per row"):
-        ops().quant_linear(torch.zeros(1, 64), weight, int(GGMLQuantizationType.Q8_0))
+        ops().quant_linear(torch.zeros(1, 40), packed(weight, GGMLQuantizationType.Q4_1), q4_1, 4)
+    with pytest.raises(RuntimeError, match="bytes do not match"):
+        ops().quant_linear(torch.zeros(1, 64), packed(weight, GGMLQuantizationType.Q4_1), 8, 4)
+    with pytest.raises(RuntimeError, match="out_features"):
+        ops().quant_linear(torch.zeros(1, 64), packed(weight, GGMLQuantizationType.Q4_1), q4_1, 9)
     with pytest.raises(RuntimeError, match="unsupported quantized type"):
-        ops().quant_linear(torch.zeros(1, 64), weight, 12)
+        ops().quant_pack(weight, 12)
+    with pytest.raises(RuntimeError, match="whole blocks"):
+        ops().quant_pack(weight[:, :30].contiguous(), q4_1)
 
 
 # -- served: a llama's matrices in their GGUF blocks -------------------------------------------------------
 
 
-def quantize_model(model: torch.nn.Module, qtype: GGMLQuantizationType) -> dict[str, QuantizedWeight]:
-    """Each linear of a llama quantized to ``qtype`` (its dense weight replaced by the dequantized values, so both
-    paths hold the same weights); by transformers' name, as ``gguf_weights.read`` gives them."""
-    quantized = {}
+def quantize_model(model: torch.nn.Module, kind: str) -> dict[str, QuantizedWeight]:
+    """Each linear of a llama quantized as ``kind`` (a GGML type's name, or ``int8``: ``--quantization int8``), its
+    dense weight replaced by the dequantized values, so both paths hold the same weights; by transformers' name,
+    as ``gguf_weights.read`` gives them."""
+    quantized = int8_weights(model) if kind == "int8" else {}
     for name, module in model.named_modules():
         if isinstance(module, torch.nn.Linear) and module.weight.shape[1] % 32 == 0:
-            raw = quantize(module.weight.detach().numpy(), qtype)
-            module.weight.data = torch.from_numpy(dequantize(raw, qtype).copy())
-            quantized[f"{name}.weight"] = QuantizedWeight(torch.from_numpy(raw.copy()), int(qtype), module.in_features)
+            if kind != "int8":
+                qtype = GGMLQuantizationType[kind]
+                raw = torch.from_numpy(quantize(module.weight.detach().numpy(), qtype).copy())
+                quantized[f"{name}.weight"] = QuantizedWeight(raw, int(qtype), module.in_features)
+            weight = quantized[f"{name}.weight"]
+            restored = dequantize(weight.data.numpy(), GGMLQuantizationType(weight.qtype))
+            module.weight.data = torch.from_numpy(restored.copy())
     return quantized
 
 
-def test_an_engine_on_quantized_blocks_matches_the_dequantized_one_and_stays_batch_invariant(tiny_llama_dir) -> None:
+def test_int8_weights_are_per_output_channel() -> None:
+    weight = torch.randn(24, 64) * torch.linspace(0.01, 3, 24)[:, None]  # rows of very different sizes
+    quantized = int8_weight(weight)
+    restored = torch.from_numpy(dequantize(quantized.data.numpy(), GGMLQuantizationType.Q8_0).copy())
+    blocks = quantized.data.view(24, 2, 34)
+    assert torch.equal(blocks[:, 0, :2], blocks[:, 1, :2])  # one scale a row, in each of its blocks
+    row_max = weight.abs().amax(dim=1, keepdim=True)
+    assert ((restored - weight).abs() <= row_max / 127 * 0.502).all()  # half a step of the row's own scale
+    with pytest.raises(ValueError, match="multiple of 32"):
+        int8_weight(torch.randn(4, 40))
+    assert torch.equal(int8_weight(torch.zeros(8, 32)).data.view(8, 34)[:, 2:], torch.zeros(8, 32, dtype=torch.uint8))
+
+
+@pytest.mark.parametrize("kind", ["Q8_0", "Q4_1", "int8"])
+def test_an_engine_on_quantized_blocks_matches_the_dequantized_one_and_stays_batch_invariant(
+    tiny_llama_dir, kind: str
+) -> None:
     from engine_helpers import make_engine, prompt_ids, run_outputs
     from transformers import AutoModelForCausalLM
 
     from engine.types import GenerationRequest
 
     model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir)
-    quantized = quantize_model(model, GGMLQuantizationType.Q8_0)
+    quantized = quantize_model(model, kind)
     assert "lm_head.weight" in quantized and "model.layers.1.mlp.down_proj.weight" in quantized
     requests = [GenerationRequest(prompt_ids(i, 9 + 13 * i), 12, ignore_eos=True, logprobs=0) for i in range(4)]
     together = run_outputs(make_engine(model, frozenset({7}), quantized=quantized), [(0, r) for r in requests])
@@ -123,4 +175,5 @@ def test_the_default_gguf_s_blocks_are_the_loaded_model_s_weights(real_model) ->
     # The embedding is looked up in its Q8_0 blocks row by row: the same rows transformers dequantized.
     tokens = torch.tensor([0, 17, 49151, 17])
     embedding = parameters["model.embed_tokens.weight"].detach()
-    assert torch.equal(weights["model.embed_tokens.weight"].rows(tokens, torch.float32), embedding[tokens])
+    packed = weights["model.embed_tokens.weight"].pack()
+    assert torch.equal(packed.rows(tokens, torch.float32), embedding[tokens])

@@ -1,0 +1,102 @@
+"""Weight matrices in quantized blocks, as the native matmul (``csrc/quant_matmul.cpp``) reads them.
+
+``QuantizedWeight`` is a matrix in GGML's block layout: read from a GGUF file (``engine/gguf_weights.py``), or
+made at load from a dense model's weights (``int8_weights``, ``--quantization int8``). ``PackedWeight`` is the same
+blocks regrouped once for the kernel (8 rows side by side) and multiplies activations.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+#: GGML type numbers the native matmul reads.
+SUPPORTED = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8}
+
+
+@dataclass(slots=True, frozen=True)
+class QuantizedWeight:
+    """A ``[out, in]`` weight matrix as GGML blocks: ``data`` uint8 ``[out, bytes per row]``, of type ``qtype``."""
+
+    data: torch.Tensor
+    qtype: int
+    in_features: int
+
+    @property
+    def out_features(self) -> int:
+        return self.data.shape[0]
+
+    def pack(self) -> PackedWeight:
+        """The blocks regrouped as the native matmul reads them (``quant_pack``: 8 rows' blocks side by side)."""
+        from engine import kernels
+
+        ops = kernels.native_ops()
+        if ops is None:
+            raise ValueError("quantized weights need the native CPU kernels (a C++ compiler)")
+        return PackedWeight(ops.quant_pack(self.data, self.qtype), self.qtype, self.in_features, self.out_features)
+
+    @staticmethod
+    def stack(weights: list[QuantizedWeight]) -> QuantizedWeight | None:
+        """The matrices one above the other (a fused projection); None unless all share a type and input size."""
+        first = weights[0]
+        if any(w.qtype != first.qtype or w.in_features != first.in_features for w in weights):
+            return None
+        return QuantizedWeight(torch.cat([w.data for w in weights]), first.qtype, first.in_features)
+
+
+@dataclass(slots=True, frozen=True)
+class PackedWeight:
+    """A ``QuantizedWeight`` in the native matmul's layout: ``data`` uint8 ``[ceil(out / 8), group bytes]``, each
+    group the blocks of 8 rows side by side (``csrc/quant_matmul.cpp``)."""
+
+    data: torch.Tensor
+    qtype: int
+    in_features: int
+    out_features: int
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """``x @ W.T`` for ``x`` ``[rows, in]``."""
+        from engine import kernels
+
+        return kernels.native_ops().quant_linear(x, self.data, self.qtype, self.out_features)
+
+    def rows(self, index: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Rows ``index`` dequantized to ``dtype``, ``[len(index), in]`` (an embedding lookup): for Q8_0, each
+        row's int8 values times its blocks' fp16 scales, as GGUF's own dequantization computes them."""
+        if self.qtype != SUPPORTED["Q8_0"]:
+            raise ValueError("rows are read from Q8_0 blocks only")
+        count, blocks = len(index), self.in_features // 32
+        group = self.data[index // 8].view(count, blocks, 16 + 8 * 32)  # per block: 8 scales, then 8 runs
+        row, block, column = torch.arange(count)[:, None], torch.arange(blocks)[None], (index % 8)[:, None]
+        scales = group[..., :16].view(count, blocks, 8, 2)[row, block, column]  # [row, block, 2 bytes]
+        runs = group[..., 16:].view(count, blocks, 8, 8, 4)  # [row, block, run, column, 4 weights]
+        values = runs[row[..., None], block[..., None], torch.arange(8), column[..., None]]  # [row, block, run, 4]
+        scales = scales.contiguous().view(torch.float16).float()  # [row, block, 1]
+        values = values.reshape(count, blocks, 32).contiguous().view(torch.int8).float()
+        return (values * scales).flatten(1).to(dtype)
+
+
+def int8_weight(weight: torch.Tensor) -> QuantizedWeight:
+    """``weight`` ``[out, in]`` quantized per output channel: each row's int8 values ``round(w / s)`` with one
+    scale ``s = max|w| / 127`` (as fp16) for the row, in Q8_0 blocks that all carry their row's scale."""
+    dense = weight.detach().float()
+    out, inp = dense.shape
+    if inp % 32:
+        raise ValueError(f"int8 weights need an input size that is a multiple of 32, not {inp}")
+    scale = (dense.abs().amax(dim=1) / 127).to(torch.float16)
+    divisor = torch.where(scale > 0, scale.float(), torch.ones(()))[:, None]
+    values = (dense / divisor).round().clamp(-127, 127).to(torch.int8)
+    blocks = torch.empty(out, inp // 32, 34, dtype=torch.uint8)
+    blocks[..., :2] = scale.view(torch.uint8).view(out, 1, 2)
+    blocks[..., 2:] = values.view(torch.uint8).view(out, -1, 32)
+    return QuantizedWeight(blocks.view(out, -1), SUPPORTED["Q8_0"], inp)
+
+
+def int8_weights(model: torch.nn.Module) -> dict[str, QuantizedWeight]:
+    """Every linear layer of ``model`` whose input size the blocks fit, as ``int8_weight``, by parameter name."""
+    return {
+        f"{name}.weight": int8_weight(module.weight)
+        for name, module in model.named_modules()
+        if isinstance(module, torch.nn.Linear) and module.in_features % 32 == 0
+    }
