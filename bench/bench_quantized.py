@@ -134,8 +134,8 @@ def start_llama(binary: str, slots: int) -> tuple[subprocess.Popen[bytes], str]:
 
 def http(levels: list[int], repeats: int, llama_server: str | None) -> None:
     targets: list[tuple[str, list[str] | str]] = [
-        ("smolserve none", []),
-        ("smolserve native", ["--quantization", "native"]),
+        ("smolserve none", ["--quantization", "none"]),
+        ("smolserve auto (default: native)", []),
     ]
     if llama_server:
         targets.append(("llama.cpp", llama_server))

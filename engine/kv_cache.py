@@ -133,6 +133,11 @@ class BlockKVCache:
         keys[:, slots] = key.transpose(0, 1)
         values[:, slots] = value.transpose(0, 1)
 
+    def native_kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Layer ``layer``'s keys and values as ``write_kv`` and ``decode_attention`` take them, where those two
+        native ops serve this cache (not the 8-bit one, not torch's fallback); else None."""
+        return self._layer_kv[layer] if self._native_write is not None else None
+
     def attend(self, layer: int, query: torch.Tensor, batch: StepBatch, scale: float) -> torch.Tensor:
         """Attention of ``query`` ``[rows, kv_heads, groups, dim]`` over each row's blocks, in the native kernel."""
         keys, values = self._layer_kv[layer]

@@ -107,6 +107,15 @@ class _LlamaLayer:
     gate_up: torch.Tensor | PackedWeight  # [2 * intermediate, hidden]
     down: torch.Tensor | PackedWeight
 
+    def packed(self) -> tuple[object, ...] | None:
+        """The arguments ``llama_layer`` takes for this layer's weights, up to its post-attention norm; None unless
+        every projection is packed quantized blocks."""
+        projections = (self.qkv, self.o, self.gate_up, self.down)
+        if not all(isinstance(p, PackedWeight) for p in projections):
+            return None
+        qkv, o, gate_up, down = ((p.data, p.qtype, p.out_features) for p in projections)  # type: ignore[union-attr]
+        return (*qkv, *o, self.post_norm, *gate_up, *down)
+
 
 class LlamaRunner:
     @staticmethod
@@ -168,6 +177,11 @@ class LlamaRunner:
         self._add_norm = _add_norm if ops is None else ops.add_rms_norm
         self._rope = _rope if ops is None else ops.rope
         self._silu_mul = _silu_mul if ops is None else ops.silu_mul
+        # Every projection quantized: each layer in one native call where the cache's native attention serves
+        # the step (``csrc/llama_layer.cpp``: the same ops, without their Python dispatch between them).
+        packed = [layer.packed() for layer in self.layers]
+        self._layer_op = ops.llama_layer if ops is not None and all(p is not None for p in packed) else None
+        self._packed = packed
 
     @staticmethod
     def _fuse(layer: torch.nn.Module, prefix: str, quantized: dict[str, QuantizedWeight]) -> _LlamaLayer:
@@ -201,6 +215,14 @@ class LlamaRunner:
         cos, sin = self.cos[positions], self.sin[positions]  # [rows, dim]: shared by every head
         normed = _rms_norm(hidden, self.layers[0].input_norm, self.eps)
         for index, (layer, next_norm) in enumerate(zip(self.layers, self._next_norms, strict=True)):
+            kv = batch.cache.native_kv(index) if self._layer_op is not None else None
+            if kv is not None:
+                hidden, normed = self._layer_op(
+                    hidden, normed, *self._packed[index], next_norm, self.eps, cos, sin, self.num_heads,
+                    self.num_kv_heads, *kv, batch.slots, batch.block_tables, batch.lengths, batch.cache.block_size,
+                    self.scale,
+                )  # fmt: skip
+                continue
             heads = linear(normed, layer.qkv).view(hidden.shape[0], self.num_heads + 2 * self.num_kv_heads, -1)
             qk = self._rope(heads[:, : self.num_heads + self.num_kv_heads], cos, sin)  # q and k in one pass
             q, k, v = qk[:, : self.num_heads], qk[:, self.num_heads :], heads[:, self.num_heads + self.num_kv_heads :]

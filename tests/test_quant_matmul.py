@@ -155,6 +155,23 @@ def test_an_engine_on_quantized_blocks_matches_the_dequantized_one_and_stays_bat
         assert got.token_id == want.token_id and abs(got.logprob - want.logprob) < 0.05
 
 
+def test_a_layer_in_one_native_call_is_bitwise_the_op_by_op_path(tiny_llama_dir) -> None:
+    """``llama_layer`` (csrc/llama_layer.cpp) calls the ops the Python runner calls, in the same order."""
+    from engine_helpers import make_engine, prompt_ids, run_outputs
+    from transformers import AutoModelForCausalLM
+
+    from engine.types import GenerationRequest
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir)
+    quantized = quantize_model(model, "Q4_0")
+    requests = [(i, GenerationRequest(prompt_ids(i, 5 + 21 * i), 10, ignore_eos=True, logprobs=2)) for i in range(4)]
+    fused = make_engine(model, frozenset({7}), quantized=quantized, max_num_batched_tokens=24)
+    assert fused._runner._layer_op is not None
+    op_by_op = make_engine(model, frozenset({7}), quantized=quantized, max_num_batched_tokens=24)
+    op_by_op._runner._layer_op = None
+    assert run_outputs(fused, requests) == run_outputs(op_by_op, requests)
+
+
 @pytest.mark.real_model
 def test_the_default_gguf_s_blocks_are_the_loaded_model_s_weights(real_model) -> None:
     """Read back from the file, each quantized matrix dequantizes to exactly the weight transformers loaded (the

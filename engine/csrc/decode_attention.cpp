@@ -27,6 +27,7 @@
 
 #include "block_softmax.h"
 #include "block_table.h"
+#include "ops.h"
 
 namespace {
 
@@ -241,6 +242,37 @@ void run(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values, 
   });
 }
 
+// Each row's key and value ([rows, heads, dim]) stored at its physical position: keys into their tiles, values
+// as they are. One call per layer instead of a dozen small torch ops (index arithmetic, views, two index_puts),
+// which at one decoding row cost ~1 ms of a ~12 ms step.
+template <typename T>
+void write_rows(const at::Tensor& keys, const at::Tensor& values, const int64_t* slots, const at::Tensor& key,
+                const at::Tensor& value) {
+  const int64_t rows = key.size(0), heads = key.size(1), dim = key.size(2);
+  const int64_t head_stride = keys.stride(0);
+  T* k_out = keys.data_ptr<T>();
+  T* v_out = values.data_ptr<T>();
+  const T* k_in = key.data_ptr<T>();
+  const T* v_in = value.data_ptr<T>();
+  for (int64_t row = 0; row < rows; ++row) {
+    const int64_t p = slots[row];
+    const int64_t tile = (p / kTile) * kTile * dim, lane = (p % kTile) * 2;
+    for (int64_t h = 0; h < heads; ++h) {
+      const T* k = k_in + (row * heads + h) * dim;
+      T* tiled = k_out + h * head_stride + tile + lane;
+      for (int64_t d = 0; d < dim; d += 2) {  // dims d, d + 1 of position p: row d / 2 of its tile
+        tiled[(d / 2) * kTile * 2] = k[d];
+        tiled[(d / 2) * kTile * 2 + 1] = k[d + 1];
+      }
+      std::memcpy(v_out + h * head_stride + p * dim, v_in + (row * heads + h) * dim, dim * sizeof(T));
+    }
+  }
+}
+
+}  // namespace
+
+namespace smolserve {
+
 // query [rows, kv_heads, groups, dim]; keys [kv_heads, positions, dim], the pool's blocks of `block_size`
 // positions one after another, holding tiles of 16 positions laid out [dim / 2][16][2]; values
 // [kv_heads, positions, dim]; block_tables [rows, width] int32 (any row stride): row i's blocks in order;
@@ -270,33 +302,6 @@ at::Tensor decode_attention(const at::Tensor& query, const at::Tensor& keys, con
   return out;
 }
 
-// Each row's key and value ([rows, heads, dim]) stored at its physical position: keys into their tiles, values
-// as they are. One call per layer instead of a dozen small torch ops (index arithmetic, views, two index_puts),
-// which at one decoding row cost ~1 ms of a ~12 ms step.
-template <typename T>
-void write_rows(const at::Tensor& keys, const at::Tensor& values, const int64_t* slots, const at::Tensor& key,
-                const at::Tensor& value) {
-  const int64_t rows = key.size(0), heads = key.size(1), dim = key.size(2);
-  const int64_t head_stride = keys.stride(0);
-  T* k_out = keys.data_ptr<T>();
-  T* v_out = values.data_ptr<T>();
-  const T* k_in = key.data_ptr<T>();
-  const T* v_in = value.data_ptr<T>();
-  for (int64_t row = 0; row < rows; ++row) {
-    const int64_t p = slots[row];
-    const int64_t tile = (p / kTile) * kTile * dim, lane = (p % kTile) * 2;
-    for (int64_t h = 0; h < heads; ++h) {
-      const T* k = k_in + (row * heads + h) * dim;
-      T* tiled = k_out + h * head_stride + tile + lane;
-      for (int64_t d = 0; d < dim; d += 2) {  // dims d, d + 1 of position p: row d / 2 of its tile
-        tiled[(d / 2) * kTile * 2] = k[d];
-        tiled[(d / 2) * kTile * 2 + 1] = k[d + 1];
-      }
-      std::memcpy(v_out + h * head_stride + p * dim, v_in + (row * heads + h) * dim, dim * sizeof(T));
-    }
-  }
-}
-
 void write_kv(const at::Tensor& keys, const at::Tensor& values, const at::Tensor& slots, const at::Tensor& key,
               const at::Tensor& value) {
   TORCH_CHECK(keys.dim() == 3 && keys.sizes() == values.sizes() && keys.strides() == values.strides(),
@@ -324,7 +329,7 @@ void write_kv(const at::Tensor& keys, const at::Tensor& values, const at::Tensor
   }
 }
 
-}  // namespace
+}  // namespace smolserve
 
 TORCH_LIBRARY(smolserve, m) {
   m.def(
@@ -334,6 +339,6 @@ TORCH_LIBRARY(smolserve, m) {
 }
 
 TORCH_LIBRARY_IMPL(smolserve, CPU, m) {
-  m.impl("decode_attention", &decode_attention);
-  m.impl("write_kv", &write_kv);
+  m.impl("decode_attention", &smolserve::decode_attention);
+  m.impl("write_kv", &smolserve::write_kv);
 }

@@ -10,6 +10,8 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "ops.h"
+
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -59,6 +61,10 @@ auto dispatch(at::ScalarType dtype, Body&& body) {
   TORCH_CHECK(dtype == at::kBFloat16 || dtype == at::kFloat, "the fused ops take bfloat16 or float32 rows");
   return dtype == at::kBFloat16 ? body(bf16{}) : body(float{});
 }
+
+}  // namespace
+
+namespace smolserve {
 
 // hidden + delta, and that sum RMS-normalized and scaled by weight: (residual stream, next block's input).
 std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& hidden, const at::Tensor& delta,
@@ -164,7 +170,7 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
   return out;
 }
 
-}  // namespace
+}  // namespace smolserve
 
 TORCH_LIBRARY_FRAGMENT(smolserve, m) {
   m.def("add_rms_norm(Tensor hidden, Tensor delta, Tensor weight, float eps) -> (Tensor, Tensor)");
@@ -173,7 +179,7 @@ TORCH_LIBRARY_FRAGMENT(smolserve, m) {
 }
 
 TORCH_LIBRARY_IMPL(smolserve, CPU, m) {
-  m.impl("add_rms_norm", &add_rms_norm);
-  m.impl("rope", &rope);
-  m.impl("silu_mul", &silu_mul);
+  m.impl("add_rms_norm", &smolserve::add_rms_norm);
+  m.impl("rope", &smolserve::rope);
+  m.impl("silu_mul", &smolserve::silu_mul);
 }

@@ -28,6 +28,8 @@
 #include <cstring>
 #include <vector>
 
+#include "ops.h"
+
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
 #define SMOLSERVE_QUANT_AVX2 1
@@ -250,6 +252,8 @@ TileFn tile_function(bool q8, bool portable) {
 
 }  // namespace
 
+namespace smolserve {
+
 // weight uint8 [out, in / 32 * block bytes] in GGML's layout of `type` -> uint8 [ceil(out / 8), in / 32 * group
 // block bytes], the layout `quant_linear` reads (outputs past `out` in the last group: zero scales).
 at::Tensor quant_pack(const at::Tensor& weight, int64_t type) {
@@ -324,12 +328,14 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& packed, int64_t t
   return input.scalar_type() == at::kFloat ? result : result.to(input.scalar_type());
 }
 
+}  // namespace smolserve
+
 TORCH_LIBRARY_FRAGMENT(smolserve, m) {
   m.def("quant_pack(Tensor weight, int type) -> Tensor");
   m.def("quant_linear(Tensor x, Tensor packed, int type, int out_features, bool portable=False) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(smolserve, CPU, m) {
-  m.impl("quant_pack", &quant_pack);
-  m.impl("quant_linear", &quant_linear);
+  m.impl("quant_pack", &smolserve::quant_pack);
+  m.impl("quant_linear", &smolserve::quant_linear);
 }

@@ -1,0 +1,66 @@
+// One llama decoder layer over a step's packed rows, in one call: the ops the Python runner would call one by one
+// (engine/model_runner.py, LlamaRunner.forward), called here directly, in the same order on the same tensors, so
+// the result is bitwise the Python path's. For the path where every projection is a packed quantized matrix
+// (quant_matmul.cpp) and the rows attend in decode_attention.cpp over a float32/bfloat16 cache. At one decoding
+// row a layer is ~10 small ops and ~20 views: their Python dispatch cost ~1 ms of a ~7 ms step.
+
+#include <ATen/ATen.h>
+#include <torch/library.h>
+
+#include <tuple>
+
+#include "ops.h"
+
+namespace smolserve {
+
+namespace {
+
+// A packed quantized projection: its blocks, GGML type and number of outputs.
+struct Projection {
+  const at::Tensor& packed;
+  int64_t type;
+  int64_t out;
+
+  at::Tensor operator()(const at::Tensor& x) const { return quant_linear(x, packed, type, out, false); }
+};
+
+}  // namespace
+
+// hidden, normed [rows, hidden]: the residual stream and its input norm; returns the residual stream after the
+// layer and its normalization by `next_norm` (the next layer's input norm, or the final norm).
+// cos, sin [rows, head_dim]; keys, values: this layer's cache (decode_attention's layout); slots [rows]: where
+// each row's K/V are stored; block_tables, lengths, block_size: as decode_attention takes them.
+std::tuple<at::Tensor, at::Tensor> llama_layer(
+    const at::Tensor& hidden, const at::Tensor& normed, const at::Tensor& qkv, int64_t qkv_type, int64_t qkv_out,
+    const at::Tensor& o, int64_t o_type, int64_t o_out, const at::Tensor& post_norm, const at::Tensor& gate_up,
+    int64_t gate_up_type, int64_t gate_up_out, const at::Tensor& down, int64_t down_type, int64_t down_out,
+    const at::Tensor& next_norm, double eps, const at::Tensor& cos, const at::Tensor& sin, int64_t num_heads,
+    int64_t num_kv_heads, const at::Tensor& keys, const at::Tensor& values, const at::Tensor& slots,
+    const at::Tensor& block_tables, const at::Tensor& lengths, int64_t block_size, double scale) {
+  const int64_t rows = hidden.size(0);
+  TORCH_CHECK(num_heads % num_kv_heads == 0, "query heads must be a multiple of KV heads");
+  const at::Tensor heads =
+      Projection{qkv, qkv_type, qkv_out}(normed).view({rows, num_heads + 2 * num_kv_heads, -1});
+  const at::Tensor qk = rope(heads.narrow(1, 0, num_heads + num_kv_heads), cos, sin);  // q and k in one pass
+  const at::Tensor q = qk.narrow(1, 0, num_heads), k = qk.narrow(1, num_heads, num_kv_heads);
+  write_kv(keys, values, slots, k, heads.narrow(1, num_heads + num_kv_heads, num_kv_heads));
+  const at::Tensor grouped = q.reshape({rows, num_kv_heads, num_heads / num_kv_heads, -1});
+  const at::Tensor attended = decode_attention(grouped, keys, values, block_tables, lengths, block_size, scale);
+  const auto [residual, post_normed] =
+      add_rms_norm(hidden, Projection{o, o_type, o_out}(attended.reshape({rows, -1})), post_norm, eps);
+  const at::Tensor gated = silu_mul(Projection{gate_up, gate_up_type, gate_up_out}(post_normed));
+  return add_rms_norm(residual, Projection{down, down_type, down_out}(gated), next_norm, eps);
+}
+
+}  // namespace smolserve
+
+TORCH_LIBRARY_FRAGMENT(smolserve, m) {
+  m.def(
+      "llama_layer(Tensor hidden, Tensor normed, Tensor qkv, int qkv_type, int qkv_out, Tensor o, int o_type, "
+      "int o_out, Tensor post_norm, Tensor gate_up, int gate_up_type, int gate_up_out, Tensor down, int down_type, "
+      "int down_out, Tensor next_norm, float eps, Tensor cos, Tensor sin, int num_heads, int num_kv_heads, "
+      "Tensor(a!) keys, Tensor(b!) values, Tensor slots, Tensor block_tables, Tensor lengths, int block_size, "
+      "float scale) -> (Tensor, Tensor)");
+}
+
+TORCH_LIBRARY_IMPL(smolserve, CPU, m) { m.impl("llama_layer", &smolserve::llama_layer); }
