@@ -1,8 +1,9 @@
-"""The default GGUF's own quantized blocks (`--quantization native`) against its dequantized weights (`none`, the
-default), and llama.cpp's server on the same file.
+"""The default GGUF's own quantized blocks (`--quantization auto`, the default, which takes them) against its
+dequantized weights (`--quantization none`), and llama.cpp's server on the same file.
 
     .venv/bin/python bench/bench_quantized.py                    # quality, and decode step times by batch size
     .venv/bin/python bench/bench_quantized.py --http --llama-server "$(../shared/tools/build-llama-server.sh)"
+    .venv/bin/python bench/bench_quantized.py --alternate 8 --llama-server "$(../shared/tools/build-llama-server.sh)"
 
 Quality (float32 activations): perplexity of both paths over a fixed text (Python's reference documentation as
 installed with Python, `pydoc_data.topics`: the first `--ppl-tokens` (16,384) tokens, in windows of 512; over
@@ -10,7 +11,7 @@ installed with Python, `pydoc_data.topics`: the first `--ppl-tokens` (16,384) to
 noise), and how many of twelve prompts' greedy continuations agree on their first 16 tokens. Steps: the median
 decode step at each batch size, the two engines stepped in turn. HTTP: closed-loop streaming clients, 64 greedy
 tokens each (ignore_eos), at 1/8/32/64 streams, the median of `--repeats` runs per level; each server alone on the
-machine in turn.
+machine in turn; the server's resident set size after a warm-up (idle) and its peak during each level.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import math
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -132,6 +134,33 @@ def start_llama(binary: str, slots: int) -> tuple[subprocess.Popen[bytes], str]:
     return proc, base
 
 
+def rss_mib(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+class PeakRss:
+    """The largest resident set size of process ``pid`` while in the ``with`` block, sampled every 0.1 s."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid, self.peak, self._done = pid, 0.0, threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+
+    def _sample(self) -> None:
+        while not self._done.wait(0.1):
+            self.peak = max(self.peak, rss_mib(self.pid))
+
+    def __enter__(self) -> PeakRss:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._done.set()
+        self._thread.join()
+
+
 def http(levels: list[int], repeats: int, llama_server: str | None) -> None:
     targets: list[tuple[str, list[str] | str]] = [
         ("smolserve none", ["--quantization", "none"]),
@@ -139,8 +168,8 @@ def http(levels: list[int], repeats: int, llama_server: str | None) -> None:
     ]
     if llama_server:
         targets.append(("llama.cpp", llama_server))
-    print("| server | streams | tok/s | TTFT p50 (s) | ITL p50 / p99 (ms) |")
-    print("|---|---|---|---|---|")
+    print("| server | streams | tok/s | TTFT p50 (s) | ITL p50 / p99 (ms) | RSS idle / peak (MiB) |")
+    print("|---|---|---|---|---|---|")
     for name, spec in targets:
         if isinstance(spec, str):
             proc, base = start_llama(spec, max(levels))
@@ -148,12 +177,34 @@ def http(levels: list[int], repeats: int, llama_server: str | None) -> None:
             proc, base = start_server("--model", MODEL, "--log-level", "warning", *spec)
         try:
             asyncio.run(run_level(base, 2, 8))  # warm-up
+            idle = rss_mib(proc.pid)
             for n in levels:
-                r = median_run([asyncio.run(run_level(base, n, 64)) for _ in range(repeats)])
+                with PeakRss(proc.pid) as rss:
+                    r = median_run([asyncio.run(run_level(base, n, 64)) for _ in range(repeats)])
                 print(f"| {name} | {n} | {r['tok_s']:.1f} | {r['ttft_p50']:.2f} | "
-                      f"{r['itl_p50'] * 1000:.1f} / {r['itl_p99'] * 1000:.1f} |", flush=True)  # fmt: skip
+                      f"{r['itl_p50'] * 1000:.1f} / {r['itl_p99'] * 1000:.1f} | {idle:.0f} / {rss.peak:.0f} |",
+                      flush=True)  # fmt: skip
         finally:
             stop_server(proc)
+
+
+def alternate(rounds: int, llama_server: str) -> None:
+    """One stream, this server (default flags) and llama.cpp's up side by side, measured in turn `rounds` times:
+    a swing of the machine's memory bandwidth then moves both sides of each round alike."""
+    smolserve, smol_base = start_server("--model", MODEL, "--log-level", "warning")
+    llama, llama_base = start_llama(llama_server, 64)
+    try:
+        for base in (smol_base, llama_base):
+            asyncio.run(run_level(base, 2, 8))  # warm-up
+        ratios = []
+        for index in range(rounds):
+            ours, theirs = (asyncio.run(run_level(base, 1, 64))["tok_s"] for base in (smol_base, llama_base))
+            ratios.append(ours / theirs)
+            print(f"round {index + 1}: smolserve {ours:.1f} tok/s, llama.cpp {theirs:.1f} ({ratios[-1]:.2f}x)")
+        print(f"median ratio over {rounds} rounds: {statistics.median(ratios):.2f}x")
+    finally:
+        stop_server(smolserve)
+        stop_server(llama)
 
 
 def main() -> None:
@@ -161,6 +212,8 @@ def main() -> None:
     parser.add_argument("--ppl-tokens", type=int, default=16384)
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32])
     parser.add_argument("--http", action="store_true", help="only: the servers over HTTP")
+    parser.add_argument("--steps", action="store_true", help="only: decode step times")
+    parser.add_argument("--alternate", type=int, default=0, help="only: N rounds of one stream, both servers in turn")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32, 64])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--llama-server", default=None, help="path of llama.cpp's llama-server, to compare against")
@@ -168,7 +221,11 @@ def main() -> None:
     if args.http:
         http(args.concurrency, args.repeats, args.llama_server)
         return
-    quality(args.ppl_tokens)
+    if args.alternate:
+        alternate(args.alternate, args.llama_server)
+        return
+    if not args.steps:
+        quality(args.ppl_tokens)
     steps(args.batches)
 
 
