@@ -164,8 +164,8 @@ def test_a_client_leaving_mid_stream_frees_its_sequence(cluster: str) -> None:
     wait_for(lambda: sum(replica_series(cluster, "num_requests_running").values()) == 0, 10)
 
 
-def read_stream(base: str, prompt: str, events: list[str], started: threading.Event) -> None:
-    body = {"model": MODEL, "prompt": prompt, "max_tokens": 400, "ignore_eos": True, "stream": True}
+def read_stream(base: str, prompt: str, events: list[str], started: threading.Event, max_tokens: int = 400) -> None:
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True, "stream": True}
     with httpx.stream("POST", f"{base}/v1/completions", json=body, timeout=120) as response:
         for line in response.iter_lines():
             if line.startswith("data: "):
@@ -176,12 +176,15 @@ def read_stream(base: str, prompt: str, events: list[str], started: threading.Ev
 def test_a_killed_replica_ends_its_streams_cleanly_and_comes_back(cluster: str) -> None:
     streams = [([], threading.Event()) for _ in range(4)]
     readers = [
-        threading.Thread(target=read_stream, args=(cluster, f"Story {i}: {FACTS[i]}", events, started))
+        threading.Thread(target=read_stream, args=(cluster, f"Story {i}: {FACTS[i]}", events, started, 1500))
         for i, (events, started) in enumerate(streams)
     ]
-    for reader in readers:
+    # One after another, each streaming before the next is sent: the router then sees the loads it balances (four
+    # simultaneous arrivals could all meet stale loads of 0 and land on one replica, which leaves nothing to tell).
+    for reader, (_, started) in zip(readers, streams, strict=True):
         reader.start()
-    assert all(started.wait(60) for _, started in streams)
+        assert started.wait(60)
+    wait_for(lambda: sorted(n > 0 for n in replica_series(cluster, "num_requests_running").values()) == [True] * 2, 10)
     victim = int(subprocess.run(["pgrep", "-f", REPLICA_PROCESS], capture_output=True, text=True).stdout.split()[0])
     os.kill(victim, signal.SIGKILL)
     with client_for(cluster) as client:  # meanwhile, new requests go to the live replica
