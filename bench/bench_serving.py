@@ -4,15 +4,17 @@
     .venv/bin/python bench/bench_serving.py --concurrency 1 8
     .venv/bin/python bench/bench_serving.py --step-context    # decode step time at context 128 vs 2048, batch 8
     .venv/bin/python bench/bench_serving.py --ab-tree ../old  # this tree's server against another checkout's
+    .venv/bin/python bench/bench_serving.py --ab-tree ../old --sampled  # ... streams sampling (T 0.8, top_p 0.95)
     .venv/bin/python bench/bench_serving.py --prefill 15 255 1000  # first token of one prompt, idle engine
     .venv/bin/python bench/bench_serving.py --constrained 8 --concurrency 32  # 8 of 32 streams JSON-constrained
     .venv/bin/python bench/bench_serving.py --max-batch-sizes 32 64 128 --concurrency 32 64 128  # candidates
 
 The server is started as a user would start it (`python -m app`). Each client streams one greedy request of
-`--new-tokens` tokens with `ignore_eos`. Reported: aggregate tokens/s, time to first token and inter-token
-latency (p50/p99), the server's mean engine step and peak RSS, and the benchmark's own CPU time, during that
-concurrency level; then the offline baseline, a static batch of the same size through `model.generate`, and the
-ratio. Each side runs every level `--repeats` times (3), the two sides alternating, and reports its median
+`--new-tokens` tokens with `ignore_eos` (`--sampled`: temperature 0.8, top_p 0.95, as chat clients send).
+Reported: aggregate tokens/s, time to first token and inter-token latency (p50/p99), the server's mean engine
+step and peak RSS, and the benchmark's own CPU time, during that concurrency level; then the offline baseline, a
+static batch of the same size through `model.generate`, and the ratio. Each side runs every level `--repeats`
+times (3), the two sides alternating, and reports its median
 run: this machine drifts by 15-20% between runs.
 """
 
@@ -75,6 +77,10 @@ LONG_STRING = {
 }
 
 
+#: Extra request fields for every stream: `--sampled` sets what chat clients commonly send.
+SAMPLING: dict[str, float] = {}
+
+
 async def one_stream(
     client: httpx.AsyncClient, base: str, prompt: str, new_tokens: int, constrained: bool = False
 ) -> StreamTiming:
@@ -86,6 +92,7 @@ async def one_stream(
         "ignore_eos": True,
         "temperature": 0,  # greedy, as the `generate` baseline
         "stream_options": {"include_usage": True},
+        **SAMPLING,
     }
     if constrained:
         body["response_format"] = LONG_STRING
@@ -432,10 +439,13 @@ def main() -> None:
     parser.add_argument("--prefill", type=int, nargs="+", metavar="TOKENS", help="only time-to-first-token of prompts")
     parser.add_argument("--constrained", type=int, default=0, metavar="K", help="only: K streams JSON-constrained")
     parser.add_argument("--ab-tree", type=Path, default=None, help="another checkout to serve and compare against")
+    parser.add_argument("--sampled", action="store_true", help="streams sample (temperature 0.8, top_p 0.95)")
     parser.add_argument(
         "--max-batch-sizes", type=int, nargs="+", default=None, help="only: the server at each of these batch sizes"
     )
     args = parser.parse_args()
+    if args.sampled:
+        SAMPLING.update(temperature=0.8, top_p=0.95)
     if args.max_batch_sizes:
         compare_batch_sizes(args.concurrency, args.new_tokens, args.max_batch_sizes, args.repeats)
         return

@@ -6,6 +6,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from engine import sampler
 from engine.hf_engine import HFEngine
 from engine.sampler import Row, select_tokens
 from engine.types import GREEDY, GenerationRequest, SamplingParams
@@ -81,6 +82,43 @@ def test_top_k_top_p_and_min_p_restrict_the_choice() -> None:
             chosen.add(token)
     assert seen == [{0, 1}, {0}, {0, 1}]
     assert tokens_of(logits[:2], [Row(GREEDY), Row(GREEDY)]) == [0, 0]
+
+
+def test_draws_follow_the_distribution() -> None:
+    """20,000 rows of one distribution in one call: each token's share within 1.5 points of its probability."""
+    torch.manual_seed(0)
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0, 1.5]]).expand(20000, -1).contiguous()
+    tokens = torch.tensor(tokens_of(logits, [Row(SamplingParams(temperature=1.0))] * 20000))
+    shares = torch.bincount(tokens, minlength=5).float() / 20000
+    assert (shares - logits[0].softmax(-1)).abs().max() < 0.015
+
+
+def test_tokens_without_weight_are_never_drawn(monkeypatch: pytest.MonkeyPatch) -> None:
+    probs = torch.tensor([[0.0, 0.5, 0.0, 0.5, 0.0]]).expand(5000, -1).contiguous()
+    rows = [Row(SamplingParams())] * 5000
+    assert set(sampler._draw(probs, rows).tolist()) == {1, 3}
+    # The largest float32 below 1 can round u * total up to the total: still the last token with weight.
+    monkeypatch.setattr(sampler.torch, "rand", lambda n, **_: torch.full((n,), 1 - 2**-24))
+    assert sampler._draw(probs[:2], rows[:2]).tolist() == [3, 3]
+
+
+@pytest.mark.parametrize("top_p", [0.3, 0.9])
+def test_top_p_draws_from_the_sorted_nucleus(top_p: float, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A peaked row draws from its top candidates without sorting, a flat one sorts its whole row; both draw the
+    nucleus that sorting the whole row gives, in its proportions."""
+    torch.manual_seed(1)
+    sorts: list[int] = []
+    real_sort = sampler._top_p_sorted
+    monkeypatch.setattr(sampler, "_top_p_sorted", lambda x, p: sorts.append(len(x)) or real_sort(x, p))
+    for logits, sorted_rows in ((torch.randn(1, 2048) * 8, []), (torch.randn(1, 2048) * 0.1, [4000])):
+        want = real_sort(logits, torch.tensor([top_p])).softmax(dim=-1)[0]
+        sorts.clear()
+        rows = [Row(SamplingParams(temperature=1.0, top_p=top_p))] * 4000
+        tokens = torch.tensor(tokens_of(logits.expand(4000, -1).contiguous(), rows))
+        assert sorts == sorted_rows
+        assert bool((want[tokens] > 0).all())  # nothing outside the nucleus
+        shares = torch.bincount(tokens, minlength=2048).float() / 4000
+        assert (shares - want).abs().max() < 0.025
 
 
 def test_bias_bans_and_penalties_move_the_greedy_choice() -> None:
