@@ -42,7 +42,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--quantization",
         choices=["auto", "native", "int8", "none"],
         default=defaults.quantization,
-        help="native: a GGUF model's Q4_0/Q4_1/Q8_0 weights multiplied in their blocks; int8: linear weights "
+        help="native: a GGUF model's Q4_0/Q4_1/Q8_0/Q4_K/Q6_K weights multiplied in their blocks; int8: linear weights "
         "quantized per output channel at load; none: dense --dtype weights; auto: native for a GGUF llama, else none",
     )
     parser.add_argument(

@@ -69,7 +69,7 @@ def _build_hf(config: EngineConfig, engine_thread: ThreadPoolExecutor) -> Served
 
 def quantized_weights(loaded: LoadedModel, quantization: str) -> dict[str, QuantizedWeight] | None:
     """The matrices to multiply in quantized blocks for ``--quantization`` (``None``: all dense): ``native``, a
-    GGUF's own Q4_0/Q4_1/Q8_0 blocks; ``int8``, every linear layer quantized per output channel now; ``auto``,
+    GGUF's own Q4_0/Q4_1/Q8_0/Q4_K/Q6_K blocks; ``int8``, every linear layer quantized per output channel now; ``auto``,
     ``native`` where it can serve (a GGUF llama on the CPU, native kernels built), else none."""
     from engine import gguf_weights, kernels
     from engine.model_runner import LlamaRunner

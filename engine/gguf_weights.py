@@ -1,6 +1,6 @@
 """A GGUF's quantized weight matrices as they are stored, for the native quantized matmul
-(``csrc/quant_matmul.cpp``, through ``engine/quantized_weights.py``). Q4_0, Q4_1 and Q8_0 are read; matrices of
-other types are left to the dense path.
+(``csrc/quant_matmul.cpp``, through ``engine/quantized_weights.py``). Q4_0, Q4_1, Q8_0, Q4_K and Q6_K are read;
+matrices of other types are left to the dense path.
 
 Names are transformers' llama names (``model.layers.3.mlp.up_proj.weight``); the rows of the query and key
 projections are put back in transformers' order (GGUF files store them permuted for llama.cpp's RoPE), as

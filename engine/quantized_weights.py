@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 #: GGML type numbers the native matmul reads.
-SUPPORTED = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8}
+SUPPORTED = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8, "Q4_K": 12, "Q6_K": 14}
 
 
 @dataclass(slots=True, frozen=True)

@@ -21,6 +21,26 @@ def quantized_weight(out: int, inp: int, qtype: GGMLQuantizationType, seed: int)
     return torch.from_numpy(raw.copy()), torch.from_numpy(dequantize(raw, qtype).copy())
 
 
+K_TYPES = [GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q6_K]
+
+
+def random_k_blocks(
+    out: int, inp: int, qtype: GGMLQuantizationType, seed: int, scale: tuple[float, float] = (0.001, 0.02)
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random K-quant blocks (gguf has no quantizer for them: any bytes are valid quants and scales, with finite
+    fp16 super-scales in ``scale`` set here) and their dequantized float32 values, by gguf's reference."""
+    rng = np.random.default_rng(seed)
+    size = 144 if qtype == GGMLQuantizationType.Q4_K else 210
+    raw = rng.integers(0, 256, (out, inp // 256, size), dtype=np.uint8)
+    scales = rng.uniform(*scale, (out, inp // 256, 2)).astype(np.float16).view(np.uint8)
+    if qtype == GGMLQuantizationType.Q4_K:
+        raw[..., :4] = scales.reshape(out, inp // 256, 4)  # d, dmin
+    else:
+        raw[..., 208:] = scales.reshape(out, inp // 256, 4)[..., :2]  # d
+    raw = raw.reshape(out, -1)
+    return torch.from_numpy(raw.copy()), torch.from_numpy(dequantize(raw, qtype).copy())
+
+
 def ops():
     native = kernels.native_ops()
     assert native is not None
@@ -69,6 +89,20 @@ def test_a_row_comes_out_the_same_whatever_shares_its_call(qtype: GGMLQuantizati
         assert torch.equal(matmul(x[row : row + 3], weight, qtype)[0], together[row])
 
 
+@pytest.mark.parametrize("qtype", K_TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("rows", [1, 5, 70])
+def test_k_quants_match_dequantize_then_matmul(qtype: GGMLQuantizationType, rows: int) -> None:
+    """Q4_K and Q6_K, their 256-weight blocks unpacked into 32-weight ones with float32 scales: against gguf's own
+    dequantization, the AVX2 path bitwise equal to the portable loops, and rows alike alone or together."""
+    weight, dense = random_k_blocks(21, 512, qtype, seed=rows)
+    x = torch.randn(rows, 512, generator=torch.Generator().manual_seed(rows))
+    got = matmul(x, weight, qtype)
+    want = x @ dense.T
+    assert (got - want).abs().max() <= 0.03 * want.abs().mean()
+    assert torch.equal(got, matmul(x, weight, qtype, portable=True))
+    assert torch.equal(matmul(x[-1:], weight, qtype)[0], got[-1])
+
+
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
 def test_extreme_blocks_do_not_overflow(qtype: GGMLQuantizationType) -> None:
     """Every 4-bit weight at 15 (Q8_0: at +-127) against activations all at +127 or -127: the largest sums the
@@ -94,7 +128,7 @@ def test_refuses_what_it_cannot_read() -> None:
     with pytest.raises(RuntimeError, match="out_features"):
         ops().quant_linear(torch.zeros(1, 64), packed(weight, GGMLQuantizationType.Q4_1), q4_1, 9)
     with pytest.raises(RuntimeError, match="unsupported quantized type"):
-        ops().quant_pack(weight, 12)
+        ops().quant_pack(weight, 10)  # Q2_K
     with pytest.raises(RuntimeError, match="whole blocks"):
         ops().quant_pack(weight[:, :30].contiguous(), q4_1)
 
@@ -151,6 +185,41 @@ def test_an_engine_on_quantized_blocks_matches_the_dequantized_one_and_stays_bat
         alone = run_outputs(make_engine(model, frozenset({7}), quantized=quantized), [(0, request)])[0]
         assert alone == together[index]  # bitwise: tokens and logprobs, alone or in a batch
         # Against the dequantized weights: the activations' 8-bit rounding moves logprobs a little.
+        got, want = together[index][0], dense[index][0]
+        assert got.token_id == want.token_id and abs(got.logprob - want.logprob) < 0.05
+
+
+@pytest.mark.parametrize("mixed", [False, True], ids=["q4_k", "q4_k_m"])
+def test_an_engine_on_k_quant_blocks_matches_the_dequantized_one(mixed: bool) -> None:
+    """A llama whose linears are Q4_K, and its output layer Q6_K; ``mixed`` as a Q4_K_M file: the value and down
+    projections Q6_K too (then the fused QKV, of two types, is served dense)."""
+    from engine_helpers import make_engine, prompt_ids, run_outputs
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from engine.types import GenerationRequest
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=300, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=512, eos_token_id=7, bos_token_id=1, pad_token_id=0,
+    )  # fmt: skip
+    model = LlamaForCausalLM(config).eval()
+    six = ("lm_head", "v_proj", "down_proj") if mixed else ("lm_head",)
+    quantized = {}
+    for index, (name, module) in enumerate(model.named_modules()):
+        if isinstance(module, torch.nn.Linear):
+            qtype = GGMLQuantizationType.Q6_K if name.endswith(six) else GGMLQuantizationType.Q4_K
+            raw, dense = random_k_blocks(module.out_features, module.in_features, qtype, index, (5e-5, 3e-4))
+            module.weight.data = dense
+            quantized[f"{name}.weight"] = QuantizedWeight(raw, int(qtype), module.in_features)
+    requests = [GenerationRequest(prompt_ids(i, 9 + 13 * i), 8, ignore_eos=True, logprobs=0) for i in range(3)]
+    engine = make_engine(model, frozenset({7}), quantized=quantized)
+    assert (engine._runner._layer_op is None) == mixed
+    together = run_outputs(engine, [(0, r) for r in requests])
+    dense = run_outputs(make_engine(model, frozenset({7})), [(0, r) for r in requests])
+    for index, request in enumerate(requests):
+        alone = run_outputs(make_engine(model, frozenset({7}), quantized=quantized), [(0, request)])[0]
+        assert alone == together[index]
         got, want = together[index][0], dense[index][0]
         assert got.token_id == want.token_id and abs(got.logprob - want.logprob) < 0.05
 

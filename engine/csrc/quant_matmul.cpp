@@ -1,14 +1,21 @@
-// Matmuls on a GGUF's quantized weights: Q4_0, Q4_1 and Q8_0 blocks of 32 weights.
+// Matmuls on a GGUF's quantized weights: Q4_0, Q4_1 and Q8_0 blocks of 32 weights, Q4_K and Q6_K ones of 256.
 //
 // GGML stores each weight row as a run of blocks along the input dimension:
 //   Q4_0: fp16 d, 16 bytes of 4-bit q (byte j: weight j in the low nibble, weight 16 + j in the high); w = (q - 8) d
 //   Q4_1: fp16 d, fp16 m, 16 bytes of 4-bit q as above;                                                 w = q d + m
 //   Q8_0: fp16 d, 32 int8 q;                                                                            w = q d
+//   Q4_K: fp16 d, fp16 dmin, 8 6-bit scales sc and mins mn, 4-bit q; sub-block s of 32:    w = q (d sc_s) - dmin mn_s
+//   Q6_K: 6-bit q in low and high bit planes, 16 int8 scales sc, fp16 d; weights i:         w = (q - 32) (d sc_{i/16})
+// Packing turns every type into 32-weight blocks: 4-bit ones with an offset (Q4_0, Q4_1, Q4_K) or signed 8-bit
+// ones (Q8_0, Q6_K); the K-quants' scales d sc are products, exact in float32 only, so they are packed as float32
+// (Q6_K: two per block, one per 16 weights), the others as the file's fp16.
 // `quant_pack` regroups them once at load, as llama.cpp's repacked formats do: the blocks of 8 output rows side
 // by side, so that one vector instruction works on 8 outputs and a block's scales are one vector load:
-//   Q4 group block (Q4_0 and Q4_1): 8 fp16 d, 8 fp16 m (Q4_0: m = -8 d, exact in fp16), then 4 runs of 32 bytes,
-//     run k holding bytes 4k..4k+3 of each of the 8 rows in turn (weights 4k..4k+3 and 16+4k..16+4k+3);
-//   Q8 group block: 8 fp16 d, then 8 runs of 32 bytes, run k holding weights 4k..4k+3 of each row in turn.
+//   Q4 group block (Q4_0, Q4_1; Q4_K with float32 scales): 8 d, 8 m (Q4_0: m = -8 d, exact in fp16), then 4 runs
+//     of 32 bytes, run k holding bytes 4k..4k+3 of each of the 8 rows in turn (byte j: weight j in the low nibble,
+//     weight 16 + j in the high);
+//   Q8 group block (Q8_0; Q6_K with 8 float32 scales of weights 0-15, then 8 of 16-31): 8 d, then 8 runs of 32
+//     bytes, run k holding weights 4k..4k+3 of each row in turn.
 // Each activation row is quantized per block of 32 to int8 with a scale a = max|x| / 127, and a block's dot
 // product is an integer one: sum(w x) = d a sum(q qx) (+ m a sum(qx) for Q4). On AVX2, a run's 4 weights of each
 // of 8 rows meet the row's 4 activations, broadcast, in one vpmaddubsw (unsigned 4-bit weights times signed
@@ -41,21 +48,36 @@ constexpr int64_t kBlock = 32;
 constexpr int64_t kCols = 8;   // output rows whose blocks are packed side by side
 constexpr int64_t kTile = 4;   // activation rows per pass over a group's weights
 constexpr int64_t kChunk = 64;  // activation rows per sweep over a thread's groups (their int8 stays in cache)
-enum QuantType : int64_t { kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8 };  // GGML's type numbers
+enum QuantType : int64_t { kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8, kQ4_K = 12, kQ6_K = 14 };  // GGML's type numbers
 
+// Bytes of one GGML block of `type`, and the weights it holds.
 int64_t block_bytes(int64_t type) {
   switch (type) {
     case kQ4_0: return 18;
     case kQ4_1: return 20;
     case kQ8_0: return 34;
-    default: TORCH_CHECK(false, "unsupported quantized type ", type, " (Q4_0 = 2, Q4_1 = 3, Q8_0 = 8)");
+    case kQ4_K: return 144;
+    case kQ6_K: return 210;
+    default:
+      TORCH_CHECK(false, "unsupported quantized type ", type, " (Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, Q4_K = 12, Q6_K = 14)");
   }
 }
 
-inline bool is_q8(int64_t type) { return type == kQ8_0; }
+int64_t block_weights(int64_t type) { return type == kQ4_K || type == kQ6_K ? 256 : kBlock; }
 
-// Bytes of one packed group block: scales, offsets (Q4), quants of 8 rows.
-constexpr int64_t group_block_bytes(bool q8) { return q8 ? 16 + kCols * kBlock : 32 + kCols * kBlock / 2; }
+// How a type is packed: signed 8-bit quants (else 4-bit ones with an offset m); float32 scales (else fp16); a
+// scale per 16 weights (else per 32).
+struct Layout {
+  bool q8, f32, halves;
+  constexpr int64_t scale_bytes() const { return (f32 ? 4 : 2) * kCols * (halves ? 2 : 1); }
+  constexpr int64_t quants_at() const { return scale_bytes() * (q8 ? 1 : 2); }  // after d (and m)
+  constexpr int64_t bytes() const { return quants_at() + kCols * kBlock / (q8 ? 1 : 2); }
+};
+
+Layout layout_of(int64_t type) {
+  block_bytes(type);  // refuses unsupported types
+  return Layout{type == kQ8_0 || type == kQ6_K, type == kQ4_K || type == kQ6_K, type == kQ6_K};
+}
 
 inline float half_to_float(uint16_t bits) {
 #if defined(SMOLSERVE_QUANT_AVX2)
@@ -71,17 +93,86 @@ inline uint16_t load_half(const uint8_t* p) {
   return bits;
 }
 
-// One GGML block's d and m as fp16 bits (Q4_0: m = -8 d; Q8_0: none) and its quant bytes.
-void read_block(const uint8_t* block, int64_t type, uint16_t& d, uint16_t& m, const uint8_t*& quants) {
-  d = load_half(block);
-  m = 0;
-  quants = block + 2;
-  if (type == kQ4_1) {
-    m = load_half(block + 2);
-    quants = block + 4;
-  } else if (type == kQ4_0) {
-    m = c10::Half(-8.0f * static_cast<float>(c10::Half(d, c10::Half::from_bits()))).x;  // a power of 2: exact
+inline float half_value(uint16_t bits) { return static_cast<float>(c10::Half(bits, c10::Half::from_bits())); }
+
+// 32 weights of one row, decoded from their GGML block as the packed layout stores them: scales (fp16 bits, or
+// float32 values: two for Q6_K), offset (4-bit types), and quants (4-bit values 0..15, or int8 bits).
+struct SubBlock {
+  uint16_t d_half = 0, m_half = 0;
+  float d[2] = {0.0f, 0.0f};
+  float m = 0.0f;
+  uint8_t q[kBlock] = {};
+};
+
+// Q4_K's 6-bit scale and min of sub-block j, as ggml's get_scale_min_k4.
+inline void scale_min_k4(int64_t j, const uint8_t* packed, uint8_t& scale, uint8_t& min) {
+  if (j < 4) {
+    scale = packed[j] & 63;
+    min = packed[j + 4] & 63;
+  } else {
+    scale = (packed[j + 4] & 0x0F) | ((packed[j - 4] >> 6) << 4);
+    min = (packed[j + 4] >> 4) | ((packed[j] >> 6) << 4);
   }
+}
+
+// The sub-blocks of one GGML block (1 of 32 weights, or 8 for the K-quants' 256).
+void decode_block(const uint8_t* block, int64_t type, SubBlock* out) {
+  if (type == kQ4_0 || type == kQ4_1 || type == kQ8_0) {
+    SubBlock& sb = out[0];
+    sb.d_half = load_half(block);
+    const uint8_t* quants = block + (type == kQ4_1 ? 4 : 2);
+    if (type == kQ4_1) sb.m_half = load_half(block + 2);
+    if (type == kQ4_0) sb.m_half = c10::Half(-8.0f * half_value(sb.d_half)).x;  // a power of 2: exact
+    for (int64_t j = 0; j < kBlock / 2 && type != kQ8_0; ++j) {
+      sb.q[j] = quants[j] & 0x0F;
+      sb.q[j + kBlock / 2] = quants[j] >> 4;
+    }
+    if (type == kQ8_0) std::memcpy(sb.q, quants, kBlock);
+  } else if (type == kQ4_K) {
+    const float d = half_value(load_half(block)), dmin = half_value(load_half(block + 2));
+    const uint8_t* scales = block + 4;
+    const uint8_t* qs = block + 16;
+    for (int64_t s = 0; s < 8; ++s) {
+      uint8_t scale, min;
+      scale_min_k4(s, scales, scale, min);
+      out[s].d[0] = d * scale;
+      out[s].m = -(dmin * min);
+      const uint8_t* bytes = qs + 32 * (s / 2);  // sub-blocks 2p and 2p + 1: the low and high nibbles of 32 bytes
+      for (int64_t l = 0; l < kBlock; ++l) out[s].q[l] = s % 2 ? bytes[l] >> 4 : bytes[l] & 0x0F;
+    }
+  } else {  // Q6_K
+    const uint8_t* ql = block;
+    const uint8_t* qh = block + 128;
+    const auto* scales = reinterpret_cast<const int8_t*>(block + 192);
+    const float d = half_value(load_half(block + 208));
+    for (int64_t i = 0; i < 256; ++i) {  // as ggml's dequantize_row_q6_K: halves of 128, quarters of 32
+      const int64_t half = i / 128, quarter = i % 128 / 32, l = i % 32;
+      const uint8_t low = ql[64 * half + l + 32 * (quarter % 2)];
+      const int value = ((quarter < 2 ? low & 0x0F : low >> 4) | (((qh[32 * half + l] >> (2 * quarter)) & 3) << 4)) - 32;
+      out[i / kBlock].q[i % kBlock] = static_cast<uint8_t>(static_cast<int8_t>(value));
+      out[i / kBlock].d[i % kBlock / 16] = d * scales[i / 16];
+    }
+  }
+}
+
+// One row's sub-block written into its column `c` of a packed group block.
+void write_sub_block(const SubBlock& sb, const Layout& layout, int64_t c, uint8_t* to) {
+  if (layout.f32) {
+    std::memcpy(to + 4 * c, &sb.d[0], 4);
+    if (layout.halves) std::memcpy(to + 4 * kCols + 4 * c, &sb.d[1], 4);
+    if (!layout.q8) std::memcpy(to + 4 * kCols + 4 * c, &sb.m, 4);
+  } else {
+    std::memcpy(to + 2 * c, &sb.d_half, 2);
+    if (!layout.q8) std::memcpy(to + 2 * kCols + 2 * c, &sb.m_half, 2);
+  }
+  uint8_t* runs = to + layout.quants_at();
+  if (layout.q8) {
+    for (int64_t k = 0; k < 8; ++k) std::memcpy(runs + 32 * k + 4 * c, sb.q + 4 * k, 4);
+    return;
+  }
+  uint8_t bytes[kBlock / 2];
+  for (int64_t j = 0; j < kBlock / 2; ++j) bytes[j] = sb.q[j] | (sb.q[j + kBlock / 2] << 4);
+  for (int64_t k = 0; k < 4; ++k) std::memcpy(runs + 32 * k + 4 * c, bytes + 4 * k, 4);
 }
 
 // The activations of one row, per block of 32: int8 values, their scale, and scale * sum (what m multiplies).
@@ -125,25 +216,45 @@ struct Tile {
   int64_t out_stride;
 };
 
-// Portable loops: for each row and each of the group's 8 outputs, block by block, as the AVX2 path does.
-template <bool Q8>
+// A packed scale: fp16 bits or float32, output column c of the 8 at p.
+template <bool F32>
+inline float scale_at(const uint8_t* p, int64_t c) {
+  if constexpr (F32) {
+    float value;
+    std::memcpy(&value, p + 4 * c, 4);
+    return value;
+  } else {
+    return half_to_float(load_half(p + 2 * c));
+  }
+}
+
+// Portable loops: for each row and each of the group's 8 outputs, block by block, the AVX2 path's operations.
+template <bool Q8, bool F32, bool Halves>
 void tile_portable(const Tile& t, int64_t count) {
-  constexpr int64_t bytes = group_block_bytes(Q8);
+  constexpr Layout layout{Q8, F32, Halves};
+  constexpr int64_t bytes = layout.bytes();
   for (int64_t r = t.first; r < t.first + count; ++r) {
     for (int64_t c = 0; c < kCols; ++c) {
       float acc = 0.0f;
       for (int64_t b = 0; b < t.blocks; ++b) {
         const uint8_t* g = t.group + b * bytes;
+        const uint8_t* runs = g + layout.quants_at();
         const int8_t* qx = &t.x->q[(r * t.blocks + b) * kBlock];
-        int32_t dot = 0;
+        int32_t dots[2] = {0, 0};  // weights 0-15, 16-31
         for (int64_t j = 0; j < kBlock; ++j) {
           const int64_t run = j % (kBlock / (Q8 ? 1 : 2)) / 4, at = run * 32 + c * 4 + j % 4;
-          const int32_t q = Q8 ? static_cast<int8_t>(g[16 + at]) : (g[32 + at] >> (j < 16 ? 0 : 4)) & 0x0F;
-          dot += q * qx[j];
+          const int32_t q = Q8 ? static_cast<int8_t>(runs[at]) : (runs[at] >> (j < 16 ? 0 : 4)) & 0x0F;
+          dots[j / 16] += q * qx[j];
         }
         const int64_t at = r * t.blocks + b;
-        acc = std::fma(half_to_float(load_half(g + 2 * c)) * t.x->scale[at], static_cast<float>(dot), acc);
-        if (!Q8) acc = std::fma(half_to_float(load_half(g + 16 + 2 * c)), t.x->scaled_sum[at], acc);
+        const float a = t.x->scale[at];
+        if constexpr (Halves) {
+          acc = std::fma(scale_at<F32>(g, c) * a, static_cast<float>(dots[0]), acc);
+          acc = std::fma(scale_at<F32>(g + layout.scale_bytes() / 2, c) * a, static_cast<float>(dots[1]), acc);
+        } else {
+          acc = std::fma(scale_at<F32>(g, c) * a, static_cast<float>(dots[0] + dots[1]), acc);
+        }
+        if constexpr (!Q8) acc = std::fma(scale_at<F32>(g + layout.scale_bytes(), c), t.x->scaled_sum[at], acc);
       }
       t.out[(r - t.first) * t.out_stride + c] = acc;
     }
@@ -157,11 +268,18 @@ inline __m256i broadcast4(const int8_t* p) {
   return _mm256_set1_epi32(four);
 }
 
+template <bool F32>
+inline __m256 load_scales(const uint8_t* p) {
+  if constexpr (F32) return _mm256_loadu_ps(reinterpret_cast<const float*>(p));
+  else return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+
 // Rows [first, first + R) against one group of a Q4 matrix: a block's 8 integer dot products per row in one
 // vector, accumulated in int16 (at most 8 * 2 * 15 * 127 = 30480), then scaled and summed in float.
-template <int64_t R>
+template <int64_t R, bool F32>
 void tile_q4_avx2(const Tile& t) {
-  constexpr int64_t bytes = group_block_bytes(false);
+  constexpr Layout layout{false, F32, false};
+  constexpr int64_t bytes = layout.bytes();
   const __m256i nibble = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
   __m256 acc[R];
   for (int64_t r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
@@ -174,7 +292,7 @@ void tile_q4_avx2(const Tile& t) {
       sums[r] = _mm256_setzero_si256();
     }
     for (int64_t k = 0; k < 4; ++k) {
-      const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(g + 32 + 32 * k));
+      const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(g + layout.quants_at() + 32 * k));
       const __m256i low = _mm256_and_si256(w, nibble), high = _mm256_and_si256(_mm256_srli_epi16(w, 4), nibble);
       for (int64_t r = 0; r < R; ++r) {
         const __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(low, broadcast4(qx[r] + 4 * k)),
@@ -182,8 +300,7 @@ void tile_q4_avx2(const Tile& t) {
         sums[r] = _mm256_add_epi16(sums[r], p);
       }
     }
-    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(g)));
-    const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(g + 16)));
+    const __m256 d = load_scales<F32>(g), m = load_scales<F32>(g + layout.scale_bytes());
     for (int64_t r = 0; r < R; ++r) {
       const int64_t at = (t.first + r) * t.blocks + b;
       const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(sums[r], ones));
@@ -195,42 +312,51 @@ void tile_q4_avx2(const Tile& t) {
 }
 
 // The same for Q8: signed weights, so |q| times qx with q's sign; pairs reach 2 * 128 * 127, so int32 per run.
-template <int64_t R>
+// With `Halves` (Q6_K) the runs of weights 0-15 and 16-31 are summed apart, each with its own scale.
+template <int64_t R, bool F32, bool Halves>
 void tile_q8_avx2(const Tile& t) {
-  constexpr int64_t bytes = group_block_bytes(true);
+  constexpr Layout layout{true, F32, Halves};
+  constexpr int64_t bytes = layout.bytes();
   const __m256i ones = _mm256_set1_epi16(1);
   __m256 acc[R];
   for (int64_t r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
   for (int64_t b = 0; b < t.blocks; ++b) {
     const uint8_t* g = t.group + b * bytes;
     const int8_t* qx[R];
-    __m256i sums[R];
+    __m256i sums[R][2];
     for (int64_t r = 0; r < R; ++r) {
       qx[r] = &t.x->q[((t.first + r) * t.blocks + b) * kBlock];
-      sums[r] = _mm256_setzero_si256();
+      sums[r][0] = sums[r][1] = _mm256_setzero_si256();
     }
     for (int64_t k = 0; k < 8; ++k) {
-      const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(g + 16 + 32 * k));
+      const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(g + layout.quants_at() + 32 * k));
       const __m256i magnitude = _mm256_sign_epi8(w, w);
       for (int64_t r = 0; r < R; ++r) {
         const __m256i p = _mm256_maddubs_epi16(magnitude, _mm256_sign_epi8(broadcast4(qx[r] + 4 * k), w));
-        sums[r] = _mm256_add_epi32(sums[r], _mm256_madd_epi16(p, ones));
+        __m256i& sum = sums[r][Halves && k >= 4];
+        sum = _mm256_add_epi32(sum, _mm256_madd_epi16(p, ones));
       }
     }
-    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(g)));
+    const __m256 d = load_scales<F32>(g);
     for (int64_t r = 0; r < R; ++r) {
-      const int64_t at = (t.first + r) * t.blocks + b;
-      acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(t.x->scale[at])), _mm256_cvtepi32_ps(sums[r]), acc[r]);
+      const __m256 a = _mm256_set1_ps(t.x->scale[(t.first + r) * t.blocks + b]);
+      if constexpr (Halves) {
+        const __m256 d_high = load_scales<F32>(g + layout.scale_bytes() / 2);
+        acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(d, a), _mm256_cvtepi32_ps(sums[r][0]), acc[r]);
+        acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(d_high, a), _mm256_cvtepi32_ps(sums[r][1]), acc[r]);
+      } else {
+        acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(d, a), _mm256_cvtepi32_ps(sums[r][0]), acc[r]);
+      }
     }
   }
   for (int64_t r = 0; r < R; ++r) _mm256_storeu_ps(t.out + r * t.out_stride, acc[r]);
 }
 
-template <bool Q8>
+template <bool Q8, bool F32, bool Halves>
 void tile_avx2(const Tile& t, int64_t count) {
   auto run = [&](auto rows) {
-    if constexpr (Q8) tile_q8_avx2<decltype(rows)::value>(t);
-    else tile_q4_avx2<decltype(rows)::value>(t);
+    if constexpr (Q8) tile_q8_avx2<decltype(rows)::value, F32, Halves>(t);
+    else tile_q4_avx2<decltype(rows)::value, F32>(t);
   };
   switch (count) {
     case 1: return run(std::integral_constant<int64_t, 1>{});
@@ -243,42 +369,47 @@ void tile_avx2(const Tile& t, int64_t count) {
 
 using TileFn = void (*)(const Tile&, int64_t);
 
-TileFn tile_function(bool q8, bool portable) {
+template <bool Q8, bool F32, bool Halves>
+TileFn tile_of(bool portable) {
 #if defined(SMOLSERVE_QUANT_AVX2)
-  if (!portable) return q8 ? tile_avx2<true> : tile_avx2<false>;
+  if (!portable) return tile_avx2<Q8, F32, Halves>;
 #endif
-  return q8 ? tile_portable<true> : tile_portable<false>;
+  return tile_portable<Q8, F32, Halves>;
+}
+
+TileFn tile_function(const Layout& layout, bool portable) {
+  if (layout.q8) {
+    if (layout.halves) return tile_of<true, true, true>(portable);
+    return layout.f32 ? tile_of<true, true, false>(portable) : tile_of<true, false, false>(portable);
+  }
+  return layout.f32 ? tile_of<false, true, false>(portable) : tile_of<false, false, false>(portable);
 }
 
 }  // namespace
 
 namespace smolserve {
 
-// weight uint8 [out, in / 32 * block bytes] in GGML's layout of `type` -> uint8 [ceil(out / 8), in / 32 * group
-// block bytes], the layout `quant_linear` reads (outputs past `out` in the last group: zero scales).
+// weight uint8 [out, bytes per row] in GGML's layout of `type` -> uint8 [ceil(out / 8), in / 32 * group block
+// bytes], the layout `quant_linear` reads (outputs past `out` in the last group: zero scales).
 at::Tensor quant_pack(const at::Tensor& weight, int64_t type) {
   TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kByte, "expected weight uint8 [out, bytes]");
-  const int64_t bytes = block_bytes(type), out = weight.size(0);
+  const Layout layout = layout_of(type);
+  const int64_t bytes = block_bytes(type), out = weight.size(0), subs = block_weights(type) / kBlock;
   TORCH_CHECK(weight.size(1) % bytes == 0, "weight bytes per row are not whole blocks of this type");
-  const int64_t blocks = weight.size(1) / bytes, groups = (out + kCols - 1) / kCols;
-  const bool q8 = is_q8(type);
-  const int64_t packed_bytes = group_block_bytes(q8);
+  const int64_t blocks = weight.size(1) / bytes, groups = (out + kCols - 1) / kCols, packed_bytes = layout.bytes();
   const at::Tensor source = weight.contiguous();
-  at::Tensor packed = at::zeros({groups, blocks * packed_bytes}, weight.options());
+  at::Tensor packed = at::zeros({groups, blocks * subs * packed_bytes}, weight.options());
   const uint8_t* w = source.const_data_ptr<uint8_t>();
   uint8_t* p = packed.mutable_data_ptr<uint8_t>();
   at::parallel_for(0, groups, 16, [&](int64_t begin, int64_t end) {
+    SubBlock decoded[8];
     for (int64_t g = begin; g < end; ++g) {
       for (int64_t c = 0; c < kCols && g * kCols + c < out; ++c) {
         for (int64_t b = 0; b < blocks; ++b) {
-          uint16_t d, m;
-          const uint8_t* quants;
-          read_block(w + (g * kCols + c) * blocks * bytes + b * bytes, type, d, m, quants);
-          uint8_t* to = p + (g * blocks + b) * packed_bytes;
-          std::memcpy(to + 2 * c, &d, 2);
-          if (!q8) std::memcpy(to + 16 + 2 * c, &m, 2);
-          uint8_t* runs = to + (q8 ? 16 : 32);
-          for (int64_t k = 0; k < (q8 ? 8 : 4); ++k) std::memcpy(runs + 32 * k + 4 * c, quants + 4 * k, 4);
+          decode_block(w + (g * kCols + c) * blocks * bytes + b * bytes, type, decoded);
+          for (int64_t s = 0; s < subs; ++s) {
+            write_sub_block(decoded[s], layout, c, p + ((g * blocks + b) * subs + s) * packed_bytes);
+          }
         }
       }
     }
@@ -292,11 +423,10 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& packed, int64_t t
                         bool portable) {
   TORCH_CHECK(x.dim() == 2 && packed.dim() == 2, "expected x [rows, in] and packed weight [groups, bytes]");
   TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous(), "packed weight must be contiguous uint8");
-  block_bytes(type);  // refuses unsupported types
-  const bool q8 = is_q8(type);
+  const Layout layout = layout_of(type);
   const int64_t rows = x.size(0), in = x.size(1), blocks = in / kBlock, groups = packed.size(0);
   TORCH_CHECK(in % kBlock == 0, "the input size must be a multiple of 32");
-  TORCH_CHECK(packed.size(1) == blocks * group_block_bytes(q8), "packed weight bytes do not match the input size");
+  TORCH_CHECK(packed.size(1) == blocks * layout.bytes(), "packed weight bytes do not match the input size");
   TORCH_CHECK(out_features > (groups - 1) * kCols && out_features <= groups * kCols,
               "out_features does not match the packed weight's groups");
   const at::Tensor input = x.contiguous();
@@ -312,7 +442,7 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& packed, int64_t t
   float* out = result.mutable_data_ptr<float>();
   const uint8_t* w = packed.const_data_ptr<uint8_t>();
   const int64_t group_bytes = packed.size(1);
-  const TileFn tile = tile_function(q8, portable);
+  const TileFn tile = tile_function(layout, portable);
   at::parallel_for(0, groups, 4, [&](int64_t begin, int64_t end) {
     for (int64_t chunk = 0; chunk < rows; chunk += kChunk) {
       const int64_t chunk_end = std::min(rows, chunk + kChunk);
