@@ -22,7 +22,7 @@ from transformers import AttentionInterface, PreTrainedModel
 from engine import kernels
 from engine.attention import ATTENTION_NAME, attend, block_attention
 from engine.kv_cache import StepBatch
-from engine.quantized_weights import SUPPORTED, PackedWeight, QuantizedWeight
+from engine.quantized_weights import SUPPORTED, PackedParts, PackedWeight, QuantizedWeight
 
 AttentionInterface.register(ATTENTION_NAME, block_attention)
 log = logging.getLogger(__name__)
@@ -83,9 +83,9 @@ def _warn_unpacked(dtype: torch.dtype, reason: str) -> None:
     log.warning("%s weights stay unpacked (plain matmuls, slower steps, no batch invariance): %s", dtype, reason)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor | PackedWeight) -> torch.Tensor:
+def linear(x: torch.Tensor, weight: torch.Tensor | PackedWeight | PackedParts) -> torch.Tensor:
     """``x @ weight.T`` for a ``weight`` from ``prepack`` or a GGUF's packed blocks; ``x`` is ``[rows, in]``."""
-    if isinstance(weight, PackedWeight):
+    if isinstance(weight, PackedWeight | PackedParts):
         return weight.matmul(x)
     if weight.is_mkldnn:
         return torch.ops.mkldnn._linear_pointwise(x, weight, None, "none", [], "")
@@ -101,15 +101,15 @@ _PACK_ROWS_HINT = 32
 @dataclass(slots=True)
 class _LlamaLayer:
     input_norm: torch.Tensor
-    qkv: torch.Tensor | PackedWeight  # q, k and v projections stacked: [(heads + 2 * kv_heads) * dim, hidden]
+    qkv: torch.Tensor | PackedWeight | PackedParts  # q, k, v stacked: [(heads + 2 * kv_heads) * dim, hidden]
     o: torch.Tensor | PackedWeight
     post_norm: torch.Tensor
-    gate_up: torch.Tensor | PackedWeight  # [2 * intermediate, hidden]
+    gate_up: torch.Tensor | PackedWeight | PackedParts  # [2 * intermediate, hidden]
     down: torch.Tensor | PackedWeight
 
     def packed(self) -> tuple[object, ...] | None:
         """The arguments ``llama_layer`` takes for this layer's weights, up to its post-attention norm; None unless
-        every projection is packed quantized blocks."""
+        every projection is one matrix of packed quantized blocks."""
         projections = (self.qkv, self.o, self.gate_up, self.down)
         if not all(isinstance(p, PackedWeight) for p in projections):
             return None
@@ -187,12 +187,12 @@ class LlamaRunner:
     def _fuse(layer: torch.nn.Module, prefix: str, quantized: dict[str, QuantizedWeight]) -> _LlamaLayer:
         attn, mlp = layer.self_attn, layer.mlp
 
-        def fused(names: list[str], linears: list[torch.nn.Linear]) -> torch.Tensor | PackedWeight:
+        def fused(names: list[str], linears: list[torch.nn.Linear]) -> torch.Tensor | PackedWeight | PackedParts:
             parts = [part for name in names if (part := quantized.get(f"{prefix}{name}.weight")) is not None]
-            stacked = QuantizedWeight.stack(parts) if len(parts) == len(names) else None
-            if stacked is not None:
-                return stacked.pack()
-            return prepack(_stack_into_views(linears) if len(linears) > 1 else linears[0].weight)
+            if len(parts) != len(names):
+                return prepack(_stack_into_views(linears) if len(linears) > 1 else linears[0].weight)
+            stacked = QuantizedWeight.stack(parts)
+            return stacked.pack() if stacked is not None else PackedParts(tuple(part.pack() for part in parts))
 
         return _LlamaLayer(
             layer.input_layernorm.weight,

@@ -2,7 +2,8 @@
 
 ``QuantizedWeight`` is a matrix in GGML's block layout: read from a GGUF file (``engine/gguf_weights.py``), or
 made at load from a dense model's weights (``int8_weights``, ``--quantization int8``). ``PackedWeight`` is the same
-blocks regrouped once for the kernel (8 rows side by side) and multiplies activations.
+blocks regrouped once for the kernel (8 rows side by side) and multiplies activations; ``PackedParts`` several of
+them as one fused projection.
 """
 
 from __future__ import annotations
@@ -75,6 +76,21 @@ class PackedWeight:
         scales = scales.contiguous().view(torch.float16).float()  # [row, block, 1]
         values = values.reshape(count, blocks, 32).contiguous().view(torch.int8).float()
         return (values * scales).flatten(1).to(dtype)
+
+
+@dataclass(slots=True, frozen=True)
+class PackedParts:
+    """Matrices stacked in a fused projection whose types differ (a Q4_K_M file's Q6_K value rows under Q4_K
+    query and key rows): each multiplied in its own blocks, the outputs side by side."""
+
+    parts: tuple[PackedWeight, ...]
+
+    @property
+    def out_features(self) -> int:
+        return sum(part.out_features for part in self.parts)
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([part.matmul(x) for part in self.parts], dim=1)
 
 
 def int8_weight(weight: torch.Tensor) -> QuantizedWeight:

@@ -9,7 +9,7 @@ import torch
 from gguf.quants import GGMLQuantizationType, dequantize, quantize
 
 from engine import kernels
-from engine.quantized_weights import QuantizedWeight, int8_weight, int8_weights
+from engine.quantized_weights import PackedParts, PackedWeight, QuantizedWeight, int8_weight, int8_weights
 
 TYPES = [GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0]
 
@@ -192,7 +192,7 @@ def test_an_engine_on_quantized_blocks_matches_the_dequantized_one_and_stays_bat
 @pytest.mark.parametrize("mixed", [False, True], ids=["q4_k", "q4_k_m"])
 def test_an_engine_on_k_quant_blocks_matches_the_dequantized_one(mixed: bool) -> None:
     """A llama whose linears are Q4_K, and its output layer Q6_K; ``mixed`` as a Q4_K_M file: the value and down
-    projections Q6_K too (then the fused QKV, of two types, is served dense)."""
+    projections Q6_K too (the fused QKV then multiplies its two types apart, and the layer runs op by op)."""
     from engine_helpers import make_engine, prompt_ids, run_outputs
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -215,6 +215,7 @@ def test_an_engine_on_k_quant_blocks_matches_the_dequantized_one(mixed: bool) ->
     requests = [GenerationRequest(prompt_ids(i, 9 + 13 * i), 8, ignore_eos=True, logprobs=0) for i in range(3)]
     engine = make_engine(model, frozenset({7}), quantized=quantized)
     assert (engine._runner._layer_op is None) == mixed
+    assert isinstance(engine._runner.layers[0].qkv, PackedParts if mixed else PackedWeight)
     together = run_outputs(engine, [(0, r) for r in requests])
     dense = run_outputs(make_engine(model, frozenset({7})), [(0, r) for r in requests])
     for index, request in enumerate(requests):
