@@ -188,6 +188,13 @@ def http(levels: list[int], repeats: int, llama_server: str | None) -> None:
             stop_server(proc)
 
 
+def settled_run(base: str) -> float:
+    """One stream's tok/s, after a second of quiet: the other server's threads may still spin-wait after its run
+    (torch's OpenMP workers, llama.cpp's pool) and would take a core from this one."""
+    time.sleep(1.0)
+    return asyncio.run(run_level(base, 1, 64))["tok_s"]
+
+
 def alternate(rounds: int, llama_server: str) -> None:
     """One stream, this server (default flags) and llama.cpp's up side by side, measured in turn `rounds` times:
     a swing of the machine's memory bandwidth then moves both sides of each round alike."""
@@ -198,7 +205,7 @@ def alternate(rounds: int, llama_server: str) -> None:
             asyncio.run(run_level(base, 2, 8))  # warm-up
         ratios = []
         for index in range(rounds):
-            ours, theirs = (asyncio.run(run_level(base, 1, 64))["tok_s"] for base in (smol_base, llama_base))
+            ours, theirs = (settled_run(base) for base in (smol_base, llama_base))
             ratios.append(ours / theirs)
             print(f"round {index + 1}: smolserve {ours:.1f} tok/s, llama.cpp {theirs:.1f} ({ratios[-1]:.2f}x)")
         print(f"median ratio over {rounds} rounds: {statistics.median(ratios):.2f}x")
