@@ -22,7 +22,6 @@ import math
 import statistics
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -31,7 +30,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from bench_serving import median_run, run_level  # noqa: E402
+from bench_serving import RssSampler, median_run, run_level  # noqa: E402
 
 from compat.conftest import free_port, start_server, stop_server, wait_until_healthy  # noqa: E402
 
@@ -134,33 +133,6 @@ def start_llama(binary: str, slots: int) -> tuple[subprocess.Popen[bytes], str]:
     return proc, base
 
 
-def rss_mib(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    return float("nan")
-
-
-class PeakRss:
-    """The largest resident set size of process ``pid`` while in the ``with`` block, sampled every 0.1 s."""
-
-    def __init__(self, pid: int) -> None:
-        self.pid, self.peak, self._done = pid, 0.0, threading.Event()
-        self._thread = threading.Thread(target=self._sample, daemon=True)
-
-    def _sample(self) -> None:
-        while not self._done.wait(0.1):
-            self.peak = max(self.peak, rss_mib(self.pid))
-
-    def __enter__(self) -> PeakRss:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._done.set()
-        self._thread.join()
-
-
 def http(levels: list[int], repeats: int, llama_server: str | None) -> None:
     targets: list[tuple[str, list[str] | str]] = [
         ("smolserve none", ["--quantization", "none"]),
@@ -177,12 +149,13 @@ def http(levels: list[int], repeats: int, llama_server: str | None) -> None:
             proc, base = start_server("--model", MODEL, "--log-level", "warning", *spec)
         try:
             asyncio.run(run_level(base, 2, 8))  # warm-up
-            idle = rss_mib(proc.pid)
+            idle = RssSampler(proc.pid).rss_kib() / 1024
             for n in levels:
-                with PeakRss(proc.pid) as rss:
+                with RssSampler(proc.pid) as rss:
                     r = median_run([asyncio.run(run_level(base, n, 64)) for _ in range(repeats)])
+                peak = rss.peak_kib / 1024
                 print(f"| {name} | {n} | {r['tok_s']:.1f} | {r['ttft_p50']:.2f} | "
-                      f"{r['itl_p50'] * 1000:.1f} / {r['itl_p99'] * 1000:.1f} | {idle:.0f} / {rss.peak:.0f} |",
+                      f"{r['itl_p50'] * 1000:.1f} / {r['itl_p99'] * 1000:.1f} | {idle:.0f} / {peak:.0f} |",
                       flush=True)  # fmt: skip
         finally:
             stop_server(proc)

@@ -16,6 +16,10 @@
 
 namespace smolserve {
 
+// 2^f for f in [-0.5, 0.5]: its Taylor polynomial's coefficients, highest power first (exp8 and exp16 below).
+constexpr float kExp2Taylor[7] = {1.540353e-4f, 1.333355e-3f, 9.618129e-3f, 5.550411e-2f,
+                                  2.402265e-1f, 6.931472e-1f, 1.0f};
+
 // Per-thread room for `floats` scores, 64-byte aligned, kept between calls.
 inline float* score_rows(int64_t floats) {
   thread_local std::vector<float> buffer;
@@ -57,13 +61,8 @@ inline __m256 exp8(__m256 x) {
   const __m256 t = _mm256_mul_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.0f)), _mm256_set1_ps(1.44269504f));
   const __m256 whole = _mm256_round_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   const __m256 f = _mm256_sub_ps(t, whole);
-  __m256 p = _mm256_set1_ps(1.540353e-4f);
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.333355e-3f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(9.618129e-3f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(5.550411e-2f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(2.402265e-1f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(6.931472e-1f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f));
+  __m256 p = _mm256_set1_ps(kExp2Taylor[0]);
+  for (int i = 1; i < 7; ++i) p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(kExp2Taylor[i]));
   const __m256i power = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(whole), _mm256_set1_epi32(127)), 23);
   return _mm256_mul_ps(p, _mm256_castsi256_ps(power));
 }
@@ -100,13 +99,8 @@ inline __m512 exp16(__m512 x) {
   const __m512 t = _mm512_mul_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(1.44269504f));
   const __m512 whole = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   const __m512 f = _mm512_sub_ps(t, whole);
-  __m512 p = _mm512_set1_ps(1.540353e-4f);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.333355e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.618129e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550411e-2f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.402265e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931472e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+  __m512 p = _mm512_set1_ps(kExp2Taylor[0]);
+  for (int i = 1; i < 7; ++i) p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(kExp2Taylor[i]));
   return _mm512_scalef_ps(p, whole);
 }
 
