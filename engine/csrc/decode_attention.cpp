@@ -59,45 +59,12 @@ inline void score_tile(const float* scaled_query, const T* tile, int64_t dynamic
   std::copy(sums, sums + kTile, scores);
 }
 
-// One (sequence, KV head): `groups` query rows against `length` cached positions, in float32, in three passes:
-// every score from one stream of keys, the softmax over whole rows, the weighted sum from one stream of values
-// (each value row loaded once for all query rows). `Dim` is the head size when known at compile time (the
-// loops over it then unroll and vectorize fully), or 0 for any size.
-template <typename T, int64_t Dim>
-void attend_one(const T* query, const T* keys, const T* values, T* out, int64_t groups, int64_t dynamic_dim,
-                int64_t length, const int64_t* tiles, float scale) {
-  const int64_t dim = Dim ? Dim : dynamic_dim;
-  const int64_t width = (length + kTile - 1) / kTile * kTile;
-  alignas(64) float q[kMaxGroups * kMaxDim];
-  alignas(64) float acc[kMaxGroups * kMaxDim];
-  float* scores = smolserve::score_rows(groups * width);
-  for (int64_t g = 0; g < groups; ++g) {
-    for (int64_t d = 0; d < dim; ++d) q[g * dim + d] = widen(query[g * dim + d]) * scale;
-    std::fill(&acc[g * dim], &acc[g * dim] + dim, 0.0f);
-  }
-  for (int64_t t = 0; t < length; t += kTile) {
-    for (int64_t g = 0; g < groups; ++g) score_tile<T, Dim>(&q[g * dim], keys + tiles[t / kTile] * dim, dim, scores + g * width + t);
-  }
-  float total[kMaxGroups];
-  for (int64_t g = 0; g < groups; ++g) total[g] = smolserve::softmax_row(scores + g * width, length);
-  for (int64_t t = 0; t < length; ++t) {
-    const T* value = values + (tiles[t / kTile] + t % kTile) * dim;
-    for (int64_t g = 0; g < groups; ++g) {
-      const float p = scores[g * width + t];
-      float* a = &acc[g * dim];
-#pragma omp simd
-      for (int64_t d = 0; d < dim; ++d) a[d] += p * widen(value[d]);
-    }
-  }
-  for (int64_t g = 0; g < groups; ++g) {
-    const float inverse = 1.0f / total[g];
-    for (int64_t d = 0; d < dim; ++d) out[g * dim + d] = static_cast<T>(acc[g * dim + d] * inverse);
-  }
-}
-
 #if defined(__AVX2__) && defined(__FMA__)
-// attend_one for float32 on AVX2, head size `Dim` (a multiple of 32), in the same three passes and the same layout.
-// Scores: row j of a key tile holds [position][dims 2j, 2j+1] for 16 positions, four vectors of 4 positions'
+// float32 rows whose head size is known and a multiple of 32 take the AVX2 steps below.
+template <typename T, int64_t Dim>
+constexpr bool kAvx2 = std::is_same_v<T, float> && Dim > 0 && Dim % 32 == 0;
+
+// attend_one's two inner steps for float32 on AVX2, head size `Dim` a multiple of 32 (the same layout). Scores: row j of a key tile holds [position][dims 2j, 2j+1] for 16 positions, four vectors of 4 positions'
 // pairs; the query's pair of dims, broadcast as one 64-bit lane, multiplies all four, even and odd dims summing in
 // adjacent lanes until one horizontal add per pair of vectors. Values: up to 2 query rows x 32 dims of sums in
 // registers per pass over the positions. (The portable loops left a short context's attention ~3x slower.)
@@ -139,34 +106,65 @@ inline void weigh_values_avx2(const float* const* probabilities, const float* va
     }
   }
 }
+#endif
 
-template <int64_t Dim>
-void attend_one_avx2(const float* query, const float* keys, const float* values, float* out, int64_t groups,
-                     int64_t /*dim*/, int64_t length, const int64_t* tiles, float scale) {
+// One (sequence, KV head): `groups` query rows against `length` cached positions, in float32, in three passes:
+// every score from one stream of keys, the softmax over whole rows, the weighted sum from one stream of values
+// (each value row loaded once for all query rows). `Dim` is the head size when known at compile time (the
+// loops over it then unroll and vectorize fully), or 0 for any size. float32 rows of a known head size that is
+// a multiple of 32 take the AVX2 steps above where the CPU has them (the portable loops were ~3x slower there).
+template <typename T, int64_t Dim>
+void attend_one(const T* query, const T* keys, const T* values, T* out, int64_t groups, int64_t dynamic_dim,
+                int64_t length, const int64_t* tiles, float scale) {
+  const int64_t dim = Dim ? Dim : dynamic_dim;
   const int64_t width = (length + kTile - 1) / kTile * kTile;
-  alignas(64) float q[kMaxGroups * Dim];
-  alignas(64) float acc[kMaxGroups * Dim];
+  alignas(64) float q[kMaxGroups * kMaxDim];
+  alignas(64) float acc[kMaxGroups * kMaxDim];
   float* scores = smolserve::score_rows(groups * width);
-  for (int64_t i = 0; i < groups * Dim; ++i) q[i] = query[i] * scale;
+  for (int64_t g = 0; g < groups; ++g) {
+    for (int64_t d = 0; d < dim; ++d) q[g * dim + d] = widen(query[g * dim + d]) * scale;
+    std::fill(&acc[g * dim], &acc[g * dim] + dim, 0.0f);
+  }
   for (int64_t t = 0; t < length; t += kTile) {
     for (int64_t g = 0; g < groups; ++g) {
-      score_tile_avx2<Dim>(&q[g * Dim], keys + tiles[t / kTile] * Dim, scores + g * width + t);
+      const T* tile = keys + tiles[t / kTile] * dim;
+#if defined(__AVX2__) && defined(__FMA__)
+      if constexpr (kAvx2<T, Dim>) {
+        score_tile_avx2<Dim>(&q[g * dim], tile, scores + g * width + t);
+        continue;
+      }
+#endif
+      score_tile<T, Dim>(&q[g * dim], tile, dim, scores + g * width + t);
     }
   }
   float total[kMaxGroups];
   for (int64_t g = 0; g < groups; ++g) total[g] = smolserve::softmax_row(scores + g * width, length);
-  for (int64_t g = 0; g < groups; g += 2) {
-    const float* rows[2] = {scores + g * width, scores + (g + 1) * width};
-    float* sums[2] = {&acc[g * Dim], &acc[(g + 1) * Dim]};
-    if (g + 1 < groups) weigh_values_avx2<Dim, 2>(rows, values, length, tiles, sums);
-    else weigh_values_avx2<Dim, 1>(rows, values, length, tiles, sums);
+#if defined(__AVX2__) && defined(__FMA__)
+  if constexpr (kAvx2<T, Dim>) {
+    for (int64_t g = 0; g < groups; g += 2) {
+      const float* rows[2] = {scores + g * width, scores + (g + 1) * width};
+      float* sums[2] = {&acc[g * Dim], &acc[(g + 1) * Dim]};
+      if (g + 1 < groups) weigh_values_avx2<Dim, 2>(rows, values, length, tiles, sums);
+      else weigh_values_avx2<Dim, 1>(rows, values, length, tiles, sums);
+    }
+  } else
+#endif
+  {
+    for (int64_t t = 0; t < length; ++t) {
+      const T* value = values + (tiles[t / kTile] + t % kTile) * dim;
+      for (int64_t g = 0; g < groups; ++g) {
+        const float p = scores[g * width + t];
+        float* a = &acc[g * dim];
+#pragma omp simd
+        for (int64_t d = 0; d < dim; ++d) a[d] += p * widen(value[d]);
+      }
+    }
   }
   for (int64_t g = 0; g < groups; ++g) {
     const float inverse = 1.0f / total[g];
-    for (int64_t d = 0; d < Dim; ++d) out[g * Dim + d] = acc[g * Dim + d] * inverse;
+    for (int64_t d = 0; d < dim; ++d) out[g * dim + d] = static_cast<T>(acc[g * dim + d] * inverse);
   }
 }
-#endif
 
 #if defined(__AVX512BF16__)
 using bf16 = c10::BFloat16;
@@ -292,12 +290,6 @@ auto pick_kernel(int64_t dim) {
   if constexpr (std::is_same_v<T, bf16>) {
     if (dim == 64) return attend_paired_groups<64>;
     if (dim == 128) return attend_paired_groups<128>;
-  }
-#endif
-#if defined(__AVX2__) && defined(__FMA__)
-  if constexpr (std::is_same_v<T, float>) {
-    if (dim == 64) return static_cast<Kernel>(attend_one_avx2<64>);
-    if (dim == 128) return static_cast<Kernel>(attend_one_avx2<128>);
   }
 #endif
   return static_cast<Kernel>(dim == 64 ? attend_one<T, 64> : dim == 128 ? attend_one<T, 128> : attend_one<T, 0>);
