@@ -93,8 +93,6 @@ inline uint16_t load_half(const uint8_t* p) {
   return bits;
 }
 
-inline float half_value(uint16_t bits) { return static_cast<float>(c10::Half(bits, c10::Half::from_bits())); }
-
 // 32 weights of one row, decoded from their GGML block as the packed layout stores them: scales (fp16 bits, or
 // float32 values: two for Q6_K), offset (4-bit types), and quants (4-bit values 0..15, or int8 bits).
 struct SubBlock {
@@ -122,14 +120,14 @@ void decode_block(const uint8_t* block, int64_t type, SubBlock* out) {
     sb.d_half = load_half(block);
     const uint8_t* quants = block + (type == kQ4_1 ? 4 : 2);
     if (type == kQ4_1) sb.m_half = load_half(block + 2);
-    if (type == kQ4_0) sb.m_half = c10::Half(-8.0f * half_value(sb.d_half)).x;  // a power of 2: exact
+    if (type == kQ4_0) sb.m_half = c10::Half(-8.0f * half_to_float(sb.d_half)).x;  // a power of 2: exact
     for (int64_t j = 0; j < kBlock / 2 && type != kQ8_0; ++j) {
       sb.q[j] = quants[j] & 0x0F;
       sb.q[j + kBlock / 2] = quants[j] >> 4;
     }
     if (type == kQ8_0) std::memcpy(sb.q, quants, kBlock);
   } else if (type == kQ4_K) {
-    const float d = half_value(load_half(block)), dmin = half_value(load_half(block + 2));
+    const float d = half_to_float(load_half(block)), dmin = half_to_float(load_half(block + 2));
     const uint8_t* scales = block + 4;
     const uint8_t* qs = block + 16;
     for (int64_t s = 0; s < 8; ++s) {
@@ -144,7 +142,7 @@ void decode_block(const uint8_t* block, int64_t type, SubBlock* out) {
     const uint8_t* ql = block;
     const uint8_t* qh = block + 128;
     const auto* scales = reinterpret_cast<const int8_t*>(block + 192);
-    const float d = half_value(load_half(block + 208));
+    const float d = half_to_float(load_half(block + 208));
     for (int64_t i = 0; i < 256; ++i) {  // as ggml's dequantize_row_q6_K: halves of 128, quarters of 32
       const int64_t half = i / 128, quarter = i % 128 / 32, l = i % 32;
       const uint8_t low = ql[64 * half + l + 32 * (quarter % 2)];
