@@ -116,18 +116,26 @@ def _sample(logits: torch.Tensor, rows: list[Row]) -> torch.Tensor:
     if any(row.params.top_k > 0 for row in rows):
         logits = _top_k(logits, [row.params.top_k for row in rows])
     top_p = torch.tensor([row.params.top_p for row in rows], device=device)
-    values, ids = logits.topk(min(NUCLEUS_CANDIDATES, logits.shape[-1]), dim=-1)  # descending
-    probs = (values - logits.logsumexp(dim=-1, keepdim=True)).exp()
-    covered = probs.cumsum(dim=-1)
-    held = (top_p < 1.0) & (covered[:, -1] > top_p)  # the nucleus ends among the candidates
-    held |= torch.tensor([0 < row.params.top_k <= values.shape[-1] for row in rows], device=device)
     tokens = torch.empty(len(rows), dtype=torch.long, device=device)
-    inside = held.nonzero()[:, 0].tolist()
-    if inside:
-        kept = values[inside].masked_fill((covered - probs)[inside] > top_p[inside, None], float("-inf"))
-        chosen = _draw(_min_p(kept.softmax(dim=-1), [rows[i] for i in inside]), [rows[i] for i in inside])
-        tokens[inside] = ids[inside].gather(-1, chosen[:, None])[:, 0]
-    outside = (~held).nonzero()[:, 0].tolist()
+    count = min(NUCLEUS_CANDIDATES, logits.shape[-1])
+    # Only rows that truncate can be held by their candidates: the others skip the search.
+    truncated = [i for i, row in enumerate(rows) if row.params.top_p < 1.0 or 0 < row.params.top_k <= count]
+    inside: list[int] = []
+    if truncated:
+        candidates = logits if len(truncated) == len(rows) else logits[truncated]  # a copy only when needed
+        values, ids = candidates.topk(count, dim=-1)  # descending
+        probs = (values - candidates.logsumexp(dim=-1, keepdim=True)).exp()
+        covered = probs.cumsum(dim=-1)
+        p = top_p[truncated]
+        kept_by_top_k = torch.tensor([0 < rows[i].params.top_k <= count for i in truncated], device=device)
+        held = ((p < 1.0) & (covered[:, -1] > p)) | kept_by_top_k
+        at = held.nonzero()[:, 0].tolist()  # the nucleus ends among the candidates (or top-k keeps only them)
+        inside = [truncated[j] for j in at]
+        if inside:
+            kept = values[at].masked_fill((covered - probs)[at] > p[at, None], float("-inf"))
+            chosen = _draw(_min_p(kept.softmax(dim=-1), [rows[i] for i in inside]), [rows[i] for i in inside])
+            tokens[inside] = ids[at].gather(-1, chosen[:, None])[:, 0]
+    outside = sorted(set(range(len(rows))) - set(inside))
     if outside:
         whole = logits[outside]
         nucleus = [j for j, i in enumerate(outside) if rows[i].params.top_p < 1.0]  # flat: sort the whole row
