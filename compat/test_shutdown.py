@@ -31,6 +31,13 @@ def stream_events(base: str, max_tokens: int, started: threading.Event, events: 
                 started.set()
 
 
+def wait_until_draining(base: str) -> None:
+    deadline = time.monotonic() + 10
+    while httpx.get(f"{base}/health", timeout=5).json()["status"] != "draining":
+        assert time.monotonic() < deadline, "the server never started draining"
+        time.sleep(0.02)
+
+
 def sigterm_during_a_stream(*server_args: str, max_tokens: int) -> tuple[list[str], httpx.Response, int]:
     proc, base = start_server("--model", MODEL, *server_args)
     started, events = threading.Event(), []
@@ -38,20 +45,22 @@ def sigterm_during_a_stream(*server_args: str, max_tokens: int) -> tuple[list[st
     reader.start()
     assert started.wait(60)
     proc.send_signal(signal.SIGTERM)
-    time.sleep(0.3)
+    wait_until_draining(base)
     newcomer = httpx.post(f"{base}/v1/completions", json={"model": MODEL, "prompt": "Hi"}, timeout=30)
     reader.join(timeout=120)
     return events, newcomer, proc.wait(timeout=60)
 
 
 def test_sigterm_lets_the_stream_finish_and_exits_0() -> None:
-    events, newcomer, status = sigterm_during_a_stream(max_tokens=48)
+    # Long enough (a few seconds even at one stream's full speed) that the stream is still running when the
+    # newcomer arrives: a 48-token stream once finished, and the server exited, before it did.
+    events, newcomer, status = sigterm_during_a_stream(max_tokens=600)
     assert newcomer.status_code == 503
     assert newcomer.json()["error"]["code"] == "shutting_down"
     assert events[-1] == "[DONE]"
     chunks = [json.loads(e) for e in events[:-1]]
     assert chunks[-2]["choices"][0]["finish_reason"] == "length"
-    assert chunks[-1]["usage"]["completion_tokens"] == 48
+    assert chunks[-1]["usage"]["completion_tokens"] == 600
     assert status == 0
 
 
