@@ -36,6 +36,7 @@
 #include <vector>
 
 #include "ops.h"
+#include "prefetch.h"
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
@@ -283,6 +284,7 @@ void tile_q4_avx2(const Tile& t) {
   for (int64_t r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
   for (int64_t b = 0; b < t.blocks; ++b) {
     const uint8_t* g = t.group + b * bytes;
+    smolserve::prefetch_ahead(g, bytes);
     const int8_t* qx[R];
     __m256i sums[R];
     for (int64_t r = 0; r < R; ++r) {
@@ -320,6 +322,7 @@ void tile_q8_avx2(const Tile& t) {
   for (int64_t r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
   for (int64_t b = 0; b < t.blocks; ++b) {
     const uint8_t* g = t.group + b * bytes;
+    smolserve::prefetch_ahead(g, bytes);
     const int8_t* qx[R];
     __m256i sums[R][2];
     for (int64_t r = 0; r < R; ++r) {
