@@ -29,7 +29,7 @@ _FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]
 def native_ops() -> Any | None:
     """``torch.ops.smolserve``: ``decode_attention`` and ``write_kv`` (``csrc/decode_attention.cpp``), the 8-bit
     cache's ``decode_attention_int8`` and ``write_kv_int8`` (``csrc/int8_attention.cpp``), the fused element-wise
-    ops of ``csrc/fused_ops.cpp``, ``quant_pack`` and ``quant_linear`` (``csrc/quant_matmul.cpp``) and
+    ops of ``csrc/fused_ops.cpp``, ``quant_pack``, ``quant_linear`` and ``quant_rows`` (``csrc/quant_matmul.cpp``) and
     ``llama_layer`` (``csrc/llama_layer.cpp``); ``None`` where they cannot be built."""
     if os.environ.get("SMOLSERVE_NATIVE_KERNELS", "1") == "0":
         return None

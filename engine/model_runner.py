@@ -22,7 +22,7 @@ from transformers import AttentionInterface, PreTrainedModel
 from engine import kernels
 from engine.attention import ATTENTION_NAME, attend, block_attention
 from engine.kv_cache import StepBatch
-from engine.quantized_weights import SUPPORTED, PackedParts, PackedWeight, QuantizedWeight
+from engine.quantized_weights import PackedParts, PackedWeight, QuantizedWeight
 
 AttentionInterface.register(ATTENTION_NAME, block_attention)
 log = logging.getLogger(__name__)
@@ -142,11 +142,11 @@ class LlamaRunner:
         self.scale = self.head_dim**-0.5
         self.eps = config.rms_norm_eps
         inner = model.model
-        # The token embedding, dense; or, when served from its Q8_0 blocks, read from them row by row (the dense
+        # The token embedding, dense; or, when served from its GGUF blocks, read from them row by row (the dense
         # copy is then not kept: ~113 MB in float32 for SmolLM2).
         embedding = quantized.get("model.embed_tokens.weight")
         self.embed: torch.Tensor | PackedWeight = inner.embed_tokens.weight
-        if embedding is not None and embedding.qtype == SUPPORTED["Q8_0"]:
+        if embedding is not None:
             self.embed = embedding.pack()
         self.dtype = model.dtype
         # RoPE's cos and sin for every position, computed once: a row's rotation is then a lookup, the same

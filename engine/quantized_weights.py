@@ -63,19 +63,11 @@ class PackedWeight:
         return kernels.native_ops().quant_linear(x, self.data, self.qtype, self.out_features)
 
     def rows(self, index: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """Rows ``index`` dequantized to ``dtype``, ``[len(index), in]`` (an embedding lookup): for Q8_0, each
-        row's int8 values times its blocks' fp16 scales, as GGUF's own dequantization computes them."""
-        if self.qtype != SUPPORTED["Q8_0"]:
-            raise ValueError("rows are read from Q8_0 blocks only")
-        count, blocks = len(index), self.in_features // 32
-        group = self.data[index // 8].view(count, blocks, 16 + 8 * 32)  # per block: 8 scales, then 8 runs
-        row, block, column = torch.arange(count)[:, None], torch.arange(blocks)[None], (index % 8)[:, None]
-        scales = group[..., :16].view(count, blocks, 8, 2)[row, block, column]  # [row, block, 2 bytes]
-        runs = group[..., 16:].view(count, blocks, 8, 8, 4)  # [row, block, run, column, 4 weights]
-        values = runs[row[..., None], block[..., None], torch.arange(8), column[..., None]]  # [row, block, run, 4]
-        scales = scales.contiguous().view(torch.float16).float()  # [row, block, 1]
-        values = values.reshape(count, blocks, 32).contiguous().view(torch.int8).float()
-        return (values * scales).flatten(1).to(dtype)
+        """Rows ``index`` dequantized to ``dtype``, ``[len(index), in]`` (an embedding lookup): each weight as
+        GGUF's own dequantization computes it, ``d * q`` (``+ m`` for the 4-bit types)."""
+        from engine import kernels
+
+        return kernels.native_ops().quant_rows(self.data, self.qtype, index).to(dtype)
 
 
 @dataclass(slots=True, frozen=True)

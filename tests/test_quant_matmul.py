@@ -118,6 +118,26 @@ def test_extreme_blocks_do_not_overflow(qtype: GGMLQuantizationType) -> None:
         torch.testing.assert_close(matmul(x, torch.from_numpy(raw.copy()), qtype), x @ dense.T, rtol=1e-3, atol=1e-3)
 
 
+@pytest.mark.parametrize("qtype", TYPES + K_TYPES, ids=lambda t: t.name)
+def test_rows_read_from_blocks_equal_gguf_s_dequantization(qtype: GGMLQuantizationType) -> None:
+    """The embedding lookup of a model served from its blocks: any rows (every column of a group of 8, the last
+    group's 3 real rows, repeats), each weight exactly as GGUF dequantizes it."""
+    make = random_k_blocks if qtype in K_TYPES else quantized_weight
+    weight, dense = make(19, 512, qtype, seed=3)
+    index = torch.tensor([0, 1, 2, 3, 4, 5, 6, 7, 18, 16, 9, 9])
+    rows = PackedWeight(packed(weight, qtype), int(qtype), 512, 19).rows(index, torch.float32)
+    assert torch.equal(rows, dense[index])
+    assert PackedWeight(packed(weight, qtype), int(qtype), 512, 19).rows(index, torch.bfloat16).dtype == torch.bfloat16
+
+
+def test_rows_refuse_an_index_past_the_matrix() -> None:
+    weight, _ = quantized_weight(8, 64, GGMLQuantizationType.Q8_0, seed=0)
+    with pytest.raises(RuntimeError, match="out of range"):
+        ops().quant_rows(packed(weight, GGMLQuantizationType.Q8_0), int(GGMLQuantizationType.Q8_0), torch.tensor([8]))
+    with pytest.raises(RuntimeError, match="int64"):
+        ops().quant_rows(packed(weight, GGMLQuantizationType.Q8_0), 8, torch.tensor([1], dtype=torch.int32))
+
+
 def test_refuses_what_it_cannot_read() -> None:
     weight, _ = quantized_weight(4, 64, GGMLQuantizationType.Q4_1, seed=0)
     q4_1 = int(GGMLQuantizationType.Q4_1)
@@ -191,8 +211,9 @@ def test_an_engine_on_quantized_blocks_matches_the_dequantized_one_and_stays_bat
 
 @pytest.mark.parametrize("mixed", [False, True], ids=["q4_k", "q4_k_m"])
 def test_an_engine_on_k_quant_blocks_matches_the_dequantized_one(mixed: bool) -> None:
-    """A llama whose linears are Q4_K, and its output layer Q6_K; ``mixed`` as a Q4_K_M file: the value and down
-    projections Q6_K too (the fused QKV then multiplies its two types apart, and the layer runs op by op)."""
+    """A llama whose linears and token embedding are Q4_K, and its output layer Q6_K; ``mixed`` as a Q4_K_M file:
+    the value and down projections Q6_K too (the fused QKV then multiplies its two types apart, and the layer runs
+    op by op). The embedding is looked up in its blocks."""
     from engine_helpers import make_engine, prompt_ids, run_outputs
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -212,8 +233,11 @@ def test_an_engine_on_k_quant_blocks_matches_the_dequantized_one(mixed: bool) ->
             raw, dense = random_k_blocks(module.out_features, module.in_features, qtype, index, (5e-5, 3e-4))
             module.weight.data = dense
             quantized[f"{name}.weight"] = QuantizedWeight(raw, int(qtype), module.in_features)
+    raw, model.model.embed_tokens.weight.data = random_k_blocks(300, 256, GGMLQuantizationType.Q4_K, 99, (5e-5, 3e-4))
+    quantized["model.embed_tokens.weight"] = QuantizedWeight(raw, int(GGMLQuantizationType.Q4_K), 256)
     requests = [GenerationRequest(prompt_ids(i, 9 + 13 * i), 8, ignore_eos=True, logprobs=0) for i in range(3)]
     engine = make_engine(model, frozenset({7}), quantized=quantized)
+    assert isinstance(engine._runner.embed, PackedWeight)
     assert (engine._runner._layer_op is None) == mixed
     assert isinstance(engine._runner.layers[0].qkv, PackedParts if mixed else PackedWeight)
     together = run_outputs(engine, [(0, r) for r in requests])

@@ -227,6 +227,23 @@ inline float scale_at(const uint8_t* p, int64_t c) {
   }
 }
 
+// The 32 weights of output column c in one packed block, dequantized as GGUF computes them: d x q, plus m for the
+// 4-bit types (d x q is rounded before m is added, never fused: -ffast-math would otherwise contract the two).
+void dequantize_column(const uint8_t* block, const Layout& layout, int64_t c, float* out) {
+  const uint8_t* runs = block + layout.quants_at();
+  const auto scale = [&](int64_t at) { return layout.f32 ? scale_at<true>(block + at, c) : scale_at<false>(block + at, c); };
+  for (int64_t j = 0; j < kBlock; ++j) {
+    const int64_t run = j % (kBlock / (layout.q8 ? 1 : 2)) / 4, at = run * 32 + c * 4 + j % 4;
+    const int32_t q = layout.q8 ? static_cast<int8_t>(runs[at]) : (runs[at] >> (j < 16 ? 0 : 4)) & 0x0F;
+    float value = scale(layout.halves && j >= 16 ? layout.scale_bytes() / 2 : 0) * static_cast<float>(q);
+    if (!layout.q8) {
+      asm("" : "+x"(value));
+      value += scale(layout.scale_bytes());
+    }
+    out[j] = value;
+  }
+}
+
 // Portable loops: for each row and each of the group's 8 outputs, block by block, the AVX2 path's operations.
 template <bool Q8, bool F32, bool Halves>
 void tile_portable(const Tile& t, int64_t count) {
@@ -459,14 +476,40 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& packed, int64_t t
   return input.scalar_type() == at::kFloat ? result : result.to(input.scalar_type());
 }
 
+// Rows `index` [count] int64 of the matrix `packed` holds, dequantized: [count, in] float32 (an embedding lookup
+// in a model served from its blocks).
+at::Tensor quant_rows(const at::Tensor& packed, int64_t type, const at::Tensor& index) {
+  TORCH_CHECK(packed.dim() == 2 && packed.scalar_type() == at::kByte && packed.is_contiguous(),
+              "packed weight must be contiguous uint8 [groups, bytes]");
+  TORCH_CHECK(index.dim() == 1 && index.scalar_type() == at::kLong, "index must be int64 [count]");
+  const Layout layout = layout_of(type);
+  TORCH_CHECK(packed.size(1) % layout.bytes() == 0, "packed weight bytes are not whole blocks of this type");
+  const int64_t count = index.size(0), blocks = packed.size(1) / layout.bytes(), rows = packed.size(0) * kCols;
+  const at::Tensor ids = index.contiguous();
+  at::Tensor result = at::empty({count, blocks * kBlock}, packed.options().dtype(at::kFloat));
+  const int64_t* id = ids.const_data_ptr<int64_t>();
+  const uint8_t* p = packed.const_data_ptr<uint8_t>();
+  float* out = result.mutable_data_ptr<float>();
+  for (int64_t i = 0; i < count; ++i) {
+    TORCH_CHECK(id[i] >= 0 && id[i] < rows, "row ", id[i], " is out of range");
+    const uint8_t* group = p + id[i] / kCols * packed.size(1);
+    for (int64_t b = 0; b < blocks; ++b) {
+      dequantize_column(group + b * layout.bytes(), layout, id[i] % kCols, out + (i * blocks + b) * kBlock);
+    }
+  }
+  return result;
+}
+
 }  // namespace smolserve
 
 TORCH_LIBRARY_FRAGMENT(smolserve, m) {
   m.def("quant_pack(Tensor weight, int type) -> Tensor");
   m.def("quant_linear(Tensor x, Tensor packed, int type, int out_features, bool portable=False) -> Tensor");
+  m.def("quant_rows(Tensor packed, int type, Tensor index) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(smolserve, CPU, m) {
   m.impl("quant_pack", &smolserve::quant_pack);
   m.impl("quant_linear", &smolserve::quant_linear);
+  m.impl("quant_rows", &smolserve::quant_rows);
 }
