@@ -227,20 +227,22 @@ inline float scale_at(const uint8_t* p, int64_t c) {
   }
 }
 
+// Quant j (0-31) of output column c in a packed block's runs: its int8 value, or its 4-bit one (0-15).
+inline int32_t quant_at(const uint8_t* runs, bool q8, int64_t c, int64_t j) {
+  const int64_t run = j % (kBlock / (q8 ? 1 : 2)) / 4, at = run * 32 + c * 4 + j % 4;
+  return q8 ? static_cast<int8_t>(runs[at]) : (runs[at] >> (j < 16 ? 0 : 4)) & 0x0F;
+}
+
 // The 32 weights of output column c in one packed block, dequantized as GGUF computes them: d x q, plus m for the
-// 4-bit types (d x q is rounded before m is added, never fused: -ffast-math would otherwise contract the two).
+// 4-bit types, d x q rounded before m is added (`volatile`: never fused into one FMA, which would round once).
 void dequantize_column(const uint8_t* block, const Layout& layout, int64_t c, float* out) {
-  const uint8_t* runs = block + layout.quants_at();
-  const auto scale = [&](int64_t at) { return layout.f32 ? scale_at<true>(block + at, c) : scale_at<false>(block + at, c); };
+  const auto scale = [&](int64_t at) {
+    return layout.f32 ? scale_at<true>(block + at, c) : scale_at<false>(block + at, c);
+  };
   for (int64_t j = 0; j < kBlock; ++j) {
-    const int64_t run = j % (kBlock / (layout.q8 ? 1 : 2)) / 4, at = run * 32 + c * 4 + j % 4;
-    const int32_t q = layout.q8 ? static_cast<int8_t>(runs[at]) : (runs[at] >> (j < 16 ? 0 : 4)) & 0x0F;
-    float value = scale(layout.halves && j >= 16 ? layout.scale_bytes() / 2 : 0) * static_cast<float>(q);
-    if (!layout.q8) {
-      asm("" : "+x"(value));
-      value += scale(layout.scale_bytes());
-    }
-    out[j] = value;
+    const float d = scale(layout.halves && j >= 16 ? layout.scale_bytes() / 2 : 0);
+    const volatile float product = d * static_cast<float>(quant_at(block + layout.quants_at(), layout.q8, c, j));
+    out[j] = layout.q8 ? product : product + scale(layout.scale_bytes());
   }
 }
 
@@ -258,9 +260,7 @@ void tile_portable(const Tile& t, int64_t count) {
         const int8_t* qx = &t.x->q[(r * t.blocks + b) * kBlock];
         int32_t dots[2] = {0, 0};  // weights 0-15, 16-31
         for (int64_t j = 0; j < kBlock; ++j) {
-          const int64_t run = j % (kBlock / (Q8 ? 1 : 2)) / 4, at = run * 32 + c * 4 + j % 4;
-          const int32_t q = Q8 ? static_cast<int8_t>(runs[at]) : (runs[at] >> (j < 16 ? 0 : 4)) & 0x0F;
-          dots[j / 16] += q * qx[j];
+          dots[j / 16] += quant_at(runs, Q8, c, j) * qx[j];
         }
         const int64_t at = r * t.blocks + b;
         const float a = t.x->scale[at];
