@@ -1,7 +1,8 @@
 """The inputs real clients send, on the engine path `make serve` runs (the lean llama runner, the default dtype,
-the native kernels, the real model): prompts of every length up to the context limit, alone and among decoding
-sequences, arriving together and staggered; greedy parity with `generate` as a property over arrivals and step
-budgets; and greedy outputs, logprobs included, that do not depend on what else shares the batch."""
+the native kernels, the real model on its GGUF's quantized blocks; and on its dense weights, `--quantization none`):
+prompts of every length up to the context limit, alone and among decoding sequences, arriving together and
+staggered; greedy outputs, logprobs included, that do not depend on what else shares the batch, as a property over
+arrivals and step budgets too; and, in float32, greedy parity with `generate`."""
 
 from __future__ import annotations
 
@@ -29,11 +30,23 @@ LENGTHS = [1, 2, 15, 16, 17, 63, 64, 65, BUDGET - 1, BUDGET, BUDGET + 1, 2 * BUD
 LENGTHS += [700, MAX_LEN - 1]
 
 
-def served_engine(model, **overrides: int) -> HFEngine:
-    """An engine with the server's defaults, but for the context limit."""
+def served_engine(model, quantized: dict | None = None, **overrides: int) -> HFEngine:
+    """An engine with the server's defaults, but for the context limit; ``quantized``: the matrices it multiplies
+    in their blocks (``served_path``)."""
     options = {"capacity": 32, "max_model_len": MAX_LEN, "kv_cache_bytes": 1 << 30, "max_num_batched_tokens": BUDGET}
     options.update(overrides)
-    return HFEngine(model.model, eos_token_ids=model.eos_token_ids, **options)
+    return HFEngine(model.model, eos_token_ids=model.eos_token_ids, quantized=quantized, **options)
+
+
+@pytest.fixture(scope="module", params=["auto", "none"], ids=["quantization-auto", "quantization-none"])
+def served_path(request: pytest.FixtureRequest, served_model) -> tuple[object, dict | None]:
+    """The default model and what ``--quantization <param>`` multiplies in quantized blocks: ``auto``, the default
+    `make serve` runs, is the GGUF's own Q4_1/Q8_0 blocks; ``none`` the dense weights."""
+    from engine.chooser import quantized_weights
+
+    quantized = quantized_weights(served_model, request.param)
+    assert (quantized is None) == (request.param == "none"), "the default model is served from its blocks"
+    return served_model, quantized
 
 
 def text_ids(model, length: int, seed: int) -> tuple[int, ...]:
@@ -46,10 +59,11 @@ def text_ids(model, length: int, seed: int) -> tuple[int, ...]:
 
 
 @pytest.mark.real_model
-def test_every_prompt_length_completes_alone_among_decodes_together_and_staggered(served_model) -> None:
+def test_every_prompt_length_completes_alone_among_decodes_together_and_staggered(served_path) -> None:
     """Before: a prompt longer than the step budget on an idle engine failed the step (and every request in
     flight with it). Each request yields its tokens, and the same tokens and logprobs however it arrives."""
-    engine = served_engine(served_model)
+    served_model, quantized = served_path
+    engine = served_engine(served_model, quantized)
     requests = [
         GenerationRequest(text_ids(served_model, n, i), min(3, MAX_LEN - n), ignore_eos=True, logprobs=2)
         for i, n in enumerate(LENGTHS)
@@ -65,10 +79,11 @@ def test_every_prompt_length_completes_alone_among_decodes_together_and_staggere
 
 
 @pytest.mark.real_model
-def test_greedy_tokens_and_logprobs_are_bitwise_the_same_alone_and_in_a_busy_batch(served_model) -> None:
+def test_greedy_tokens_and_logprobs_are_bitwise_the_same_alone_and_in_a_busy_batch(served_path) -> None:
     """Batch invariance: a greedy sequence's logits do not depend on its batchmates or on how its prompt was cut
     into chunks (decode rows of other sizes take the step budget, so the chunks fall elsewhere)."""
-    engine = served_engine(served_model)
+    served_model, quantized = served_path
+    engine = served_engine(served_model, quantized)
     probes = [
         GenerationRequest(text_ids(served_model, n, 40 + n), 24, ignore_eos=True, logprobs=5) for n in (7, 300, 600)
     ]
@@ -137,6 +152,42 @@ def test_real_model_greedy_parity_over_arrivals_and_budgets(real_engine, real_re
         assert [e.token_id for e in outputs[index]] == reference(real_reference_model, request), f"request {index}"
 
 
+@pytest.mark.real_model
+@settings(
+    max_examples=5,
+    deadline=None,
+    derandomize=True,
+    phases=[Phase.explicit, Phase.generate],  # no shrinking: each example costs seconds on the real model
+    suppress_health_check=[HealthCheck.too_slow],
+)
+@given(
+    arrivals=st.lists(st.tuples(st.integers(1, 600), st.integers(1, 8), st.integers(0, 4)), min_size=1, max_size=4),
+    budget=st.integers(16, 300),
+)
+def test_default_path_greedy_outputs_are_what_they_are_alone_over_arrivals_and_budgets(
+    served_model, default_engine, arrivals, budget
+):
+    """On the quantized default, where `generate` (dense weights) is no reference: each request's greedy tokens
+    and logprobs, whatever arrives with it and however the step budget cuts its prompt, are bitwise what they are
+    alone under the server's budget."""
+    requests = [
+        (at, GenerationRequest(text_ids(served_model, n, i), new, ignore_eos=True, logprobs=3))
+        for i, (n, new, at) in enumerate(arrivals)
+    ]
+    outputs = run_outputs(fresh(default_engine, budget), requests)
+    engine = fresh(default_engine, BUDGET)
+    for index, (_, request) in enumerate(requests):
+        assert outputs[index] == run_outputs(engine, [(0, request)])[0], f"request {index}"
+
+
+@pytest.fixture(scope="module")
+def default_engine(served_model) -> HFEngine:
+    """The engine `make serve` builds on the default model: the GGUF's own blocks (`--quantization auto`)."""
+    from engine.chooser import quantized_weights
+
+    return served_engine(served_model, quantized_weights(served_model, "auto"))
+
+
 @pytest.fixture(scope="module")
 def tiny_llama_pair(tiny_llama_dir: str):
     return AutoModelForCausalLM.from_pretrained(tiny_llama_dir), AutoModelForCausalLM.from_pretrained(tiny_llama_dir)
@@ -197,15 +248,16 @@ class _NoText:
 
 
 @pytest.mark.real_model
-def test_grammar_masks_follow_their_rows_as_sequences_join_and_leave(served_model) -> None:
+def test_grammar_masks_follow_their_rows_as_sequences_join_and_leave(served_path) -> None:
     """Constrained and free requests arrive staggered and finish at different steps, so rows shift between
     steps: each constrained output is one of its own choices (no two requests share one), and each free greedy
     output is bitwise what it was alone."""
     from engine.grammar import Grammars
 
+    served_model, quantized = served_path
     tokenizer = HFTokenizer(served_model.tokenizer, served_model.eos_token_ids)
     grammars = Grammars(tokenizer)
-    engine = served_engine(served_model)
+    engine = served_engine(served_model, quantized)
     choices = [[" red", " green"], [" Paris"], [" 1999", " 2024", " 7"], [" yes", " no"], [" a cat is here"]]
 
     def constrained(i: int) -> GenerationRequest:
