@@ -46,6 +46,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "quantized per output channel at load; none: dense --dtype weights; auto: native for a GGUF llama, else none",
     )
     parser.add_argument(
+        "--threads",
+        type=_threads,
+        default=None,
+        metavar="N|auto",
+        help="threads of the engine's one team; auto (default): the CPUs this process may use (affinity mask, "
+        "cgroup CPU quota), fewer while other processes keep some of them busy; N: exactly N",
+    )
+    parser.add_argument(
+        "--batch-invariant",
+        choices=["auto", "on", "off"],
+        default=defaults.batch_invariant,
+        help="on: a row's result never depends on its batchmates (one numeric path); off: the fastest path for "
+        "each step; auto: on unless that costs 5%% or more of the throughput at --max-batch-size (measured here)",
+    )
+    parser.add_argument(
         "--no-prefix-caching",
         dest="prefix_caching",
         action="store_false",
@@ -104,6 +119,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def _threads(value: str) -> int | None:
+    """``--threads``: ``auto`` (None) or a positive count."""
+    if value == "auto":
+        return None
+    if not value.isdigit() or int(value) < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive number of threads or 'auto', not {value!r}")
+    return int(value)
+
+
 def clustered(args: argparse.Namespace) -> bool:
     """Whether the flags ask for Ray Serve; without them the server is one process and never imports Ray."""
     return any(v is not None for v in (args.replicas, args.min_replicas, args.ray_address))
@@ -120,6 +144,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         prefix_caching=args.prefix_caching,
         quantization=args.quantization,
         max_num_batched_tokens=args.max_num_batched_tokens,
+        threads=args.threads,
+        batch_invariant=args.batch_invariant,
     )
 
 

@@ -105,9 +105,14 @@ class LocalBackend:
     def register_metrics(self, registry: CollectorRegistry) -> None:
         scheduler = self.scheduler
         metrics = EngineMetrics(
-            registry, lambda: scheduler.num_running, lambda: scheduler.num_waiting, scheduler.engine.memory_stats
+            registry,
+            lambda: scheduler.num_running,
+            lambda: scheduler.num_waiting,
+            scheduler.engine.memory_stats,
+            scheduler.engine.runtime_info,
         )
         scheduler.on_step = metrics.observe_step
 
     async def health(self) -> dict[str, Any]:
-        return {}
+        info = self.scheduler.engine.runtime_info()
+        return {"engine": info} if info else {}

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
+from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -77,9 +78,11 @@ class EngineMetrics:
         num_running: Callable[[], int],
         num_waiting: Callable[[], int],
         memory_stats: Callable[[], MemoryStats | None] = lambda: None,
+        runtime_info: Callable[[], dict[str, Any]] = dict,
     ) -> None:
         r = registry
         r.register(_MemoryCollector(memory_stats))
+        r.register(_RuntimeCollector(runtime_info))
         Gauge(f"{PREFIX}num_requests_running", "Requests in the engine's batch", registry=r).set_function(num_running)
         Gauge(f"{PREFIX}num_requests_waiting", "Requests waiting for a batch slot", registry=r).set_function(
             num_waiting
@@ -122,3 +125,21 @@ class _MemoryCollector(Collector):
         }
         for name, (documentation, value) in counters.items():
             yield CounterMetricFamily(f"{PREFIX}{name}", documentation, value=value)
+
+
+class _RuntimeCollector(Collector):
+    """How the engine computes, read when scraped: the threads its team runs now (they follow the CPUs other
+    processes leave free) and the most it may run. Nothing for an engine that does not say."""
+
+    def __init__(self, runtime_info: Callable[[], dict[str, Any]]) -> None:
+        self._runtime_info = runtime_info
+
+    def collect(self) -> Iterator[Metric]:
+        info = self._runtime_info()
+        if "threads" in info:
+            yield GaugeMetricFamily(f"{PREFIX}num_threads", "Threads in the engine's team now", value=info["threads"])
+            yield GaugeMetricFamily(f"{PREFIX}max_threads", "Most threads the team may run", value=info["max_threads"])
+        if "batch_invariant" in info:
+            invariant = float(info["batch_invariant"])
+            yield GaugeMetricFamily(f"{PREFIX}batch_invariant", "1 when a row's result never depends on its batch",
+                                    value=invariant)  # fmt: skip

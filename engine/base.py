@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from typing import Any
 
 from engine.types import FinishReason, GenerationRequest, MemoryStats, StepOutput
 
@@ -55,6 +56,11 @@ class InferenceEngine(ABC):
     def memory_stats(self) -> MemoryStats | None:
         """The KV memory's blocks and prefix-cache counters, for metrics; None for an engine without blocks."""
         return None
+
+    def runtime_info(self) -> dict[str, Any]:
+        """How the engine computes, for ``/health`` and metrics: its threads (``threads``, ``max_threads`` and
+        why, ``threads_reason``), its batch-invariance mode; empty for an engine with nothing to say."""
+        return {}
 
     def release_idle_memory(self) -> None:  # noqa: B027 - optional: an engine may keep nothing for reuse
         """Hand back memory kept for reuse between sequences; called by the scheduler once it has been idle

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import logging
+import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from engine import cpu
 from engine.base import InferenceEngine
+from engine.batch_mode import BatchMode, choose
 from engine.config import EngineConfig
 from engine.fake_engine import FakeEngine
 from engine.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
@@ -14,6 +18,9 @@ from engine.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
 if TYPE_CHECKING:  # both import torch, which is loaded only when a HF model is chosen
     from engine.loader import LoadedModel
     from engine.quantized_weights import QuantizedWeight
+    from engine.thread_governor import ThreadGovernor
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -45,8 +52,11 @@ def _build_hf(config: EngineConfig, engine_thread: ThreadPoolExecutor) -> Served
     from engine.hf_engine import HFEngine
     from engine.os_memory import trim_heap
 
+    governor = thread_team(config)
     loaded = loader.load(config.model, config.dtype)
     quantized = quantized_weights(loaded, config.quantization)
+    mode = batch_mode(loaded, quantized, config)
+    log.info("%s", mode.describe())
     max_model_len = min(config.max_model_len or loaded.max_position_embeddings, loaded.max_position_embeddings)
     hf_engine = HFEngine(
         loaded.model,
@@ -58,6 +68,8 @@ def _build_hf(config: EngineConfig, engine_thread: ThreadPoolExecutor) -> Served
         kv_cache_dtype=config.kv_cache_dtype,
         prefix_caching=config.prefix_caching,
         quantized=quantized,
+        batch_mode=mode,
+        governor=governor,
     )
     served = ServedModel(loaded.name, hf_engine, HFTokenizer(loaded.tokenizer, loaded.eos_token_ids), engine_thread)
     # The engine runs on its own (prepacked) copies of the weights; the loaded model is freed here, and
@@ -94,3 +106,44 @@ def quantized_weights(loaded: LoadedModel, quantization: str) -> dict[str, Quant
     if loaded.gguf is None:
         raise ValueError("--quantization native serves a GGUF model's own blocks; this model is not a GGUF")
     return gguf_weights.read(loaded.gguf, config.num_attention_heads, config.num_key_value_heads)
+
+
+def thread_team(config: EngineConfig) -> ThreadGovernor | None:
+    """Size this (the engine's) thread's team: ``--threads``, or the process's CPUs; with ``auto``, the governor
+    that resizes it as other processes take or leave CPUs (None when pinned)."""
+    import torch
+
+    from engine.thread_governor import ThreadGovernor
+
+    threads = team_size(config)
+    torch.set_num_threads(threads)
+    cpus = len(os.sched_getaffinity(0))
+    log.info("threads: %d (%s)", threads, "--threads" if config.threads else f"auto: {cpus} CPUs in the affinity "
+             "mask, capped by the cgroup's CPU quota; fewer while other processes keep some busy")  # fmt: skip
+    if config.threads:
+        return None
+    return ThreadGovernor(threads, cpus, cpu.NeighbourMeter().sample, torch.set_num_threads)
+
+
+def team_size(config: EngineConfig) -> int:
+    """``--threads``; or the process's CPU budget, capped by ``OMP_NUM_THREADS`` where the environment sets it (as
+    a cluster's replica does: its share of the machine)."""
+    if config.threads:
+        return config.threads
+    budget = cpu.cpu_budget()
+    env = os.environ.get("OMP_NUM_THREADS", "")
+    return min(budget, int(env)) if env.isdigit() and int(env) > 0 else budget
+
+
+def batch_mode(loaded: LoadedModel, quantized: dict[str, QuantizedWeight] | None, config: EngineConfig) -> BatchMode:
+    """``--batch-invariant`` resolved: the probe's times of both matmul paths on this CPU (for the lean llama
+    runner on the CPU; other models have no choice to make)."""
+    from engine.model_runner import LlamaRunner
+    from engine.path_probe import probe
+
+    model = loaded.model
+    if not (LlamaRunner.supports(model) and model.device.type == "cpu"):
+        return choose(config.batch_invariant, None, config.max_batch_size)
+    times = probe(model, quantized, config.max_batch_size)
+    log.info("%s", times.describe())
+    return choose(config.batch_invariant, times, config.max_batch_size)

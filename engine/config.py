@@ -36,3 +36,10 @@ class EngineConfig:
     #: Tokens one step's forward may carry (decode rows plus prefill chunks): bounds how long a newcomer's
     #: prefill can stall the running decodes.
     max_num_batched_tokens: int = 256
+    #: Threads of the one team that runs every step (torch, the native kernels, oneDNN); ``None`` (``auto``): the
+    #: process's CPUs (its affinity mask, capped by its cgroup's CPU quota), fewer while other processes keep some
+    #: of them busy (``engine/thread_governor.py``). A number pins the team to that size.
+    threads: int | None = None
+    #: ``on``: one numeric path for every row count (a row's result never depends on its batchmates); ``off``: the
+    #: fastest path for each step; ``auto``: ``on`` unless that costs 5% or more at ``max_batch_size`` rows.
+    batch_invariant: str = "auto"

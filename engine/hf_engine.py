@@ -19,17 +19,20 @@ bypass the cache: every prompt row is computed and scored.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from transformers import PreTrainedModel
 
 from engine.base import InferenceEngine, finish_reason, validate_request
+from engine.batch_mode import INVARIANT, BatchMode
 from engine.block_pool import BlockPool
 from engine.block_tables import BlockTables, SeqBlocks
 from engine.kv_cache import BLOCK_SIZE, BlockKVCache, PrefillChunk, StepBatch
 from engine.model_runner import make_runner
 from engine.quantized_weights import QuantizedWeight
 from engine.sampler import Row, select_tokens, token_logprobs
+from engine.thread_governor import ThreadGovernor
 from engine.types import GenerationRequest, MemoryStats, StepOutput, TokenLogprob
 
 
@@ -93,10 +96,17 @@ class HFEngine(InferenceEngine):
         block_size: int = BLOCK_SIZE,
         prefix_caching: bool = True,
         quantized: dict[str, QuantizedWeight] | None = None,
+        batch_mode: BatchMode = INVARIANT,
+        governor: ThreadGovernor | None = None,
     ) -> None:
-        """``quantized``: weight matrices to multiply in their GGUF blocks (``engine/gguf_weights.py``)."""
+        """``quantized``: weight matrices to multiply in their GGUF blocks (``engine/gguf_weights.py``);
+        ``batch_mode``: one numeric path for every row count, or the fastest for each step
+        (``engine/batch_mode.py``); ``governor``: resizes the thread team between steps as other processes take
+        or leave CPUs."""
         config = model.config
-        self._runner = make_runner(model, max_model_len, quantized)
+        self._runner = make_runner(model, max_model_len, quantized, batch_mode.invariant, batch_mode.dense_from_rows)
+        self.batch_mode = batch_mode
+        self.governor = governor
         self._device = model.device
         self.eos_token_ids = eos_token_ids
         self.capacity = capacity
@@ -178,7 +188,10 @@ class HFEngine(InferenceEngine):
             tokens, logprobs = select_tokens(logits[: len(sampled)], [self._row(seq) for seq in sampled])
             next_tokens = list(zip(tokens.tolist(), logprobs, strict=True))
         self._score_prompts(scored, logits[len(sampled) :])
-        return self._commit(plan, next_tokens)
+        outputs = self._commit(plan, next_tokens)
+        if self.governor is not None:
+            self.governor.after_step()
+        return outputs
 
     def describe_step(self) -> str:
         """What the last step held: its rows, each sequence's prompt, position and chunk, the budget, the
@@ -222,6 +235,19 @@ class HFEngine(InferenceEngine):
             pool.num_blocks, pool.num_in_use, pool.num_cached, pool.num_free, pool.queried_tokens, pool.hit_tokens,
             self.num_preemptions,
         )  # fmt: skip
+
+    def runtime_info(self) -> dict[str, Any]:
+        mode = self.batch_mode
+        info: dict[str, Any] = {
+            "batch_invariant": mode.invariant,
+            "batch_invariant_mode": mode.requested,
+            "dense_from_rows": mode.dense_from_rows,
+            "invariance_cost": None if mode.cost is None else round(mode.cost, 3),
+        }
+        if self.governor is not None:
+            governor = self.governor
+            info.update(threads=governor.threads, max_threads=governor.max_threads, threads_reason=governor.reason)
+        return info
 
     def release_idle_memory(self) -> None:
         """Hand the pool's pages back to the OS when no block holds anything: no sequence, and nothing in the

@@ -37,13 +37,18 @@ class ModelRunner(Protocol):
 
 
 def make_runner(
-    model: PreTrainedModel, max_positions: int, quantized: dict[str, QuantizedWeight] | None = None
+    model: PreTrainedModel,
+    max_positions: int,
+    quantized: dict[str, QuantizedWeight] | None = None,
+    invariant: bool = True,
+    dense_from_rows: int | None = None,
 ) -> ModelRunner:
     """The runner for ``model``, for sequences of up to ``max_positions`` positions; ``quantized``: weight
-    matrices to multiply in their GGUF blocks (``engine/gguf_weights.py``), by transformers' name."""
+    matrices to multiply in their GGUF blocks (``engine/gguf_weights.py``), by transformers' name. ``invariant``
+    and ``dense_from_rows``: see ``LlamaRunner`` (other architectures run as transformers computes them)."""
     model.eval()
     if LlamaRunner.supports(model):
-        return LlamaRunner(model, max_positions, quantized or {})
+        return LlamaRunner(model, max_positions, quantized or {}, invariant, dense_from_rows)
     if quantized:
         raise ValueError(f"quantized weights are served for llama models only, not {model.config.model_type}")
     return HFRunner(model)
@@ -83,16 +88,36 @@ def _warn_unpacked(dtype: torch.dtype, reason: str) -> None:
     log.warning("%s weights stay unpacked (plain matmuls, slower steps, no batch invariance): %s", dtype, reason)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor | PackedWeight | PackedParts) -> torch.Tensor:
-    """``x @ weight.T`` for a ``weight`` from ``prepack`` or a GGUF's packed blocks; ``x`` is ``[rows, in]``."""
+def linear(
+    x: torch.Tensor, weight: torch.Tensor | PackedWeight | PackedParts, tile: int | None = None
+) -> torch.Tensor:
+    """``x @ weight.T`` for a ``weight`` from ``prepack`` or a GGUF's packed blocks; ``x`` is ``[rows, in]``.
+    ``tile``: a dense product runs in calls of exactly this many rows (the last one padded), so that every row is
+    computed by the same kernel whatever the number of rows (``DENSE_TILE``); quantized blocks need no tiles."""
     if isinstance(weight, PackedWeight | PackedParts):
         return weight.matmul(x)
+    rows = x.shape[0]
+    if tile is None or rows == 0:
+        return _dense(x, weight)
+    padding = -rows % tile
+    if padding:
+        x = torch.cat([x, x.new_zeros(padding, x.shape[1])])
+    return torch.cat([_dense(x[start : start + tile], weight) for start in range(0, rows + padding, tile)])[:rows]
+
+
+def _dense(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     if weight.is_mkldnn:
         return torch.ops.mkldnn._linear_pointwise(x, weight, None, "none", [], "")
     return F.linear(x, weight)
 
 
 _PACKABLE = (torch.float32, torch.bfloat16)
+#: Rows per dense product when batch invariance is on. oneDNN picks its kernel (and how it splits the sum over the
+#: input dimension) by the number of rows: on AVX-512 + AMX machines a bfloat16 row's result changed when 33 or
+#: more rows shared the call. With every call of one shape, one kernel computes every row, and a row's result does
+#: not depend on its place in the tile (tested) nor on the thread count. 16 is one AMX tile of rows; measured there
+#: (bfloat16), a 16-row call costs 1.0-1.3x a one-row call, and a 64-row step in 16-row tiles ~2x one 64-row call.
+DENSE_TILE = 16
 # oneDNN picks the blocked layout for a typical row count; measured here, any hint from 1 to 256 rows
 # serves every batch size within noise.
 _PACK_ROWS_HINT = 32
@@ -131,10 +156,20 @@ class LlamaRunner:
         )
 
     def __init__(
-        self, model: PreTrainedModel, max_positions: int, quantized: dict[str, QuantizedWeight] | None = None
+        self,
+        model: PreTrainedModel,
+        max_positions: int,
+        quantized: dict[str, QuantizedWeight] | None = None,
+        invariant: bool = True,
+        dense_from_rows: int | None = None,
     ) -> None:
-        """``quantized``: matrices served in their GGUF blocks, by transformers' name; the rest are prepacked."""
+        """``quantized``: matrices served in their GGUF blocks, by transformers' name; the rest are prepacked.
+        ``invariant``: every row of a dense product is computed in ``DENSE_TILE``-row calls, so that a row's
+        result does not depend on its batchmates. ``dense_from_rows`` (not invariant, some matrices quantized):
+        steps of at least this many rows multiply a dense copy of the weights instead, where the CPU's dense
+        kernels (oneDNN's AMX bfloat16 ones) outrun the quantized kernel (``engine/batch_mode.py``)."""
         quantized = quantized or {}
+        self.tile = DENSE_TILE if invariant else None
         config = model.config
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
@@ -166,6 +201,13 @@ class LlamaRunner:
         # outside (oneDNN's prepacked weights are opaque to it), each compiled call cost 50-120 us against
         # 10-70 us eager, and whole steps came out no faster for ~30 s more start-up.
         self.layers = [self._fuse(layer, f"model.layers.{i}.", quantized) for i, layer in enumerate(inner.layers)]
+        # The dense twin of quantized layers, for steps of many rows (``dense_from_rows``).
+        self._dense_from_rows = dense_from_rows if quantized and not invariant else None
+        self._dense_layers: list[_LlamaLayer] = []
+        self._dense_head: torch.Tensor | None = None
+        if self._dense_from_rows is not None:
+            self._dense_layers = [self._fuse(layer, f"model.layers.{i}.", {}) for i, layer in enumerate(inner.layers)]
+            self._dense_head = prepack(model.lm_head.weight)
         # The norm after each layer: the following layer's input norm, then the final norm.
         self._next_norms = [layer.input_norm for layer in self.layers[1:]] + [self.norm]
         # bfloat16 on the CPU: the element-wise steps between the matmuls as one native op each (~30 torch
@@ -214,8 +256,10 @@ class LlamaRunner:
             hidden = F.embedding(token_ids, self.embed)
         cos, sin = self.cos[positions], self.sin[positions]  # [rows, dim]: shared by every head
         normed = _rms_norm(hidden, self.layers[0].input_norm, self.eps)
-        for index, (layer, next_norm) in enumerate(zip(self.layers, self._next_norms, strict=True)):
-            kv = batch.cache.native_kv(index) if self._layer_op is not None else None
+        dense = self.runs_dense(token_ids.shape[0])
+        layers = self._dense_layers if dense else self.layers
+        for index, (layer, next_norm) in enumerate(zip(layers, self._next_norms, strict=True)):
+            kv = batch.cache.native_kv(index) if self._layer_op is not None and not dense else None
             if kv is not None:
                 hidden, normed = self._layer_op(
                     hidden, normed, *self._packed[index], next_norm, self.eps, cos, sin, self.num_heads,
@@ -223,17 +267,30 @@ class LlamaRunner:
                     self.scale,
                 )  # fmt: skip
                 continue
-            heads = linear(normed, layer.qkv).view(hidden.shape[0], self.num_heads + 2 * self.num_kv_heads, -1)
-            qk = self._rope(heads[:, : self.num_heads + self.num_kv_heads], cos, sin)  # q and k in one pass
-            q, k, v = qk[:, : self.num_heads], qk[:, self.num_heads :], heads[:, self.num_heads + self.num_kv_heads :]
-            attended = attend(batch, index, q, k, v, self.scale)
-            output = linear(attended.reshape(hidden.shape[0], -1), layer.o)
-            hidden, normed = self._add_norm(hidden, output, layer.post_norm, self.eps)
-            output = linear(self._silu_mul(linear(normed, layer.gate_up)), layer.down)
-            hidden, normed = self._add_norm(hidden, output, next_norm, self.eps)
+            hidden, normed = self._layer(layer, next_norm, index, hidden, normed, cos, sin, batch)
         if rows is not None:
             normed = normed[rows]  # none at all when the step's prompt chunks all go on: [0, vocab] logits
-        return linear(normed, self.lm_head).float()
+        head = self._dense_head if self._dense_head is not None and self.runs_dense(normed.shape[0]) else self.lm_head
+        return linear(normed, head, self.tile).float()
+
+    def runs_dense(self, rows: int) -> bool:
+        """Whether a product of ``rows`` rows takes the dense copy of quantized weights (``dense_from_rows``)."""
+        return self._dense_from_rows is not None and rows >= self._dense_from_rows
+
+    def _layer(
+        self, layer: _LlamaLayer, next_norm: torch.Tensor, index: int, hidden: torch.Tensor, normed: torch.Tensor,
+        cos: torch.Tensor, sin: torch.Tensor, batch: StepBatch,
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        """One decoder layer op by op: the residual stream after it, and its normalization by ``next_norm``."""
+        tile = self.tile
+        heads = linear(normed, layer.qkv, tile).view(hidden.shape[0], self.num_heads + 2 * self.num_kv_heads, -1)
+        qk = self._rope(heads[:, : self.num_heads + self.num_kv_heads], cos, sin)  # q and k in one pass
+        q, k, v = qk[:, : self.num_heads], qk[:, self.num_heads :], heads[:, self.num_heads + self.num_kv_heads :]
+        attended = attend(batch, index, q, k, v, self.scale)
+        output = linear(attended.reshape(hidden.shape[0], -1), layer.o, tile)
+        hidden, normed = self._add_norm(hidden, output, layer.post_norm, self.eps)
+        output = linear(self._silu_mul(linear(normed, layer.gate_up, tile)), layer.down, tile)
+        return self._add_norm(hidden, output, next_norm, self.eps)
 
 
 def _add_norm(

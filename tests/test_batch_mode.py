@@ -1,0 +1,58 @@
+"""``--batch-invariant``: the choice between one path for every row count and the fastest path per step, on the
+times a probe would measure on each CPU class (written here, so every machine checks every class's decision)."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine.batch_mode import AUTO_MAX_COST, PathTimes, choose, crossover
+
+ROWS = (1, 8, 16, 32, 64, 128)
+# Matmul seconds per step, as measured on the project's machines (bench/README.md, "Batch invariance").
+AVX2 = PathTimes(ROWS, (0.004, 0.012, 0.02, 0.035, 0.06, 0.11), (0.022, 0.03, 0.045, 0.07, 0.12, 0.2), True)
+AMX = PathTimes(ROWS, (0.0024, 0.0083, 0.0162, 0.0325, 0.062, 0.128), (0.0087, 0.0087, 0.009, 0.0097, 0.0123, 0.0184),
+                True)  # fmt: skip
+DENSE_TILES = PathTimes(ROWS, (0.008, 0.008, 0.009, 0.019, 0.036, 0.072), (0.0087, 0.0087, 0.009, 0.0097, 0.0123,
+                        0.0184), False)  # fmt: skip
+
+
+def test_auto_keeps_one_path_where_it_is_the_fastest_anyway() -> None:
+    mode = choose("auto", AVX2, 128)
+    assert mode.invariant and mode.dense_from_rows is None and mode.cost == 0
+    assert "batch invariance on (auto; one path for every row count)" in mode.describe()
+
+
+def test_auto_takes_the_fastest_path_per_step_where_invariance_costs_too_much() -> None:
+    mode = choose("auto", AMX, 128)
+    assert not mode.invariant and mode.dense_from_rows == 16
+    assert mode.cost == pytest.approx(1 - 0.0184 / 0.128)
+    assert "dense from 16 rows, quantized below" in mode.describe()
+    # At a batch size where the quantized kernel still wins, auto keeps invariance.
+    assert choose("auto", AMX, 8).invariant
+
+
+def test_on_and_off_are_obeyed_whatever_they_cost() -> None:
+    on = choose("on", AMX, 128)
+    assert on.invariant and on.dense_from_rows is None and on.cost > AUTO_MAX_COST
+    off = choose("off", AVX2, 128)
+    assert not off.invariant and off.dense_from_rows is None  # no crossover: the quantized kernel serves all rows
+
+
+def test_a_dense_model_chooses_between_tiles_and_untiled_products() -> None:
+    mode = choose("auto", DENSE_TILES, 128)
+    assert not mode.invariant and mode.dense_from_rows is None
+    assert choose("on", DENSE_TILES, 128).invariant
+
+
+def test_the_crossover_is_where_dense_wins_from_then_on() -> None:
+    bumpy = PathTimes(ROWS, (1, 2, 3, 4, 5, 6), (0.5, 3, 2, 5, 4, 5), True)
+    assert crossover(bumpy) == 64  # dense won at 1 and 16 rows too, but not at every larger count
+    assert crossover(AVX2) is None
+
+
+def test_a_model_without_a_choice_cannot_be_made_invariant() -> None:
+    assert not choose("auto", None, 128).invariant
+    with pytest.raises(ValueError, match="--batch-invariant on needs"):
+        choose("on", None, 128)
+    with pytest.raises(ValueError, match="on, off or auto"):
+        choose("sometimes", AVX2, 128)
