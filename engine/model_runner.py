@@ -88,9 +88,7 @@ def _warn_unpacked(dtype: torch.dtype, reason: str) -> None:
     log.warning("%s weights stay unpacked (plain matmuls, slower steps, no batch invariance): %s", dtype, reason)
 
 
-def linear(
-    x: torch.Tensor, weight: torch.Tensor | PackedWeight | PackedParts, tile: int | None = None
-) -> torch.Tensor:
+def linear(x: torch.Tensor, weight: torch.Tensor | PackedWeight | PackedParts, tile: int | None = None) -> torch.Tensor:
     """``x @ weight.T`` for a ``weight`` from ``prepack`` or a GGUF's packed blocks; ``x`` is ``[rows, in]``.
     ``tile``: a dense product runs in calls of exactly this many rows (the last one padded), so that every row is
     computed by the same kernel whatever the number of rows (``DENSE_TILE``); quantized blocks need no tiles."""

@@ -279,7 +279,6 @@ def test_what_clients_send_by_default_is_accepted(client: TestClient) -> None:
                 "/v1/chat/completions")["choices"]  # fmt: skip
 
 
-
 @pytest.mark.parametrize(
     ("path", "body", "model"),
     [("/v1/completions", {"prompt": "x"}, CompletionBody), ("/v1/chat/completions", CHAT, ChatBody)],

@@ -120,8 +120,7 @@ def test_tiny_llama_greedy_parity_over_arrivals_and_budgets(tiny_llama_pair, tin
     _, ref_model = tiny_llama_pair
     engine = fresh(tiny_engine, budget)
     requests = [
-        (at, GenerationRequest(prompt_ids(i, n), new, ignore_eos=True))
-        for i, (n, new, at) in enumerate(arrivals)
+        (at, GenerationRequest(prompt_ids(i, n), new, ignore_eos=True)) for i, (n, new, at) in enumerate(arrivals)
     ]
     outputs = run_outputs(engine, requests)
     for index, (_, request) in enumerate(requests):
