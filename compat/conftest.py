@@ -32,11 +32,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(*args: str, startup_timeout: float = 300, root: Path = ROOT) -> tuple[subprocess.Popen[bytes], str]:
-    """``python -m app`` from the tree at ``root`` (another checkout, for a benchmark's A/B)."""
+def start_server(
+    *args: str, startup_timeout: float = 300, root: Path = ROOT, env: dict[str, str] | None = None
+) -> tuple[subprocess.Popen[bytes], str]:
+    """``python -m app`` from the tree at ``root`` (another checkout, for a benchmark's A/B), with ``env`` added
+    to the environment."""
     port = free_port()
     cmd = [sys.executable, "-m", "app", "--host", "127.0.0.1", "--port", str(port), *args]
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(root)}
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(root), **(env or {})}
     proc = subprocess.Popen(cmd, cwd=root, env=env)
     base = f"http://127.0.0.1:{port}"
     wait_until_healthy(proc, base, startup_timeout)  # a fresh machine converts the GGUF first

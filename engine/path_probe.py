@@ -1,13 +1,13 @@
 """Times each matmul path of a llama model on this CPU, by rows, at start-up (``engine/batch_mode.py`` decides).
 
 One layer's four projections (scaled by the number of layers) and the output layer, on the model's own weights
-in its dtype, on the engine's thread team: about half a second. The best of a few runs at each row count.
+in its dtype, on the engine's thread team: ~2 s. The best of three runs at each row count, the paths in turn.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from transformers import PreTrainedModel
@@ -18,7 +18,7 @@ from engine.quantized_weights import PackedParts, PackedWeight, QuantizedWeight
 
 Weight = torch.Tensor | PackedWeight | PackedParts
 
-ROWS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
+ROWS = (1, 4, 8, 16, 32, 64, 128, 256)
 
 
 def probe(
@@ -27,41 +27,50 @@ def probe(
     """Both paths' matmul seconds per step at each of ``ROWS`` up to ``max_rows`` (and ``max_rows`` itself)."""
     layer = model.model.layers[0]
     rows = tuple(sorted({r for r in ROWS if r < max_rows} | {max_rows}))
-    dense_layer = LlamaRunner._fuse(layer, "model.layers.0.", {})
-    dense_head = prepack(model.lm_head.weight)
+    dense = Path(LlamaRunner._fuse(layer, "model.layers.0.", {}), prepack(model.lm_head.weight), None)
     if quantized:
-        invariant_layer = LlamaRunner._fuse(layer, "model.layers.0.", quantized)
         head = quantized.get("lm_head.weight")
-        invariant_head = head.pack() if head is not None else dense_head
-        tile = None
+        invariant = Path(
+            LlamaRunner._fuse(layer, "model.layers.0.", quantized), head.pack() if head else dense.head, None
+        )
     else:
-        invariant_layer, invariant_head, tile = dense_layer, dense_head, DENSE_TILE
-    count = len(model.model.layers)
-    invariant = tuple(_step_seconds(invariant_layer, invariant_head, count, r, tile, repeats, model) for r in rows)
-    dense = tuple(_step_seconds(dense_layer, dense_head, count, r, None, repeats, model) for r in rows)
-    return PathTimes(rows, invariant, dense, bool(quantized))
+        invariant = Path(dense.layer, dense.head, DENSE_TILE)
+    times = [_seconds((invariant, dense), r, repeats, model) for r in rows]
+    return PathTimes(rows, tuple(t[0] for t in times), tuple(t[1] for t in times), bool(quantized))
 
 
-def _step_seconds(
-    layer: _LlamaLayer, head: Weight, layers: int, rows: int, tile: int | None, repeats: int, model: PreTrainedModel
-) -> float:
+@dataclass(slots=True)
+class Path:
+    layer: _LlamaLayer
+    head: Weight
+    tile: int | None
+
+
+def _seconds(paths: tuple[Path, ...], rows: int, repeats: int, model: PreTrainedModel) -> list[float]:
+    """Each path's best time over ``repeats``, their runs interleaved so that all see the same machine (a
+    neighbour that comes or goes during the probe slows both)."""
     config = model.config
     hidden = torch.randn(rows, config.hidden_size).to(model.dtype)
     wide = torch.randn(rows, config.intermediate_size).to(model.dtype)
+    layers = len(model.model.layers)
 
-    def layer_products() -> None:
+    def products(path: Path) -> None:
+        layer = path.layer
         for weight, x in ((layer.qkv, hidden), (layer.o, hidden), (layer.gate_up, hidden), (layer.down, wide)):
-            linear(x, weight, tile)
+            linear(x, weight, path.tile)
 
-    with torch.inference_mode():
-        return layers * _best(layer_products, repeats) + _best(lambda: linear(hidden, head, tile), repeats)
-
-
-def _best(run: Callable[[], object], repeats: int) -> float:
-    run()  # a first call packs, allocates and warms the caches
-    best = float("inf")
-    for _ in range(repeats):
+    def step(path: Path) -> float:
         began = time.perf_counter()
-        run()
-        best = min(best, time.perf_counter() - began)
+        products(path)
+        middle = time.perf_counter()
+        linear(hidden, path.head, path.tile)
+        return layers * (middle - began) + time.perf_counter() - middle
+
+    best = [float("inf")] * len(paths)
+    with torch.inference_mode():
+        for path in paths:
+            step(path)  # a first call packs, allocates and warms the caches
+        for _ in range(repeats):
+            for i, path in enumerate(paths):
+                best[i] = min(best[i], step(path))
     return best

@@ -39,3 +39,35 @@ def test_quantization_and_prefix_caching_reach_the_engine() -> None:
         assert engine_config(parse_args(["--quantization", mode])).quantization == mode
     with pytest.raises(SystemExit):
         parse_args(["--quantization", "fp8"])
+
+
+def test_threads_and_batch_invariance_reach_the_engine() -> None:
+    defaults = engine_config(parse_args([]))
+    assert defaults.threads is None and defaults.batch_invariant == "auto"
+    config = engine_config(parse_args(["--threads", "3", "--batch-invariant", "on"]))
+    assert config.threads == 3 and config.batch_invariant == "on"
+    assert engine_config(parse_args(["--threads", "auto"])).threads is None
+    for bad in (["--threads", "0"], ["--threads", "two"], ["--threads", "-1"], ["--batch-invariant", "yes"]):
+        with pytest.raises(SystemExit):
+            parse_args(bad)
+
+
+def test_a_pinned_team_has_no_governor_and_auto_is_capped_by_omp_num_threads(monkeypatch) -> None:
+    from engine import cpu
+    from engine.chooser import team_size, thread_team
+    from engine.config import EngineConfig
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    assert team_size(EngineConfig(threads=5)) == 5
+    assert team_size(EngineConfig()) == cpu.cpu_budget()
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # a cluster replica's share of the machine
+    assert team_size(EngineConfig()) == 1
+    import torch
+
+    before = torch.get_num_threads()
+    try:
+        assert thread_team(EngineConfig(threads=1)) is None and torch.get_num_threads() == 1
+        governor = thread_team(EngineConfig())
+        assert governor is not None and governor.max_threads == 1
+    finally:
+        torch.set_num_threads(before)
