@@ -276,8 +276,10 @@ def compare_constrained(n: int, constrained: int, new_tokens: int, server_args: 
     finally:
         stop_server(proc)
     free, mixed = median_run(runs[0]), median_run(runs[constrained])
-    print(f"{n} streams: {free['tok_s']:.1f} tok/s free, {mixed['tok_s']:.1f} tok/s with {constrained} constrained: "
-          f"{mixed['tok_s'] / free['tok_s']:.3f}x; mean step {free['step_ms']:.1f} vs {mixed['step_ms']:.1f} ms")
+    print(
+        f"{n} streams: {free['tok_s']:.1f} tok/s free, {mixed['tok_s']:.1f} tok/s with {constrained} constrained: "
+        f"{mixed['tok_s'] / free['tok_s']:.3f}x; mean step {free['step_ms']:.1f} vs {mixed['step_ms']:.1f} ms"
+    )
 
 
 def measure_level(pid: int, base: str, n: int, new_tokens: int, constrained: int = 0) -> dict[str, float]:

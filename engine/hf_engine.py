@@ -175,6 +175,8 @@ class HFEngine(InferenceEngine):
         return [seq.seq_id for seq in seqs]
 
     def step(self) -> list[StepOutput]:
+        if self.governor is not None:
+            self.governor.before_step()
         plan = self._plan_now = self._plan()
         if not plan.decoding and not plan.chunks:
             return []

@@ -17,6 +17,9 @@ from collections.abc import Callable
 
 log = logging.getLogger(__name__)
 
+#: A gap this long between two steps means the engine sat idle: what ran meanwhile did not compete with it (in an
+#: A/B benchmark, the other server's whole run), so the window starts again with the next step.
+IDLE_GAP_S = 0.1
 #: Fraction of a CPU others may use before the team gives it up: a team member that loses more than this to
 #: others' time slices stalls its team more than its work is worth (a load generator beside the server, ~0.3 of
 #: a core at 64 streams, does not; one busy loop, which takes 0.7-1.0, does).
@@ -44,6 +47,7 @@ class ThreadGovernor:
         self._window_s = window_s
         self._clock = clock
         self._window_start = clock()
+        self._last_step_end = self._window_start
         self._pending: int | None = None
         #: Why the team last changed size, for the log and the server's description of itself.
         self.reason = f"{max_threads} threads: the process's CPUs"
@@ -54,9 +58,16 @@ class ThreadGovernor:
         available = self._cpus - others + YIELD_ABOVE
         return max(1, min(self.max_threads, math.floor(available)))
 
+    def before_step(self) -> None:
+        """Called before each step: after an idle gap, the window starts again (only stepping time counts)."""
+        now = self._clock()
+        if now - self._last_step_end > IDLE_GAP_S:
+            self._sample()  # a new baseline: what others used while the engine was idle is not contention
+            self._window_start = now
+
     def after_step(self) -> None:
         """Called after each step: at the end of a window, measure and maybe resize the team."""
-        now = self._clock()
+        now = self._last_step_end = self._clock()
         if now - self._window_start < self._window_s:
             return
         elapsed, self._window_start = now - self._window_start, now

@@ -281,6 +281,9 @@ class _ResizingTeam:
     def __init__(self) -> None:
         self.steps = 0
 
+    def before_step(self) -> None:
+        pass
+
     def after_step(self) -> None:
         self.steps += 1
         torch.set_num_threads(1 + self.steps % 2)
