@@ -6,6 +6,7 @@ import argparse
 import logging
 import os
 
+from app.limits import RequestLimits
 from app.serve import serve
 from app.server import ServerConfig, create_app
 from engine import chooser
@@ -73,6 +74,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="tokens per forward step; long prompts are prefilled in chunks of this size",
     )
     parser.add_argument("--max-queue", type=int, default=ServerConfig().max_queue, help="waiting requests before 429")
+    parser.add_argument(
+        "--max-request-bytes",
+        type=int,
+        default=RequestLimits().max_request_bytes,
+        help="largest request body accepted (413 beyond, decided before the body is read)",
+    )
     parser.add_argument(
         "--kv-cache-idle-release",
         type=float,
@@ -157,6 +164,7 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
         api_key=args.api_key,
         cors_origins=tuple(args.cors_origins),
         sse_keepalive_s=args.sse_keepalive,
+        limits=RequestLimits(max_request_bytes=args.max_request_bytes),
     )
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import re
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -65,8 +66,9 @@ class ChatRequest:
     tools: ToolCalling | None = None  # None: no tools offered
 
 
-def parse_json_object(raw: bytes) -> dict[str, Any]:
-    """The request body as a JSON object whose every string is valid Unicode; else a 400."""
+def parse_json_object(raw: bytes, check: Callable[[dict[str, Any]], None] = lambda body: None) -> dict[str, Any]:
+    """The request body as a JSON object whose every string is valid Unicode; else a 400. ``check`` runs first, on
+    the parsed object: the cheap checks (list lengths) before the walk over every string."""
     try:
         body = json.loads(raw)
     except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError, and integers of over 4300 digits
@@ -75,6 +77,7 @@ def parse_json_object(raw: bytes) -> dict[str, Any]:
         raise bad_request("the request body is nested too deeply") from None
     if not isinstance(body, dict):
         raise bad_request("the request body must be a JSON object")
+    check(body)
     _check_unicode(body)
     return body
 

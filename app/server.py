@@ -5,10 +5,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import json
 import time
-from collections.abc import AsyncIterator
-from dataclasses import dataclass
-from typing import Any, Protocol
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Protocol, TypeVar
 
 from sse_starlette import EventSourceResponse
 from sse_starlette.sse import AppStatus
@@ -32,14 +34,23 @@ from app.errors import (
 )
 from app.formats import ChatFormat, CompletionFormat, Format
 from app.generation import Generation
+from app.limits import BodyLimitMiddleware, RequestLimits, check_lists, check_text
 from app.metrics import Metrics
 from app.middleware import APIKeyMiddleware, RequestIdMiddleware
 from app.schema import Message
 from app.tools import ToolCalling
 from engine.chooser import ServedModel
 from engine.grammar import Grammars
+from engine.heap import trim_heap
 from engine.scheduler import QueueFullError, Scheduler
 from engine.tokenizer import Tokenizer
+
+T = TypeVar("T")
+#: Threads that parse, tokenize and render requests off the event loop: as many as the machine's two cores, so a
+#: burst of large requests queues here instead of taking the CPU from the engine's steps.
+PREPARE_WORKERS = 2
+#: A body this large has its memory handed back to the OS once its request is prepared.
+TRIM_AFTER_BYTES = 1 << 20
 
 # Streams end when their generation ends, also at shutdown: app/serve.py drains them before the server stops.
 AppStatus.disable_automatic_graceful_drain()
@@ -60,6 +71,8 @@ class ServerConfig:
     #: Seconds between SSE comment lines (``: ping``) on a quiet stream; ``None`` sends none, as OpenAI does
     #: (simple ``data:``-only parsers choke on them), but a proxy that cuts idle connections may need them.
     sse_keepalive_s: float | None = None
+    #: What one request may ask before admission (``--max-request-bytes`` and list lengths: ``app/limits.py``).
+    limits: RequestLimits = field(default_factory=RequestLimits)
 
 
 class Model(Protocol):
@@ -95,6 +108,11 @@ class _State:
         self.model_name = config.served_model_name or model.name
         self.tokenizer = model.tokenizer
         self.max_model_len = model.max_model_len
+        self.limits = config.limits
+        self.max_queue = config.max_queue
+        #: Characters of text (other than white space) that could still fit the context.
+        self.max_chars = self.max_model_len * model.tokenizer.max_token_chars
+        self.workers = ThreadPoolExecutor(PREPARE_WORKERS, thread_name_prefix="prepare")
         self.grammars = Grammars(model.tokenizer)
         if backend is None:
             assert isinstance(model, ServedModel), "without a backend the app runs the model's engine itself"
@@ -126,6 +144,69 @@ class _State:
                 param="model",
                 code="model_not_found",
             )
+
+    async def prepare(self, work: Callable[[], T], size: int) -> T:
+        """Run ``work`` (parsing a body of ``size`` bytes, tokenizing, rendering a template) on the worker pool, so
+        that streams keep flowing while it runs; after a large body, hand the heap's freed memory back."""
+        loop = asyncio.get_running_loop()
+        try:
+            return await loop.run_in_executor(self.workers, work)
+        finally:
+            if size > TRIM_AFTER_BYTES:
+                await loop.run_in_executor(self.workers, trim_heap)
+
+    def parse_body(self, raw: bytes) -> dict[str, Any]:
+        """The body as a JSON object whose lists are within the limits (``app/limits.py``); else a 400."""
+        return protocol.parse_json_object(raw, lambda body: check_lists(body, self.limits, self.max_queue))
+
+    def prepare_completion(self, raw: bytes) -> tuple[protocol.CompletionRequest, list[list[int]], list[str] | None]:
+        """On a worker: the request, its prompts' token ids, and the texts to echo (``echo``)."""
+        req = protocol.parse_completion_request(self.parse_body(raw))
+        self.check_model(req.model)
+        for index, prompt in enumerate(req.prompts):
+            if isinstance(prompt, str):
+                param = "prompt" if len(req.prompts) == 1 else f"prompt[{index}]"
+                check_text([prompt], self.max_chars, self.max_model_len, param)
+        prompts = [self.prompt_ids(p) for p in req.prompts]
+        echo_texts = None
+        if req.echo:
+            # Token prompts are echoed with their special tokens' text, so that logprobs' tokens join to it.
+            decode = self.tokenizer.decode
+            echo_texts = [p if isinstance(p, str) else decode(p, skip_special_tokens=False) for p in req.prompts]
+        return req, prompts, echo_texts
+
+    def prepare_chat(self, raw: bytes) -> tuple[protocol.ChatRequest, list[int]]:
+        """On a worker: the request and its conversation rendered and tokenized."""
+        req = protocol.parse_chat_request(self.parse_body(raw))
+        self.check_model(req.model)
+        calls = [call.function.arguments for message in req.messages for call in message.tool_calls or ()]
+        texts = [message.text for message in req.messages] + calls
+        check_text(texts, self.max_chars, self.max_model_len, "messages")
+        return req, self.chat_prompt(req.messages, req.tools)
+
+    def tokenize(self, raw: bytes) -> bytes:
+        """On a worker: vLLM's ``/tokenize`` of a prompt or of a conversation, rendered."""
+        tokens = self._tokens(self.parse_body(raw))
+        return json.dumps({"tokens": tokens, "count": len(tokens), "max_model_len": self.max_model_len}).encode()
+
+    def _tokens(self, body: dict[str, Any]) -> list[int]:
+        self.check_model(protocol.parse_model(body))
+        if "messages" in body:
+            chat = protocol.parse_chat_request({"messages": body["messages"], "tools": body.get("tools")})
+            return self.chat_prompt(chat.messages, chat.tools)
+        prompts = protocol.parse_completion_request({"prompt": body.get("prompt")}).prompts
+        if len(prompts) != 1:
+            raise bad_request("tokenize takes one prompt", "prompt")
+        add_special = protocol.optional(body, "add_special_tokens", bool, True)  # vLLM's default
+        prompt = prompts[0]
+        return self.tokenizer.encode(prompt, add_special) if isinstance(prompt, str) else self.prompt_ids(prompt)
+
+    def detokenize(self, raw: bytes) -> str:
+        """On a worker: vLLM's ``/detokenize``."""
+        body = self.parse_body(raw)
+        self.check_model(protocol.parse_model(body))
+        tokens = protocol.token_ids(body.get("tokens"), "tokens")
+        return self.tokenizer.decode(self.prompt_ids(tokens, "tokens"))
 
     def chat_prompt(self, messages: list[Message], calling: ToolCalling | None = None) -> list[int]:
         """The conversation through the model's template; tools through the template when it speaks the call
@@ -264,6 +345,7 @@ def create_app(model: Model, config: ServerConfig | None = None, backend: Backen
             yield
         finally:
             await state.backend.stop()
+            state.workers.shutdown(wait=False)
 
     async def health(request: Request) -> Response:
         return JSONResponse({"status": "draining" if state.draining else "ok", **await state.backend.health()})
@@ -283,22 +365,15 @@ def create_app(model: Model, config: ServerConfig | None = None, backend: Backen
 
     async def completions(request: Request) -> Response:
         arrived = time.perf_counter()
-        req = protocol.parse_completion_request(protocol.parse_json_object(await request.body()))
-        state.check_model(req.model)
-        prompts = [state.prompt_ids(p) for p in req.prompts]
-        echo_texts = None
-        if req.echo:
-            # Token prompts are echoed with their special tokens' text, so that logprobs' tokens join to it.
-            decode = state.tokenizer.decode
-            echo_texts = [p if isinstance(p, str) else decode(p, skip_special_tokens=False) for p in req.prompts]
+        raw = await request.body()
+        req, prompts, echo_texts = await state.prepare(lambda: state.prepare_completion(raw), len(raw))
         fmt = CompletionFormat(state.tokenizer, prompts)
         return await state.respond(request, await state.generation(fmt, req.options, prompts, echo_texts, arrived))
 
     async def chat_completions(request: Request) -> Response:
         arrived = time.perf_counter()
-        req = protocol.parse_chat_request(protocol.parse_json_object(await request.body()))
-        state.check_model(req.model)
-        prompt = state.chat_prompt(req.messages, req.tools)
+        raw = await request.body()
+        req, prompt = await state.prepare(lambda: state.prepare_chat(raw), len(raw))
         options = req.options
         if options.max_tokens is None:
             room = max(state.max_model_len - len(prompt), 1)
@@ -309,26 +384,14 @@ def create_app(model: Model, config: ServerConfig | None = None, backend: Backen
         return await state.respond(request, generation)
 
     async def tokenize(request: Request) -> Response:
-        body = protocol.parse_json_object(await request.body())
-        state.check_model(protocol.parse_model(body))
-        if "messages" in body:
-            chat = protocol.parse_chat_request({"messages": body["messages"], "tools": body.get("tools")})
-            tokens = state.chat_prompt(chat.messages, chat.tools)
-        else:
-            prompts = protocol.parse_completion_request({"prompt": body.get("prompt")}).prompts
-            if len(prompts) != 1:
-                raise bad_request("tokenize takes one prompt", "prompt")
-            add_special = protocol.optional(body, "add_special_tokens", bool, True)  # vLLM's default
-            prompt = prompts[0]
-            is_text = isinstance(prompt, str)
-            tokens = state.tokenizer.encode(prompt, add_special) if is_text else state.prompt_ids(prompt)
-        return JSONResponse({"tokens": tokens, "count": len(tokens), "max_model_len": state.max_model_len})
+        raw = await request.body()
+        # The answer is rendered on the worker too: a long prompt's token list is megabytes of JSON.
+        answer = await state.prepare(lambda: state.tokenize(raw), len(raw))
+        return Response(answer, media_type="application/json")
 
     async def detokenize(request: Request) -> Response:
-        body = protocol.parse_json_object(await request.body())
-        state.check_model(protocol.parse_model(body))
-        tokens = protocol.token_ids(body.get("tokens"), "tokens")
-        return JSONResponse({"prompt": state.tokenizer.decode(state.prompt_ids(tokens, "tokens"))})
+        raw = await request.body()
+        return JSONResponse({"prompt": await state.prepare(lambda: state.detokenize(raw), len(raw))})
 
     routes = [
         Route("/health", health, methods=["GET"]),
@@ -357,6 +420,10 @@ def create_app(model: Model, config: ServerConfig | None = None, backend: Backen
     if config.api_key:
         rejected = state.metrics.requests_rejected.labels("invalid_api_key")
         middleware.append(Middleware(APIKeyMiddleware, api_key=config.api_key, on_reject=rejected.inc))
+    # Innermost: a client without the API key is refused before its body is read.
+    limit = config.limits.max_request_bytes
+    too_large = state.metrics.requests_rejected.labels("request_too_large")
+    middleware.append(Middleware(BodyLimitMiddleware, max_bytes=limit, on_reject=too_large.inc))
     app = Starlette(routes=routes, exception_handlers=handlers, middleware=middleware, lifespan=lifespan)
     app.state.server = state
     return app

@@ -86,3 +86,21 @@ def client(server_url: str) -> Iterator[OpenAI]:
     """The official client on the session's server, as a user points it: no retries, a long timeout."""
     with OpenAI(base_url=f"{server_url}/v1", api_key="unused", max_retries=0, timeout=300) as c:
         yield c
+
+
+@pytest.fixture(scope="session")
+def invariant_server_url() -> Iterator[str]:
+    """A server with `--batch-invariant on`, for tests of what that promises: outputs that do not depend on their
+    batchmates. The default (`auto`) turns it off where it costs more than 5% (CPUs with AMX: README "Greedy
+    output that does not depend on the batch")."""
+    proc, base = start_server("--model", MODEL, "--batch-invariant", "on")
+    try:
+        yield base
+    finally:
+        stop_server(proc)
+
+
+@pytest.fixture
+def invariant_client(invariant_server_url: str) -> Iterator[OpenAI]:
+    with OpenAI(base_url=f"{invariant_server_url}/v1", api_key="unused", max_retries=0, timeout=300) as c:
+        yield c

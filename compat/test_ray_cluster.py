@@ -34,7 +34,8 @@ PLACE = {
 
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[str]:
-    proc, base = start_server("--model", MODEL, "--replicas", "2")
+    # Batch-invariant, as the one process it is compared with: their batches differ.
+    proc, base = start_server("--model", MODEL, "--replicas", "2", "--batch-invariant", "on")
     try:
         wait_for(lambda: live_replicas(base) == 2, 120)
         yield base
@@ -112,8 +113,8 @@ def answers(base: str) -> list[object]:
         return out
 
 
-def test_the_cluster_answers_as_one_process(cluster: str, server_url: str) -> None:
-    assert answers(cluster) == answers(server_url)
+def test_the_cluster_answers_as_one_process(cluster: str, invariant_server_url: str) -> None:
+    assert answers(cluster) == answers(invariant_server_url)
 
 
 # -- routing --------------------------------------------------------------------------------------------------

@@ -1,6 +1,6 @@
 """A seeded request gives the same text alone and inside a busy batch, in the default dtype: its generator is its
-own, and the probabilities it draws from do not depend on the batch (README: "Greedy output that does not depend
-on the batch")."""
+own, and the probabilities it draws from do not depend on the batch, where batch invariance is on (README: "Greedy
+output that does not depend on the batch")."""
 
 from __future__ import annotations
 
@@ -14,7 +14,9 @@ from compat.conftest import MODEL
 pytestmark = pytest.mark.real_model
 
 
-def test_seed_reproduces_alone_and_in_a_busy_batch(client: OpenAI) -> None:
+def test_seed_reproduces_alone_and_in_a_busy_batch(invariant_client: OpenAI) -> None:
+    client = invariant_client
+
     def seeded() -> str:
         return (
             client.completions.create(

@@ -49,8 +49,8 @@ def build(config: EngineConfig) -> ServedModel:
 
 def _build_hf(config: EngineConfig, engine_thread: ThreadPoolExecutor) -> ServedModel:
     from engine import loader
+    from engine.heap import trim_heap
     from engine.hf_engine import HFEngine
-    from engine.os_memory import trim_heap
 
     governor = thread_team(config)
     loaded = loader.load(config.model, config.dtype)

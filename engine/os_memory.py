@@ -40,11 +40,3 @@ def forget_pages(tensor: torch.Tensor) -> None:
     with contextlib.suppress(OSError, AttributeError):  # no glibc: the memory stays
         libc = ctypes.CDLL("libc.so.6", use_errno=True)
         libc.madvise(ctypes.c_void_p(first), ctypes.c_size_t(max(end - first, 0)), _MADV_DONTNEED)
-
-
-def trim_heap() -> None:
-    """Hand freed heap memory back to the OS. glibc keeps freed blocks (the many mid-sized step tensors, a
-    model freed after loading) in its arenas; without a trim RSS stays at its high-water mark. A no-op where
-    there is no glibc."""
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL("libc.so.6").malloc_trim(0)

@@ -8,6 +8,9 @@ from typing import Any, Protocol
 class Tokenizer(Protocol):
     eos_token_ids: frozenset[int]
     vocab_size: int
+    #: Most characters one token's spelling holds (special tokens included): text of ``n`` characters other than
+    #: white space needs at least ``n / max_token_chars`` tokens, a bound that costs no tokenizing.
+    max_token_chars: int
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
 
@@ -39,6 +42,9 @@ class HFTokenizer:
         self._byte_level = type(getattr(backend, "decoder", None)).__name__ == "ByteLevel"
         self._added = frozenset(hf_tokenizer.added_tokens_decoder)  # special and added tokens: text, not bytes
         self._bytes: dict[int, bytes] = {}
+        # A vocabulary entry's spelling is at least as long as the text it decodes to: a byte-level one spells each
+        # byte as a character, a SentencePiece one adds its word marker or spells a byte <0xE6>.
+        self.max_token_chars = max(map(len, hf_tokenizer.get_vocab()), default=1)
 
     @property
     def hf_tokenizer(self) -> Any:
@@ -94,6 +100,7 @@ class ByteTokenizer:
     def __init__(self) -> None:
         self.eos_token_ids = frozenset({self.EOS})
         self.vocab_size = 257
+        self.max_token_chars = 1  # a character is one to four tokens
 
     EOS_TEXT = "<eos>"
 
