@@ -72,19 +72,29 @@ def stop_server(proc: subprocess.Popen[bytes]) -> None:
         proc.wait()
 
 
-@pytest.fixture(scope="session")
-def server_url() -> Iterator[str]:
-    proc, base = start_server("--model", MODEL)
+def served(*flags: str) -> Iterator[str]:
+    """The default model served with ``flags``, for as long as the caller iterates."""
+    proc, base = start_server("--model", MODEL, *flags)
     try:
         yield base
     finally:
         stop_server(proc)
 
 
+def official_client(base: str) -> OpenAI:
+    """The official client as a user points it: no retries, a long timeout."""
+    return OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=300)
+
+
+@pytest.fixture(scope="session")
+def server_url() -> Iterator[str]:
+    yield from served()
+
+
 @pytest.fixture
 def client(server_url: str) -> Iterator[OpenAI]:
-    """The official client on the session's server, as a user points it: no retries, a long timeout."""
-    with OpenAI(base_url=f"{server_url}/v1", api_key="unused", max_retries=0, timeout=300) as c:
+    """The official client on the session's server."""
+    with official_client(server_url) as c:
         yield c
 
 
@@ -93,14 +103,10 @@ def invariant_server_url() -> Iterator[str]:
     """A server with `--batch-invariant on`, for tests of what that promises: outputs that do not depend on their
     batchmates. The default (`auto`) turns it off where it costs more than 5% (CPUs with AMX: README "Greedy
     output that does not depend on the batch")."""
-    proc, base = start_server("--model", MODEL, "--batch-invariant", "on")
-    try:
-        yield base
-    finally:
-        stop_server(proc)
+    yield from served("--batch-invariant", "on")
 
 
 @pytest.fixture
 def invariant_client(invariant_server_url: str) -> Iterator[OpenAI]:
-    with OpenAI(base_url=f"{invariant_server_url}/v1", api_key="unused", max_retries=0, timeout=300) as c:
+    with official_client(invariant_server_url) as c:
         yield c
