@@ -94,8 +94,9 @@ def main() -> None:
     args = parser.parse_args()
     results = {name: run_target(spec, args) for name, spec in targets(args)}
     args.json.write_text(json.dumps(results, indent=1))
-    print("| server | streams | quiet tok/s | 1 busy neighbour | 2 busy neighbours | ITL p50 / p99 (ms): quiet, 1, 2 |")
-    print("|---|---|---|---|---|---|")
+    columns = [f"{k} busy neighbour{'s' if k > 1 else ''}" if k else "quiet tok/s" for k in args.neighbours]
+    print(f"| server | streams | {' | '.join(columns)} | ITL p50 / p99 (ms), in the same order |")
+    print("|---|---|" + "---|" * (len(columns) + 1))
     for name, by_neighbours in results.items():
         for n in args.concurrency:
             runs = [by_neighbours[k][n] for k in args.neighbours]
