@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import socket
 import subprocess
 import sys
 import threading
@@ -129,3 +130,22 @@ def test_oversized_and_large_requests_do_not_stall_a_stream_or_keep_memory(serve
     print(f"the running stream's largest gap: {gap:.3f} s; RSS {before:.0f} -> {after:.0f} MiB")
     assert gap < LARGEST_GAP_S
     assert after - before < RSS_GROWTH_MIB
+
+
+@pytest.mark.real_model
+def test_a_body_sent_one_byte_at_a_time_holds_up_no_one(server: tuple[int, str]) -> None:
+    """The body-size middleware reads bodies as they arrive, awaiting each piece: a client that trickles its body
+    in (slowloris) holds only its own request, and gets its answer once the body is whole."""
+    _, base = server
+    port = int(base.rsplit(":", 1)[1])
+    body = json.dumps({"model": MODEL, "prompt": "Hello", "max_tokens": 2}).encode()
+    head = f"POST /v1/completions HTTP/1.1\r\nHost: x\r\ncontent-type: application/json\r\ncontent-length: {len(body)}"
+    with socket.create_connection(("127.0.0.1", port), timeout=60) as slow:
+        slow.sendall(head.encode() + b"\r\n\r\n")
+        for byte in body[:20]:
+            slow.sendall(bytes([byte]))
+            time.sleep(0.02)
+        other = httpx.post(f"{base}/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 4}, timeout=60)
+        assert other.status_code == 200 and other.json()["usage"]["completion_tokens"] == 4
+        slow.sendall(body[20:])
+        assert slow.recv(64).startswith(b"HTTP/1.1 200")
