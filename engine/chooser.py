@@ -118,8 +118,11 @@ def thread_team(config: EngineConfig) -> ThreadGovernor | None:
     threads = team_size(config)
     torch.set_num_threads(threads)
     cpus = len(os.sched_getaffinity(0))
-    log.info("threads: %d (%s)", threads, "--threads" if config.threads else f"auto: {cpus} CPUs in the affinity "
-             "mask, capped by the cgroup's CPU quota; fewer while other processes keep some busy")  # fmt: skip
+    how = "--threads" if config.threads else (
+        f"auto: {cpus} CPUs in the affinity mask, capped by the cgroup's CPU quota and OMP_NUM_THREADS "
+        f"({os.environ.get('OMP_NUM_THREADS', 'unset')}); fewer while other processes keep some busy"
+    )  # fmt: skip
+    log.info("threads: %d (%s)", threads, how)
     if config.threads:
         return None
     return ThreadGovernor(threads, cpus, cpu.NeighbourMeter().sample, torch.set_num_threads)
