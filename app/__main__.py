@@ -10,7 +10,7 @@ from app.limits import RequestLimits
 from app.serve import serve
 from app.server import ServerConfig, create_app
 from engine import chooser
-from engine.config import DEFAULT_MODEL, EngineConfig
+from engine.core.config import DEFAULT_MODEL, EngineConfig
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

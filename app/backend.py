@@ -14,9 +14,9 @@ from typing import Any, Protocol
 from prometheus_client import CollectorRegistry
 
 from app.metrics import EngineMetrics
-from engine.grammar import Grammars
-from engine.scheduler import Delta, Scheduler
-from engine.types import GenerationRequest
+from engine.core.grammar import Grammars
+from engine.core.scheduler import Delta, Scheduler
+from engine.core.types import GenerationRequest
 
 
 @dataclass(slots=True, frozen=True)

@@ -16,9 +16,9 @@ from typing import Any, Protocol
 
 from app.backend import Stream
 from app.tools import ToolCallParser
-from engine.scheduler import Delta
-from engine.tokenizer import Tokenizer
-from engine.types import FinishReason, TokenLogprob
+from engine.core.scheduler import Delta
+from engine.core.tokenizer import Tokenizer
+from engine.core.types import FinishReason, TokenLogprob
 
 
 class TextOffsets:

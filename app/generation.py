@@ -22,9 +22,9 @@ from app.backend import Backend, Stream, Submission
 from app.errors import APIError, error_body
 from app.formats import Choice, Format
 from app.metrics import Metrics
-from engine.scheduler import Delta, EngineError
-from engine.tokenizer import Tokenizer
-from engine.types import GenerationRequest
+from engine.core.scheduler import Delta, EngineError
+from engine.core.tokenizer import Tokenizer
+from engine.core.types import GenerationRequest
 
 
 @dataclass(slots=True)

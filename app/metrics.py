@@ -10,8 +10,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from engine.scheduler import Delta
-from engine.types import MemoryStats
+from engine.core.scheduler import Delta
+from engine.core.types import MemoryStats
 
 PREFIX = "smolserve:"
 _STEP_BUCKETS = (0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5)

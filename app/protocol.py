@@ -14,7 +14,7 @@ from app import schema
 from app.errors import bad_request
 from app.schema import Message
 from app.tools import ToolCalling
-from engine.types import SamplingParams
+from engine.core.types import SamplingParams
 
 DEFAULT_MAX_TOKENS = 16  # as in the OpenAI API
 

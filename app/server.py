@@ -40,10 +40,10 @@ from app.middleware import APIKeyMiddleware, RequestIdMiddleware
 from app.schema import Message
 from app.tools import ToolCalling
 from engine.chooser import ServedModel
-from engine.grammar import Grammars
-from engine.heap import trim_heap
-from engine.scheduler import QueueFullError, Scheduler
-from engine.tokenizer import Tokenizer
+from engine.core.grammar import Grammars
+from engine.core.heap import trim_heap
+from engine.core.scheduler import QueueFullError, Scheduler
+from engine.core.tokenizer import Tokenizer
 
 T = TypeVar("T")
 #: Threads that parse, tokenize and render requests off the event loop: as many as the machine's two cores, so a

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from app.schema import Message, Tool
-from engine.grammar import JSON_STYLE
+from engine.core.grammar import JSON_STYLE
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 

@@ -24,9 +24,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from app.schema import Tool
 from app.tools import ToolCalling, call_text, grammar
-from engine import loader
-from engine.grammar import JSON_STYLE, Grammars
-from engine.tokenizer import HFTokenizer
+from engine.core.grammar import JSON_STYLE, Grammars
+from engine.core.tokenizer import HFTokenizer
+from engine.runtime import loader
 
 SCHEMA: dict[str, Any] = {
     "type": "object",

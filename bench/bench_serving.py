@@ -301,7 +301,7 @@ class Baseline:
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        from engine import loader
+        from engine.runtime import loader
 
         source = str(loader._converted(loader._default_gguf()))
         self.tokenizer = AutoTokenizer.from_pretrained(source)
@@ -364,10 +364,10 @@ def prefill(lengths: list[int]) -> None:
 
 
 def _prefill_times(lengths: list[int]) -> dict[int, float]:
-    from engine import loader
-    from engine.config import EngineConfig
-    from engine.hf_engine import HFEngine
-    from engine.types import GenerationRequest
+    from engine.core.config import EngineConfig
+    from engine.core.types import GenerationRequest
+    from engine.runtime import loader
+    from engine.runtime.batch_engine import HFEngine
 
     loaded = loader.load(MODEL, "auto")
     config = EngineConfig()
@@ -394,10 +394,10 @@ def _prefill_times(lengths: list[int]) -> dict[int, float]:
 
 
 def _step_times(kv_cache_dtype: str, batch: int, contexts: tuple[int, ...]) -> dict[int, list[float]]:
-    from engine import loader
-    from engine.config import EngineConfig
-    from engine.hf_engine import HFEngine
-    from engine.types import GenerationRequest
+    from engine.core.config import EngineConfig
+    from engine.core.types import GenerationRequest
+    from engine.runtime import loader
+    from engine.runtime.batch_engine import HFEngine
 
     loaded = loader.load(MODEL, "auto")
     engines = {}

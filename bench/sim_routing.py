@@ -40,7 +40,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from cluster.routing import PrefixAffinity  # noqa: E402
-from engine.block_pool import prefix_hashes  # noqa: E402
+from engine.core.block_pool import prefix_hashes  # noqa: E402
 
 BLOCK = 16
 STEP_BASE_S, STEP_PER_DECODE_S, STEP_PER_PREFILL_TOKEN_S = 0.033, 0.0022, 0.0025

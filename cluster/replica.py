@@ -22,10 +22,10 @@ from ray import serve
 from app.backend import Submission
 from app.server import ServerConfig, local_backend
 from engine import chooser
-from engine.config import EngineConfig
-from engine.grammar import Grammars
-from engine.scheduler import Delta, EngineError, QueueFullError
-from engine.tokenizer import Tokenizer
+from engine.core.config import EngineConfig
+from engine.core.grammar import Grammars
+from engine.core.scheduler import Delta, EngineError, QueueFullError
+from engine.core.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 

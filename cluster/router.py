@@ -15,7 +15,7 @@ from ray.serve.request_router import (
 
 from app.backend import Submission
 from cluster.routing import PrefixAffinity
-from engine.block_pool import prefix_hashes
+from engine.core.block_pool import prefix_hashes
 
 #: A prompt's first blocks decide its route; hashing a 100k-token prompt whole would cost milliseconds for
 #: nothing (a shared preamble is what routing looks for).

@@ -1,7 +1,7 @@
 """Prefix-affinity routing, the policy alone (no Ray): which replica should take a prompt.
 
 The router remembers, per replica, the block hashes of the prompts it sent there (chained, as the engines' prefix
-caches know blocks: ``engine.block_pool.prefix_hashes``), most recent first and bounded. A prompt goes to the
+caches know blocks: ``engine.core.block_pool.prefix_hashes``), most recent first and bounded. A prompt goes to the
 replica that holds its longest run of leading blocks, unless that replica is ``imbalance`` or more requests ahead
 of the least loaded one; then, and for a prompt nobody holds, every replica is a candidate and the least loaded
 wins (which then holds the prefix too: a hot prefix spreads over as many replicas as its load needs). Loads are

@@ -15,7 +15,7 @@ import httpx
 import pytest
 from conftest import MODEL, ROOT, free_port, stop_server, wait_until_healthy
 
-from engine.cpu import cpu_budget
+from engine.core.cpu import cpu_budget
 
 
 def start_pinned(cpus: set[int], *args: str) -> tuple[subprocess.Popen[bytes], str]:

@@ -1,2 +1,2 @@
-"""Scheduling and model execution. Only hf_engine, model_runner, kv_cache, attention, os_memory, sampler,
-kernels and loader import torch."""
+"""Scheduling and model execution: ``core/`` plans and schedules without torch; ``runtime/`` carries the plans out
+with torch; ``chooser`` builds the engine a configuration asks for."""

@@ -8,17 +8,17 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from engine import cpu
-from engine.base import InferenceEngine
-from engine.batch_mode import BatchMode, choose
-from engine.config import EngineConfig
-from engine.fake_engine import FakeEngine
-from engine.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
+from engine.core import cpu
+from engine.core.batch_mode import BatchMode, choose
+from engine.core.config import EngineConfig
+from engine.core.fake_engine import FakeEngine
+from engine.core.seam import InferenceEngine
+from engine.core.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
 
 if TYPE_CHECKING:  # both import torch, which is loaded only when a HF model is chosen
-    from engine.loader import LoadedModel
-    from engine.quantized_weights import QuantizedWeight
-    from engine.thread_governor import ThreadGovernor
+    from engine.core.thread_governor import ThreadGovernor
+    from engine.runtime.loader import LoadedModel
+    from engine.runtime.quantized_weights import QuantizedWeight
 
 log = logging.getLogger(__name__)
 
@@ -48,9 +48,9 @@ def build(config: EngineConfig) -> ServedModel:
 
 
 def _build_hf(config: EngineConfig, engine_thread: ThreadPoolExecutor) -> ServedModel:
-    from engine import loader
-    from engine.heap import trim_heap
-    from engine.hf_engine import HFEngine
+    from engine.core.heap import trim_heap
+    from engine.runtime import loader
+    from engine.runtime.batch_engine import HFEngine
 
     governor = thread_team(config)
     loaded = loader.load(config.model, config.dtype)
@@ -83,9 +83,9 @@ def quantized_weights(loaded: LoadedModel, quantization: str) -> dict[str, Quant
     """The matrices to multiply in quantized blocks for ``--quantization`` (``None``: all dense): ``native``, a
     GGUF's own Q4_0/Q4_1/Q8_0/Q4_K/Q6_K blocks; ``int8``, every linear layer quantized per output channel now; ``auto``,
     ``native`` where it can serve (a GGUF llama on the CPU, native kernels built), else none."""
-    from engine import gguf_weights, kernels
-    from engine.model_runner import LlamaRunner
-    from engine.quantized_weights import int8_weights
+    from engine.runtime import gguf_weights, kernels
+    from engine.runtime.model_runner import LlamaRunner
+    from engine.runtime.quantized_weights import int8_weights
 
     if quantization == "none":
         return None
@@ -113,7 +113,7 @@ def thread_team(config: EngineConfig) -> ThreadGovernor | None:
     that resizes it as other processes take or leave CPUs (None when pinned)."""
     import torch
 
-    from engine.thread_governor import ThreadGovernor
+    from engine.core.thread_governor import ThreadGovernor
 
     threads = team_size(config)
     torch.set_num_threads(threads)
@@ -141,8 +141,8 @@ def team_size(config: EngineConfig) -> int:
 def batch_mode(loaded: LoadedModel, quantized: dict[str, QuantizedWeight] | None, config: EngineConfig) -> BatchMode:
     """``--batch-invariant`` resolved: the probe's times of both matmul paths on this CPU (for the lean llama
     runner on the CPU; other models have no choice to make)."""
-    from engine.model_runner import LlamaRunner
-    from engine.path_probe import probe
+    from engine.runtime.model_runner import LlamaRunner
+    from engine.runtime.path_probe import probe
 
     model = loaded.model
     if not (LlamaRunner.supports(model) and model.device.type == "cpu"):

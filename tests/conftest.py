@@ -37,7 +37,7 @@ def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
 @pytest.fixture(scope="session")
 def real_model():
     """The default model, loaded once per test session (converted from GGUF on first use)."""
-    from engine import loader
+    from engine.runtime import loader
 
     return loader.load(loader.DEFAULT_MODEL)
 
@@ -58,7 +58,7 @@ def tiny_gpt2_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
 @pytest.fixture(scope="session")
 def served_model():
     """The default model as `make serve` loads it: dtype `auto` (bfloat16 where this CPU runs it faster)."""
-    from engine import loader
+    from engine.runtime import loader
 
     return loader.load(loader.DEFAULT_MODEL, "auto")
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 import torch
 from transformers import PreTrainedModel
 
-from engine.hf_engine import HFEngine
-from engine.types import GenerationRequest, TokenLogprob
+from engine.core.types import GenerationRequest, TokenLogprob
+from engine.runtime.batch_engine import HFEngine
 
 
 def make_engine(model: PreTrainedModel, eos: frozenset[int], **overrides: int | str) -> HFEngine:

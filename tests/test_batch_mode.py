@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine.batch_mode import AUTO_MAX_COST, PathTimes, choose, crossover
+from engine.core.batch_mode import AUTO_MAX_COST, PathTimes, choose, crossover
 
 ROWS = (1, 8, 16, 32, 64, 128)
 # Matmul seconds per step, as measured on the project's machines (bench/README.md, "Batch invariance").

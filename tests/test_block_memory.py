@@ -12,8 +12,8 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
-from engine.hf_engine import HFEngine
-from engine.types import GenerationRequest, SamplingParams
+from engine.core.types import GenerationRequest, SamplingParams
+from engine.runtime.batch_engine import HFEngine
 
 BLOCK = 16
 
@@ -219,8 +219,8 @@ def test_accounting_after_aborts_failures_and_reset(tiny_pair, monkeypatch: pyte
 def test_real_model_streams_through_preemption_read_as_without_it(real_model) -> None:
     """The default model in float32 through the scheduler: six streams in a pool of 20 blocks, where they are
     preempted and resumed, stream the same text, token for token, as in a roomy pool."""
-    from engine.scheduler import RequestStream, Scheduler
-    from engine.tokenizer import HFTokenizer
+    from engine.core.scheduler import RequestStream, Scheduler
+    from engine.core.tokenizer import HFTokenizer
 
     tokenizer = HFTokenizer(real_model.tokenizer, real_model.eos_token_ids)
     texts = ["The history of", "My grandmother's recipe for", "Rivers of Europe:", "In the year 3000,",

@@ -9,7 +9,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from engine.block_pool import BlockPool, NoFreeBlocks, block_hash, prefix_hashes
+from engine.core.block_pool import BlockPool, NoFreeBlocks, block_hash, prefix_hashes
 
 SIZE = 4
 

@@ -53,9 +53,9 @@ def test_threads_and_batch_invariance_reach_the_engine() -> None:
 
 
 def test_a_pinned_team_has_no_governor_and_auto_is_capped_by_omp_num_threads(monkeypatch) -> None:
-    from engine import cpu
     from engine.chooser import team_size, thread_team
-    from engine.config import EngineConfig
+    from engine.core import cpu
+    from engine.core.config import EngineConfig
 
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     assert team_size(EngineConfig(threads=5)) == 5

@@ -22,9 +22,9 @@ from cluster.backend import RayBackend, RemoteStream, _ReplicaCollector
 from cluster.deployments import app_builder, engine_options, flags
 from cluster.replica import Accepted, Failed, Rejected
 from cluster.routing import PrefixAffinity
-from engine.block_pool import prefix_hashes
-from engine.scheduler import Delta, EngineError, QueueFullError
-from engine.types import GenerationRequest
+from engine.core.block_pool import prefix_hashes
+from engine.core.scheduler import Delta, EngineError, QueueFullError
+from engine.core.types import GenerationRequest
 
 ROOT = Path(__file__).resolve().parent.parent
 

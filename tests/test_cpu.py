@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.cpu import NeighbourMeter, cgroup_quota, cpu_budget
+from engine.core.cpu import NeighbourMeter, cgroup_quota, cpu_budget
 
 
 def write(path: Path, text: str) -> None:

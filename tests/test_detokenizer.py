@@ -1,7 +1,7 @@
 from __future__ import annotations
 
-from engine.detokenizer import IncrementalDetokenizer
-from engine.tokenizer import ByteTokenizer
+from engine.core.detokenizer import IncrementalDetokenizer
+from engine.core.tokenizer import ByteTokenizer
 
 
 def test_multibyte_characters_are_held_back_until_complete() -> None:

@@ -6,9 +6,9 @@ from collections.abc import Callable
 
 import pytest
 
-from engine.base import InferenceEngine
-from engine.fake_engine import FakeEngine
-from engine.types import GenerationRequest, StepOutput
+from engine.core.fake_engine import FakeEngine
+from engine.core.seam import InferenceEngine
+from engine.core.types import GenerationRequest, StepOutput
 
 MAX_MODEL_LEN = 64
 
@@ -20,7 +20,7 @@ def _fake() -> InferenceEngine:
 def _hf(tiny_llama_dir: str) -> InferenceEngine:
     from transformers import AutoModelForCausalLM
 
-    from engine.hf_engine import HFEngine
+    from engine.runtime.batch_engine import HFEngine
 
     model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir)
     return HFEngine(

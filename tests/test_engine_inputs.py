@@ -17,12 +17,12 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 from transformers import AutoModelForCausalLM
 
-from engine.batch_mode import BatchMode
-from engine.config import EngineConfig
-from engine.hf_engine import HFEngine
-from engine.scheduler import EngineError, Scheduler
-from engine.tokenizer import HFTokenizer
-from engine.types import GenerationRequest
+from engine.core.batch_mode import BatchMode
+from engine.core.config import EngineConfig
+from engine.core.scheduler import EngineError, Scheduler
+from engine.core.tokenizer import HFTokenizer
+from engine.core.types import GenerationRequest
+from engine.runtime.batch_engine import HFEngine
 
 BUDGET = EngineConfig().max_num_batched_tokens  # the default step budget: 256 tokens
 MAX_LEN = 1024  # a --max-model-len, so that prompts reach the context limit in test time
@@ -227,7 +227,7 @@ def test_a_failed_step_logs_what_it_held_and_the_engine_serves_on(
         finally:
             await scheduler.stop()
 
-    with caplog.at_level(logging.ERROR, logger="engine.scheduler"):
+    with caplog.at_level(logging.ERROR, logger="engine.core.scheduler"):
         tokens = asyncio.run(run())
     assert len(tokens) == 4
     logged = caplog.text
@@ -252,7 +252,7 @@ def test_grammar_masks_follow_their_rows_as_sequences_join_and_leave(served_path
     """Constrained and free requests arrive staggered and finish at different steps, so rows shift between
     steps: each constrained output is one of its own choices (no two requests share one), and each free greedy
     output is bitwise what it was alone."""
-    from engine.grammar import Grammars
+    from engine.core.grammar import Grammars
 
     served_model, quantized = served_path
     tokenizer = HFTokenizer(served_model.tokenizer, served_model.eos_token_ids)

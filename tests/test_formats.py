@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 
 from app.formats import ChatFormat, Choice, CompletionFormat, token_string
-from engine.scheduler import Delta
-from engine.tokenizer import ByteTokenizer
-from engine.types import TokenLogprob
+from engine.core.scheduler import Delta
+from engine.core.tokenizer import ByteTokenizer
+from engine.core.types import TokenLogprob
 
 BYTES = ByteTokenizer()
 A, B, C = ord("a"), ord("b"), ord("c")
@@ -69,7 +69,7 @@ def test_streamed_offsets_continue_across_deltas() -> None:
 
 @pytest.mark.real_model
 def test_the_real_tokenizers_special_and_multibyte_tokens(real_model) -> None:
-    from engine.tokenizer import HFTokenizer
+    from engine.core.tokenizer import HFTokenizer
 
     tokenizer = HFTokenizer(real_model.tokenizer, real_model.eos_token_ids)
     text = "<|im_start|>user\nhéllo 日本<|im_end|>"

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.grammar import GrammarError, Grammars
-from engine.sampler import Row, select_tokens
-from engine.tokenizer import ByteTokenizer
-from engine.types import GREEDY, SamplingParams
+from engine.core.grammar import GrammarError, Grammars
+from engine.core.tokenizer import ByteTokenizer
+from engine.core.types import GREEDY, SamplingParams
+from engine.runtime.sampler import Row, select_tokens
 
 BYTES = ByteTokenizer()
 

@@ -12,13 +12,14 @@ import torch
 from engine_helpers import make_engine, prompt_ids, reference, run_staggered
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
-from engine import chooser, kernels
-from engine.config import EngineConfig
-from engine.hf_engine import HFEngine
-from engine.kv_cache import BlockKVCache, StepBatch
-from engine.scheduler import Scheduler
-from engine.tokenizer import HFTokenizer
-from engine.types import GenerationRequest
+from engine import chooser
+from engine.core.config import EngineConfig
+from engine.core.scheduler import Scheduler
+from engine.core.tokenizer import HFTokenizer
+from engine.core.types import GenerationRequest
+from engine.runtime import kernels
+from engine.runtime.batch_engine import HFEngine
+from engine.runtime.kv_cache import BlockKVCache, StepBatch
 
 
 @pytest.fixture(scope="module", params=["llama", "gpt2"])
@@ -221,7 +222,7 @@ def test_the_pool_costs_what_is_written_asks_for_huge_pages_and_gives_pages_back
 @pytest.mark.real_model
 def test_real_model_serves_from_its_gguf_blocks() -> None:
     """The default `--quantization auto`: the default model's Q4_1 and Q8_0 matrices multiplied in their blocks."""
-    from engine.quantized_weights import PackedWeight
+    from engine.runtime.quantized_weights import PackedWeight
 
     served = chooser.build(EngineConfig(max_batch_size=2))
     assert isinstance(served.engine, HFEngine) and served.engine_thread is not None
@@ -246,7 +247,7 @@ def test_int8_quantizes_a_llama_s_linear_layers_and_refuses_other_architectures(
 ) -> None:
     from types import SimpleNamespace
 
-    from engine.quantized_weights import SUPPORTED
+    from engine.runtime.quantized_weights import SUPPORTED
 
     loaded = SimpleNamespace(gguf=None, model=AutoModelForCausalLM.from_pretrained(tiny_llama_dir))
     weights = chooser.quantized_weights(loaded, "int8")

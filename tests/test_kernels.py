@@ -6,9 +6,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine import kernels
-from engine.kv_cache import KEY_TILE, tile_keys, untile_keys
-from engine.model_runner import _add_norm, _rope, _silu_mul
+from engine.runtime import kernels
+from engine.runtime.kv_cache import KEY_TILE, tile_keys, untile_keys
+from engine.runtime.model_runner import _add_norm, _rope, _silu_mul
 
 
 def _reference(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, lengths: list[int]) -> torch.Tensor:

@@ -17,8 +17,8 @@ from starlette.testclient import TestClient
 from app.limits import BodyLimitMiddleware, RequestLimits
 from app.server import ServerConfig, create_app
 from engine.chooser import ServedModel
-from engine.fake_engine import FakeEngine
-from engine.tokenizer import HFTokenizer
+from engine.core.fake_engine import FakeEngine
+from engine.core.tokenizer import HFTokenizer
 
 MODEL = "SmolLM2-135M-Instruct"
 CONTEXT = 8192

@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.model_runner import DENSE_TILE, linear, prepack
+from engine.runtime.model_runner import DENSE_TILE, linear, prepack
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -26,7 +26,7 @@ def test_each_rows_product_is_the_same_for_any_number_of_rows(served_model, thre
     it sits among them, or how many threads the team runs (the governor resizes it between steps). Checked on the
     served model's own dense weights, packed, in the default dtype, as the invariant runner multiplies them (in
     tiles of DENSE_TILE rows): before the tiles, oneDNN's AMX bfloat16 kernel changed row 0 at 33+ rows."""
-    from engine.model_runner import LlamaRunner
+    from engine.runtime.model_runner import LlamaRunner
 
     runner = LlamaRunner(served_model.model, 64)
     assert runner.tile == DENSE_TILE

@@ -19,9 +19,9 @@ import uvicorn
 
 from app.server import ServerConfig, create_app
 from engine.chooser import ServedModel
-from engine.fake_engine import FakeEngine
-from engine.scheduler import Scheduler
-from engine.tokenizer import ByteTokenizer
+from engine.core.fake_engine import FakeEngine
+from engine.core.scheduler import Scheduler
+from engine.core.tokenizer import ByteTokenizer
 
 
 @dataclass

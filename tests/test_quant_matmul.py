@@ -8,8 +8,8 @@ import pytest
 import torch
 from gguf.quants import GGMLQuantizationType, dequantize, quantize
 
-from engine import kernels
-from engine.quantized_weights import PackedParts, PackedWeight, QuantizedWeight, int8_weight, int8_weights
+from engine.runtime import kernels
+from engine.runtime.quantized_weights import PackedParts, PackedWeight, QuantizedWeight, int8_weight, int8_weights
 
 TYPES = [GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0]
 
@@ -193,7 +193,7 @@ def test_an_engine_on_quantized_blocks_matches_the_dequantized_one_and_stays_bat
     from engine_helpers import make_engine, prompt_ids, run_outputs
     from transformers import AutoModelForCausalLM
 
-    from engine.types import GenerationRequest
+    from engine.core.types import GenerationRequest
 
     model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir)
     quantized = quantize_model(model, kind)
@@ -217,7 +217,7 @@ def test_an_engine_on_k_quant_blocks_matches_the_dequantized_one(mixed: bool) ->
     from engine_helpers import make_engine, prompt_ids, run_outputs
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from engine.types import GenerationRequest
+    from engine.core.types import GenerationRequest
 
     torch.manual_seed(0)
     config = LlamaConfig(
@@ -254,7 +254,7 @@ def test_a_layer_in_one_native_call_is_bitwise_the_op_by_op_path(tiny_llama_dir)
     from engine_helpers import make_engine, prompt_ids, run_outputs
     from transformers import AutoModelForCausalLM
 
-    from engine.types import GenerationRequest
+    from engine.core.types import GenerationRequest
 
     model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir)
     quantized = quantize_model(model, "Q4_0")
@@ -270,7 +270,7 @@ def test_a_layer_in_one_native_call_is_bitwise_the_op_by_op_path(tiny_llama_dir)
 def test_the_default_gguf_s_blocks_are_the_loaded_model_s_weights(real_model) -> None:
     """Read back from the file, each quantized matrix dequantizes to exactly the weight transformers loaded (the
     query and key rows put back in its order)."""
-    from engine import gguf_weights
+    from engine.runtime import gguf_weights
 
     config = real_model.model.config
     weights = gguf_weights.read(real_model.gguf, config.num_attention_heads, config.num_key_value_heads)
@@ -298,8 +298,8 @@ def test_the_default_model_on_its_blocks_scores_text_as_its_dequantized_weights_
 
     from engine_helpers import make_engine
 
-    from engine import gguf_weights
-    from engine.types import GenerationRequest
+    from engine.core.types import GenerationRequest
+    from engine.runtime import gguf_weights
 
     config = real_model.model.config
     blocks = gguf_weights.read(real_model.gguf, config.num_attention_heads, config.num_key_value_heads)

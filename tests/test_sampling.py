@@ -6,10 +6,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from engine import sampler
-from engine.hf_engine import HFEngine
-from engine.sampler import Row, select_tokens
-from engine.types import GREEDY, GenerationRequest, SamplingParams
+from engine.core.types import GREEDY, GenerationRequest, SamplingParams
+from engine.runtime import sampler
+from engine.runtime.batch_engine import HFEngine
+from engine.runtime.sampler import Row, select_tokens
 
 
 @pytest.fixture(scope="module")

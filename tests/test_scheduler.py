@@ -7,10 +7,10 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 import pytest
 
-from engine.fake_engine import FakeEngine
-from engine.scheduler import Delta, EngineError, QueueFullError, RequestStream, Scheduler
-from engine.tokenizer import ByteTokenizer
-from engine.types import GenerationRequest, StepOutput
+from engine.core.fake_engine import FakeEngine
+from engine.core.scheduler import Delta, EngineError, QueueFullError, RequestStream, Scheduler
+from engine.core.tokenizer import ByteTokenizer
+from engine.core.types import GenerationRequest, StepOutput
 
 
 class RecordingEngine(FakeEngine):

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine.stop import StopMatcher
+from engine.core.stop import StopMatcher
 
 
 def run(deltas: list[str], stops: tuple[str, ...], include: bool = False) -> tuple[list[str], bool]:

@@ -7,11 +7,11 @@ import logging
 
 import pytest
 
-from engine.thread_governor import ThreadGovernor
+from engine.core.thread_governor import ThreadGovernor
 
 
 class Machine:
-    """A clock, and a meter that reads, as ``engine/cpu.py``'s does, what other processes used on average since
+    """A clock, and a meter that reads, as ``engine/core/cpu.py``'s does, what other processes used on average since
     its last reading."""
 
     def __init__(self) -> None:
@@ -53,7 +53,7 @@ def test_a_busy_neighbour_takes_a_thread_and_gives_it_back(caplog: pytest.LogCap
     governor = machine.governor()
     machine.steps(governor, 2.0, 0.0)
     assert governor.threads == 2 and machine.team == []
-    with caplog.at_level(logging.INFO, "engine.thread_governor"):
+    with caplog.at_level(logging.INFO, "engine.core.thread_governor"):
         machine.steps(governor, 2.0, 0.8)  # one busy loop, sharing the cores with the team
     assert governor.threads == 1 and machine.team == [1]
     assert "2 -> 1 threads: other processes used 0.80 of this process's 2 CPUs" in caplog.text

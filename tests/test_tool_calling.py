@@ -14,8 +14,8 @@ from starlette.testclient import TestClient
 
 from app.server import ServerConfig, create_app
 from engine.chooser import ServedModel
-from engine.fake_engine import FakeEngine
-from engine.tokenizer import ByteTokenizer
+from engine.core.fake_engine import FakeEngine
+from engine.core.tokenizer import ByteTokenizer
 
 WEATHER = {
     "type": "function",

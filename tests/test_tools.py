@@ -13,8 +13,8 @@ from hypothesis import strategies as st
 
 from app.schema import Message, Tool
 from app.tools import CLOSE, OPEN, TOOL_PROMPT, ToolCalling, ToolCallParser, call_text, grammar, render
-from engine.grammar import Grammars
-from engine.tokenizer import ByteTokenizer
+from engine.core.grammar import Grammars
+from engine.core.tokenizer import ByteTokenizer
 
 WEATHER = Tool.model_validate(
     {

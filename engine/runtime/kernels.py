@@ -1,4 +1,4 @@
-"""Native CPU ops, compiled from ``engine/csrc`` on first use with the compiler torch's C++ extensions use.
+"""Native CPU ops, compiled from ``engine/runtime/csrc`` on first use with the compiler torch's C++ extensions use.
 
 The build takes ~15 s once and is cached under torch's extensions directory. Where there is no compiler, or
 ``SMOLSERVE_NATIVE_KERNELS=0``, callers get ``None`` and fall back to torch's own operators.

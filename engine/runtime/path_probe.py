@@ -1,4 +1,4 @@
-"""Times each matmul path of a llama model on this CPU, by rows, at start-up (``engine/batch_mode.py`` decides).
+"""Times each matmul path of a llama model on this CPU, by rows, at start-up (``engine/core/batch_mode.py`` decides).
 
 One layer's four projections (scaled by the number of layers) and the output layer, on the model's own weights
 in its dtype, on the engine's thread team: ~2 s. The best of three runs at each row count, the paths in turn.
@@ -12,9 +12,9 @@ from dataclasses import dataclass
 import torch
 from transformers import PreTrainedModel
 
-from engine.batch_mode import PathTimes
-from engine.model_runner import DENSE_TILE, LlamaRunner, _LlamaLayer, linear, prepack
-from engine.quantized_weights import PackedParts, PackedWeight, QuantizedWeight
+from engine.core.batch_mode import PathTimes
+from engine.runtime.model_runner import DENSE_TILE, LlamaRunner, _LlamaLayer, linear, prepack
+from engine.runtime.quantized_weights import PackedParts, PackedWeight, QuantizedWeight
 
 Weight = torch.Tensor | PackedWeight | PackedParts
 

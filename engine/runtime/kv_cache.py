@@ -2,7 +2,7 @@
 
 Layout. One tensor per model, ``[layers, 2 (key/value), kv_heads, num_blocks * block_size, head_dim]``: per
 layer and KV head, the pool's blocks of ``block_size`` positions one after another. A sequence holds the blocks
-its block table lists (``engine/block_pool.py`` hands them out and takes them back); its position ``p`` lies at
+its block table lists (``engine/core/block_pool.py`` hands them out and takes them back); its position ``p`` lies at
 physical position ``table[p // block_size] * block_size + p % block_size``. Each step writes every row's new K/V
 at its physical position (prompt rows and decode rows alike) and the attention reads through the rows' block
 tables, so no sequence's memory depends on another's length and nothing is ever moved.
@@ -20,7 +20,7 @@ positions laid out ``[head_dim / 4][16][4]``; values in pairs of positions laid 
 ``scales`` one float32 per stored key and value, ``[layers, 2, kv_heads, positions]``; ``csrc/int8_attention.cpp``
 writes and reads both.
 
-The attention that reads and writes this memory is ``engine/attention.py``.
+The attention that reads and writes this memory is ``engine/runtime/attention.py``.
 """
 
 from __future__ import annotations
@@ -30,25 +30,15 @@ from typing import Any
 
 import torch
 
-from engine import kernels
-from engine.os_memory import forget_pages, lazy_zeros
+from engine.core.config import BLOCK_SIZE
+from engine.core.planner import PrefillChunk
+from engine.runtime import kernels
+from engine.runtime.os_memory import forget_pages, lazy_zeros
 
 # Positions per tile of keys in the native kernel's layout; a block is a whole number of tiles.
 KEY_TILE = 16
-# Positions per block: one tile, so a prefix is reused to within 16 tokens (as vLLM's default block).
-BLOCK_SIZE = 16
 # What the native decode-attention kernel computes in (on the CPU).
 _NATIVE_DTYPES = (torch.float32, torch.bfloat16)
-
-
-@dataclass(slots=True)
-class PrefillChunk:
-    """Rows ``row : row + length`` of the step's packed input are positions ``start : start + length`` of one
-    sequence (its prompt, or on readmission after a preemption its prompt and what it generated)."""
-
-    row: int
-    start: int
-    length: int
 
 
 @dataclass(slots=True)

@@ -1,5 +1,5 @@
 """``--batch-invariant on|off|auto``: one numeric path for every row count, or the fastest path for each step.
-Torch-free: the decision over times that ``engine/path_probe.py`` measures at start-up.
+Torch-free: the decision over times that ``engine/runtime/path_probe.py`` measures at start-up.
 
 A row's result is the same alone or in any batch only while every step computes it the same way. The quantized
 kernel does so at every row count; dense products do so in fixed-shape tiles (``model_runner.DENSE_TILE``). But

@@ -1,8 +1,8 @@
-"""Attention over one step's packed rows, reading and writing the block KV memory of ``engine/kv_cache.py``.
+"""Attention over one step's packed rows, reading and writing the block KV memory of ``engine/runtime/kv_cache.py``.
 
 Every row of a step, a decoding sequence's new token or a prompt position of a prefill chunk, first stores its
 K/V at its physical position, then attends over its sequence's positions ``0..position`` through the sequence's
-block table. Where the native kernel could be built (``engine/csrc/decode_attention.cpp``, or the 8-bit cache's
+block table. Where the native kernel could be built (``engine/runtime/csrc/decode_attention.cpp``, or the 8-bit cache's
 ``int8_attention.cpp``) all rows attend in one call of it, prompt rows exactly as decode rows: a row's attention
 is then one fixed sequence of operations, whatever else the step holds, however its prompt was split into chunks
 and whether its prefix came from the prefix cache (batch-invariant greedy decoding rests on it). Elsewhere torch's
@@ -17,7 +17,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from engine.kv_cache import PrefillChunk, StepBatch
+from engine.core.planner import PrefillChunk
+from engine.runtime.kv_cache import StepBatch
 
 ATTENTION_NAME = "smolserve_blocks"
 

@@ -3,7 +3,7 @@
 A team that waits at a barrier in every parallel region runs at the pace of its slowest member: when another
 process takes one of two cores, the thread the OS parks stalls the whole step, and throughput fell to a tenth
 (measured: bench/README.md, "Busy neighbours"). So the governor watches how much of the process's CPUs other
-processes use (``engine/cpu.py``'s ``NeighbourMeter``) and runs the team on what is left: on 2 CPUs, one busy
+processes use (``engine/core/cpu.py``'s ``NeighbourMeter``) and runs the team on what is left: on 2 CPUs, one busy
 neighbour leaves 1 thread; when it goes, the team grows back. Each window (``window_s`` of stepping) gives a
 target; the team changes when two windows in a row agree, so a short burst elsewhere does not flap it.
 """

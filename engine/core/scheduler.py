@@ -17,11 +17,11 @@ from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from engine.base import InferenceEngine
-from engine.detokenizer import IncrementalDetokenizer
-from engine.stop import StopMatcher
-from engine.tokenizer import Tokenizer
-from engine.types import FinishReason, GenerationRequest, StepOutput, TokenLogprob
+from engine.core.detokenizer import IncrementalDetokenizer
+from engine.core.seam import InferenceEngine
+from engine.core.stop import StopMatcher
+from engine.core.tokenizer import Tokenizer
+from engine.core.types import FinishReason, GenerationRequest, StepOutput, TokenLogprob
 
 log = logging.getLogger(__name__)
 

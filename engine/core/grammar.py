@@ -1,6 +1,6 @@
 """Constrained decoding: grammars compiled by llguidance, one matcher per sequence. Torch-free.
 
-A request that asks for structured output carries a ``Matcher`` (``engine.types.Constraint``): each step the
+A request that asks for structured output carries a ``Matcher`` (``engine.core.types.Constraint``): each step the
 engine masks its row's logits to the tokens the matcher allows, then hands it the token chosen. Compiling a
 grammar (a JSON schema, a regex, a Lark grammar) happens once per distinct grammar, in the HTTP layer before
 admission, so that a bad grammar is a 400 and never a failure inside a step; each sequence then takes a copy of
@@ -18,7 +18,7 @@ from typing import Any
 
 import llguidance
 
-from engine.tokenizer import HFTokenizer, Tokenizer
+from engine.core.tokenizer import HFTokenizer, Tokenizer
 
 # JSON spelled as Python's json.dumps spells it (", " and ": ", no other white space): the style models saw most.
 # Free white space lets a small model spend its budget on it; compact JSON ("," and ":") is further from what

@@ -8,7 +8,7 @@ UTF-8 character (U+FFFD) until the next token completes it. The joined deltas eq
 
 from __future__ import annotations
 
-from engine.tokenizer import Tokenizer
+from engine.core.tokenizer import Tokenizer
 
 
 class IncrementalDetokenizer:

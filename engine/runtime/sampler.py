@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from engine.types import Constraint, SamplingParams, TokenLogprob
+from engine.core.types import Constraint, SamplingParams, TokenLogprob
 
 
 @dataclass(slots=True)

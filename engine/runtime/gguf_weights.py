@@ -1,5 +1,5 @@
 """A GGUF's quantized weight matrices as they are stored, for the native quantized matmul
-(``csrc/quant_matmul.cpp``, through ``engine/quantized_weights.py``). Q4_0, Q4_1, Q8_0, Q4_K and Q6_K are read;
+(``csrc/quant_matmul.cpp``, through ``engine/runtime/quantized_weights.py``). Q4_0, Q4_1, Q8_0, Q4_K and Q6_K are read;
 matrices of other types are left to the dense path.
 
 Names are transformers' llama names (``model.layers.3.mlp.up_proj.weight``); the rows of the query and key
@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from engine.quantized_weights import SUPPORTED, QuantizedWeight
+from engine.runtime.quantized_weights import SUPPORTED, QuantizedWeight
 
 _LAYER_NAMES = {
     "attn_q": "self_attn.q_proj",

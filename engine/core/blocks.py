@@ -1,10 +1,9 @@
-"""Each sequence's block table over the pool of ``engine/block_pool.py``, as the attention kernels read them.
+"""Each sequence's blocks of the pool (``engine/core/block_pool.py``), as the planner grants them.
 
-A sequence's table lists the blocks that hold its positions in order; all tables are rows of one int32 tensor,
-``[max_sequences, blocks per longest sequence]``, updated in place as blocks are added, so a step's tables are
-one index of it. Here too: growing a table (and failing to, when the pool is out of blocks), taking a cached
-prefix into a new table (copying the one block it shares only in part), and hashing a sequence's blocks into the
-prefix cache as they fill.
+A sequence holds a row (its table's index) and the blocks that hold its positions, in order. Here: growing a
+sequence's blocks (and failing to, when the pool is out of blocks), taking a cached prefix into a new sequence
+(copying the one block it shares only in part), and hashing a sequence's blocks into the prefix cache as they
+fill. ``engine/runtime/block_tables.py`` mirrors every grant into the tensor the attention kernels read.
 """
 
 from __future__ import annotations
@@ -12,9 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-import torch
-
-from engine.block_pool import ROOT_HASH, BlockPool, NoFreeBlocks, block_hash
+from engine.core.block_pool import ROOT_HASH, BlockPool, NoFreeBlocks, block_hash
 
 
 @dataclass(slots=True, eq=False)
@@ -26,26 +23,24 @@ class SeqBlocks:
     hashes: list[bytes] = field(default_factory=list)
 
 
-class BlockTables:
-    def __init__(
-        self,
-        pool: BlockPool,
-        max_sequences: int,
-        max_positions: int,
-        device: torch.device,
-        caching: bool = True,
-    ) -> None:
+class BlockLedger:
+    """Which blocks each sequence holds; a subclass mirrors them where a kernel reads them (``_assign``)."""
+
+    def __init__(self, pool: BlockPool, max_sequences: int, caching: bool = True) -> None:
         """``caching``: keep full blocks in the prefix cache after their sequence leaves, and reuse them."""
         self.pool = pool
         self.block_size = pool.block_size
         self.caching = caching
-        self.table = torch.zeros(max_sequences, -(-max_positions // self.block_size), dtype=torch.int32, device=device)
+        self.max_sequences = max_sequences
         self._free_rows = list(range(max_sequences - 1, -1, -1))
+
+    def _assign(self, row: int, index: int, block: int) -> None:
+        """The ``index``-th block of the sequence in ``row`` is now ``block``."""
 
     def reset(self) -> None:
         """Forget every sequence and every cached block: a fresh pool of the same size, every row free."""
         self.pool = BlockPool(self.pool.num_blocks, self.block_size)
-        self._free_rows = list(range(self.table.shape[0] - 1, -1, -1))
+        self._free_rows = list(range(self.max_sequences - 1, -1, -1))
 
     def blocks_for(self, positions: int) -> int:
         return -(-positions // self.block_size)
@@ -72,7 +67,7 @@ class BlockTables:
                 block = self.pool.allocate()
             except NoFreeBlocks:
                 return False
-            self.table[seq.row, len(seq.blocks)] = block
+            self._assign(seq.row, len(seq.blocks), block)
             seq.blocks.append(block)
         return True
 
@@ -85,7 +80,7 @@ class BlockTables:
             return 0
         found = self.pool.match(tokens[:limit], queried=len(tokens))
         for block in found:
-            self.table[seq.row, len(seq.blocks)] = block
+            self._assign(seq.row, len(seq.blocks), block)
             seq.blocks.append(block)
         seq.hashes.extend(self.pool.hash_of(block) or b"" for block in found)
         held = len(found) * self.block_size
@@ -119,8 +114,3 @@ class BlockTables:
     def slots(self, seq: SeqBlocks, start: int, end: int) -> list[int]:
         """The physical positions of the sequence's positions ``start..end-1``."""
         return [self.slot(seq, position) for position in range(start, end)]
-
-    def rows(self, rows: list[int], positions: int) -> torch.Tensor:
-        """The tables of ``rows`` (one per packed row of a step), wide enough for ``positions`` positions."""
-        index = torch.tensor(rows, dtype=torch.long, device=self.table.device)
-        return self.table[index, : self.blocks_for(positions)]

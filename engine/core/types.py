@@ -36,7 +36,7 @@ GREEDY = SamplingParams()
 
 
 class Constraint(Protocol):
-    """What one sequence may generate next (structured output): ``engine/grammar.py``'s ``Matcher``."""
+    """What one sequence may generate next (structured output): ``engine/core/grammar.py``'s ``Matcher``."""
 
     def allowed_tokens(self) -> bytes:
         """A bitmask over the vocabulary: bit ``t % 8`` of byte ``t // 8`` is set when token ``t`` may come next."""

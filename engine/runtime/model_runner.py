@@ -19,10 +19,10 @@ import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface, PreTrainedModel
 
-from engine import kernels
-from engine.attention import ATTENTION_NAME, attend, block_attention
-from engine.kv_cache import StepBatch
-from engine.quantized_weights import PackedParts, PackedWeight, QuantizedWeight
+from engine.runtime import kernels
+from engine.runtime.attention import ATTENTION_NAME, attend, block_attention
+from engine.runtime.kv_cache import StepBatch
+from engine.runtime.quantized_weights import PackedParts, PackedWeight, QuantizedWeight
 
 AttentionInterface.register(ATTENTION_NAME, block_attention)
 log = logging.getLogger(__name__)
@@ -44,7 +44,7 @@ def make_runner(
     dense_from_rows: int | None = None,
 ) -> ModelRunner:
     """The runner for ``model``, for sequences of up to ``max_positions`` positions; ``quantized``: weight
-    matrices to multiply in their GGUF blocks (``engine/gguf_weights.py``), by transformers' name. ``invariant``
+    matrices to multiply in their GGUF blocks (``engine/runtime/gguf_weights.py``), by transformers' name. ``invariant``
     and ``dense_from_rows``: see ``LlamaRunner`` (other architectures run as transformers computes them)."""
     model.eval()
     if LlamaRunner.supports(model):
@@ -165,7 +165,7 @@ class LlamaRunner:
         ``invariant``: every row of a dense product is computed in ``DENSE_TILE``-row calls, so that a row's
         result does not depend on its batchmates. ``dense_from_rows`` (not invariant, some matrices quantized):
         steps of at least this many rows multiply a dense copy of the weights instead, where the CPU's dense
-        kernels (oneDNN's AMX bfloat16 ones) outrun the quantized kernel (``engine/batch_mode.py``)."""
+        kernels (oneDNN's AMX bfloat16 ones) outrun the quantized kernel (``engine/core/batch_mode.py``)."""
         quantized = quantized or {}
         self.tile = DENSE_TILE if invariant else None
         config = model.config

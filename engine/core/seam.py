@@ -5,7 +5,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from typing import Any
 
-from engine.types import FinishReason, GenerationRequest, MemoryStats, StepOutput
+from engine.core.types import FinishReason, GenerationRequest, MemoryStats, StepOutput
 
 
 class InferenceEngine(ABC):

@@ -1,6 +1,6 @@
 """Weight matrices in quantized blocks, as the native matmul (``csrc/quant_matmul.cpp``) reads them.
 
-``QuantizedWeight`` is a matrix in GGML's block layout: read from a GGUF file (``engine/gguf_weights.py``), or
+``QuantizedWeight`` is a matrix in GGML's block layout: read from a GGUF file (``engine/runtime/gguf_weights.py``), or
 made at load from a dense model's weights (``int8_weights``, ``--quantization int8``). ``PackedWeight`` is the same
 blocks regrouped once for the kernel (8 rows side by side) and multiplies activations; ``PackedParts`` several of
 them as one fused projection.
@@ -30,7 +30,7 @@ class QuantizedWeight:
 
     def pack(self) -> PackedWeight:
         """The blocks regrouped as the native matmul reads them (``quant_pack``: 8 rows' blocks side by side)."""
-        from engine import kernels
+        from engine.runtime import kernels
 
         ops = kernels.native_ops()
         if ops is None:
@@ -58,14 +58,14 @@ class PackedWeight:
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """``x @ W.T`` for ``x`` ``[rows, in]``."""
-        from engine import kernels
+        from engine.runtime import kernels
 
         return kernels.native_ops().quant_linear(x, self.data, self.qtype, self.out_features)
 
     def rows(self, index: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Rows ``index`` dequantized to ``dtype``, ``[len(index), in]`` (an embedding lookup): each weight as
         GGUF's own dequantization computes it, ``d * q`` (``+ m`` for the 4-bit types)."""
-        from engine import kernels
+        from engine.runtime import kernels
 
         return kernels.native_ops().quant_rows(self.data, self.qtype, index).to(dtype)
 

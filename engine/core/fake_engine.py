@@ -1,0 +1,108 @@
+"""A deterministic, torch-free engine with the real engine's lifecycle and plan, for scheduler and HTTP tests."""
+
+from __future__ import annotations
+
+import time
+
+from engine.core.block_pool import BlockPool
+from engine.core.blocks import BlockLedger
+from engine.core.config import BLOCK_SIZE
+from engine.core.planner import Plan, Planner
+from engine.core.seam import InferenceEngine
+from engine.core.tokenizer import ByteTokenizer
+from engine.core.types import Constraint, GenerationRequest, MemoryStats, StepOutput, TokenLogprob
+
+_ALPHABET = b"abcdefghijklmnopqrstuvwxyz"
+
+
+class FakeEngine(InferenceEngine):
+    """Generates the letters a, b, c, ... cyclically; one token per sequence per step.
+
+    Planned by the real engine's planner (``engine/core/planner.py``) over a pool of blocks with no tensors: a
+    newcomer's first token comes from the next ``step`` (its prefill), a sequence leaves in the step that produces
+    its last token, and finished sequences' full blocks stay in the prefix cache, so cached prompt tokens are
+    reported as the real engine reports them. Its step budget and pool hold every slot's longest sequence, so a
+    prompt prefills in one step and nothing is preempted. ``eos_after`` makes every sequence emit the
+    end-of-sequence token as its n-th token; ``fail_on_step`` makes the n-th step raise, to test the scheduler's
+    recovery; ``step_delay`` makes each step take that long, like a real forward.
+    """
+
+    def __init__(
+        self,
+        capacity: int = 8,
+        max_model_len: int = 256,
+        eos_after: int | None = None,
+        step_delay: float = 0.0,
+    ) -> None:
+        self.capacity = capacity
+        self.max_model_len = max_model_len
+        self.eos_after = eos_after
+        self.step_delay = step_delay
+        self.num_tokens = 0
+        self.fail_on_step: int | None = None
+        self.num_steps = 0
+        num_blocks = 2 * capacity * -(-max_model_len // BLOCK_SIZE)
+        self.planner = Planner(
+            BlockLedger(BlockPool(num_blocks, BLOCK_SIZE), capacity),
+            capacity=capacity,
+            max_model_len=max_model_len,
+            max_num_batched_tokens=capacity * max_model_len,
+            eos_token_ids=frozenset({ByteTokenizer.EOS}),
+        )
+
+    def num_active(self) -> int:
+        return len(self.planner.seqs)
+
+    def can_admit(self, request: GenerationRequest) -> bool:
+        return self.planner.can_admit(request)
+
+    def admit(self, requests: list[GenerationRequest]) -> list[int]:
+        return [seq.seq_id for seq in self.planner.admit(requests)]
+
+    def memory_stats(self) -> MemoryStats:
+        pool = self.planner.pool
+        return MemoryStats(
+            pool.num_blocks, pool.num_in_use, pool.num_cached, pool.num_free, pool.queried_tokens, pool.hit_tokens,
+            self.planner.num_preemptions,
+        )  # fmt: skip
+
+    def step(self) -> list[StepOutput]:
+        self.num_steps += 1
+        if self.fail_on_step == self.num_steps:
+            raise RuntimeError(f"injected engine fault at step {self.num_steps}")
+        plan = self.planner.plan()
+        if plan.empty:
+            return []
+        if self.step_delay:
+            time.sleep(self.step_delay)
+        outputs = self.planner.commit(plan, self._tokens(plan))
+        self.num_tokens += len(outputs)
+        return outputs
+
+    def describe_step(self) -> str:
+        return f"fake step {self.num_steps}"
+
+    def abort(self, seq_id: int) -> None:
+        self.planner.abort(seq_id)
+
+    def reset(self) -> None:
+        self.planner.reset()
+
+    def _tokens(self, plan: Plan) -> list[tuple[int, TokenLogprob | None]]:
+        """The next letter of each sampled sequence (or EOS as its ``eos_after``-th), as its grammar allows."""
+        tokens: list[tuple[int, TokenLogprob | None]] = []
+        for seq in plan.sampled:
+            n = len(seq.output_ids) + 1
+            token = ByteTokenizer.EOS if n == self.eos_after else _ALPHABET[(n - 1) % len(_ALPHABET)]
+            if seq.request.constraint is not None:
+                token = _allowed_token(seq.request.constraint, token)
+            tokens.append((token, None))
+        return tokens
+
+
+def _allowed_token(constraint: Constraint, wanted: int) -> int:
+    """``wanted`` if the constraint allows it, else the allowed token of the highest id (which, for JSON over
+    bytes, closes objects and strings: ``}`` and ``"`` sort above the other punctuation)."""
+    mask = constraint.allowed_tokens()
+    allowed = [t for t in range(len(mask) * 8) if mask[t // 8] >> (t % 8) & 1]
+    return wanted if wanted in allowed else max(allowed)

@@ -1,0 +1,234 @@
+"""The continuous batching engine over a HuggingFace causal LM: it carries out the planner's steps.
+
+The planner (``engine/core/planner.py``) decides who runs in a step, grants blocks, preempts, and commits the
+step's tokens; here each plan is packed into one forward (decode rows first, then prompt chunks) over the block KV
+cache (``engine/runtime/kv_cache.py``, tables in ``engine/runtime/block_tables.py``), its rows are sampled
+(``engine/runtime/sampler.py``), and prompt rows are scored when prompt logprobs were asked for.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from transformers import PreTrainedModel
+
+from engine.core.batch_mode import INVARIANT, BatchMode
+from engine.core.block_pool import BlockPool
+from engine.core.config import BLOCK_SIZE
+from engine.core.planner import Plan, Planner, PrefillChunk, Seq
+from engine.core.seam import InferenceEngine
+from engine.core.thread_governor import ThreadGovernor
+from engine.core.types import GenerationRequest, MemoryStats, StepOutput, TokenLogprob
+from engine.runtime.block_tables import BlockTables
+from engine.runtime.kv_cache import BlockKVCache, StepBatch
+from engine.runtime.model_runner import make_runner
+from engine.runtime.quantized_weights import QuantizedWeight
+from engine.runtime.sampler import Row, select_tokens, token_logprobs
+
+
+class HFEngine(InferenceEngine):
+    """Continuous batching: one packed forward per step over all decoding sequences and prefill chunks."""
+
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        *,
+        eos_token_ids: frozenset[int],
+        capacity: int,
+        max_model_len: int,
+        kv_cache_bytes: int,
+        max_num_batched_tokens: int,
+        kv_cache_dtype: str = "auto",
+        block_size: int = BLOCK_SIZE,
+        prefix_caching: bool = True,
+        quantized: dict[str, QuantizedWeight] | None = None,
+        batch_mode: BatchMode = INVARIANT,
+        governor: ThreadGovernor | None = None,
+    ) -> None:
+        """``quantized``: weight matrices to multiply in their GGUF blocks (``engine/runtime/gguf_weights.py``);
+        ``batch_mode``: one numeric path for every row count, or the fastest for each step
+        (``engine/core/batch_mode.py``); ``governor``: resizes the thread team between steps as other processes take
+        or leave CPUs."""
+        config = model.config
+        self._runner = make_runner(model, max_model_len, quantized, batch_mode.invariant, batch_mode.dense_from_rows)
+        self.batch_mode = batch_mode
+        self.governor = governor
+        self._device = model.device
+        self.eos_token_ids = eos_token_ids
+        self.capacity = capacity
+        self.max_model_len = max_model_len
+        self.max_num_batched_tokens = max_num_batched_tokens
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        num_kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+        shape = (config.num_hidden_layers, num_kv_heads, head_dim, model.dtype)
+        per_block = BlockKVCache.bytes_per_token(*shape, kv_cache_dtype) * block_size
+        num_blocks = kv_cache_bytes // per_block
+        if num_blocks * block_size < max_model_len + block_size:
+            raise ValueError(
+                f"a KV cache of {kv_cache_bytes} bytes holds {num_blocks * block_size} tokens, "
+                f"too few for one sequence of max_model_len={max_model_len}"
+            )
+        self.cache = BlockKVCache(*shape, self._device, num_blocks, block_size, kv_cache_dtype)
+        self.tables = BlockTables(
+            BlockPool(num_blocks, block_size), capacity, max_model_len, self._device, prefix_caching
+        )
+        self.planner = Planner(
+            self.tables,
+            capacity=capacity,
+            max_model_len=max_model_len,
+            max_num_batched_tokens=max_num_batched_tokens,
+            eos_token_ids=eos_token_ids,
+            copy_block=self.cache.copy_block,
+        )
+        self._plan_now: Plan | None = None  # the step being run, for describe_step
+
+    @property
+    def pool(self) -> BlockPool:
+        return self.tables.pool
+
+    # -- the seam -------------------------------------------------------------------------------------
+
+    @property
+    def num_preemptions(self) -> int:
+        return self.planner.num_preemptions
+
+    def num_active(self) -> int:
+        return len(self.planner.seqs)
+
+    def can_admit(self, request: GenerationRequest) -> bool:
+        return self.planner.can_admit(request)
+
+    def admit(self, requests: list[GenerationRequest]) -> list[int]:
+        seqs = self.planner.admit(requests)
+        for seq in seqs:
+            if seq.request.sampling.seed is not None:
+                seq.generator = torch.Generator(self._device).manual_seed(seq.request.sampling.seed)
+        return [seq.seq_id for seq in seqs]
+
+    def step(self) -> list[StepOutput]:
+        if self.governor is not None:
+            self.governor.before_step()
+        plan = self._plan_now = self.planner.plan()
+        if plan.empty:
+            return []
+        # A step may hold prompt chunks alone, none of them complete (a prompt longer than the step's budget
+        # on an idle engine): then no row is sampled, and the step only fills KV.
+        sampled = plan.sampled
+        scored = [(seq, chunk) for seq, chunk in plan.chunks if seq.scores_prompt]
+        logits = self._forward(plan, scored)
+        next_tokens: list[tuple[int, TokenLogprob | None]] = []
+        if sampled:
+            tokens, logprobs = select_tokens(logits[: len(sampled)], [self._row(seq) for seq in sampled])
+            next_tokens = list(zip(tokens.tolist(), logprobs, strict=True))
+        self._score_prompts(scored, logits[len(sampled) :])
+        outputs = self.planner.commit(plan, next_tokens)
+        if self.governor is not None:
+            self.governor.after_step()
+        return outputs
+
+    def describe_step(self) -> str:
+        """What the last step held: its rows, each sequence's prompt, position and chunk, the budget, the
+        dtype, the kernels and the pool; logged when a step fails."""
+        plan = self._plan_now
+        if plan is None:
+            return "no step yet"
+        attention = "int8" if self.cache.quantized else "native" if self.cache.native_attention else "torch"
+        pool = self.pool
+        return (
+            f"{plan.describe()}; step budget {self.max_num_batched_tokens} tokens; {self.cache.dtype}, {attention} "
+            f"attention, {type(self._runner).__name__}; KV blocks {pool.num_in_use} in use, {pool.num_cached} "
+            f"cached, {pool.num_free} free"
+        )
+
+    def abort(self, seq_id: int) -> None:
+        self.planner.abort(seq_id)
+
+    def reset(self) -> None:
+        """Drop every sequence and the prefix cache (a failed step may have left any block half-written)."""
+        self.planner.reset()
+
+    def memory_stats(self) -> MemoryStats:
+        pool = self.pool
+        return MemoryStats(
+            pool.num_blocks, pool.num_in_use, pool.num_cached, pool.num_free, pool.queried_tokens, pool.hit_tokens,
+            self.num_preemptions,
+        )  # fmt: skip
+
+    def runtime_info(self) -> dict[str, Any]:
+        mode = self.batch_mode
+        info: dict[str, Any] = {
+            "batch_invariant": mode.invariant,
+            "batch_invariant_mode": mode.requested,
+            "dense_from_rows": mode.dense_from_rows,
+            "invariance_cost": None if mode.cost is None else round(mode.cost, 3),
+        }
+        if self.governor is not None:
+            governor = self.governor
+            info.update(threads=governor.threads, max_threads=governor.max_threads, threads_reason=governor.reason)
+        return info
+
+    def release_idle_memory(self) -> None:
+        """Hand the pool's pages back to the OS when no block holds anything: no sequence, and nothing in the
+        prefix cache (which is kept across idle gaps: reusing it is its point)."""
+        if not self.planner.seqs and self.pool.num_cached == 0:
+            self.cache.release_memory()
+
+    # -- one step -------------------------------------------------------------------------------------
+
+    def _forward(self, plan: Plan, scored: list[tuple[Seq, PrefillChunk]]) -> torch.Tensor:
+        """Run the packed forward; return logits for the rows that yield a token (decode rows first), then
+        for every row of the ``scored`` chunks (prompts whose logprobs were asked for)."""
+        token_ids = [seq.output_ids[-1] for seq in plan.decoding]
+        positions = [seq.num_computed for seq in plan.decoding]
+        table_rows = [seq.blocks.row for seq in plan.decoding]
+        slots = [self.tables.slot(seq.blocks, seq.num_computed) for seq in plan.decoding]
+        for seq, chunk in plan.chunks:
+            end = chunk.start + chunk.length
+            token_ids.extend(seq.token_at(p) for p in range(chunk.start, end))
+            positions.extend(range(chunk.start, end))
+            table_rows.extend([seq.blocks.row] * chunk.length)
+            slots.extend(self.tables.slots(seq.blocks, chunk.start, end))
+        device = self._device
+        position_tensor = torch.tensor(positions, dtype=torch.long, device=device)
+        batch = StepBatch(
+            self.cache,
+            len(plan.decoding),
+            torch.tensor(slots, dtype=torch.long, device=device),
+            self.tables.rows(table_rows, max(positions) + 1),
+            position_tensor + 1,
+            [chunk for _, chunk in plan.chunks],
+        )
+        rows = None
+        if plan.chunks:
+            rows = list(range(len(plan.decoding)))
+            rows += [chunk.row + chunk.length - 1 for _, chunk in plan.completing]
+            rows += [row for _, chunk in scored for row in range(chunk.row, chunk.row + chunk.length)]
+        with torch.inference_mode():
+            return self._runner.forward(
+                torch.tensor(token_ids, dtype=torch.long, device=device),
+                position_tensor,
+                batch,
+                None if rows is None else torch.tensor(rows, dtype=torch.long, device=device),
+            )
+
+    def _score_prompts(self, scored: list[tuple[Seq, PrefillChunk]], logits: torch.Tensor) -> None:
+        """Each prompt position's logits score the next prompt token."""
+        offset = 0
+        for seq, chunk in scored:
+            assert seq.prompt_logprobs is not None
+            positions = range(chunk.start, min(chunk.start + chunk.length, seq.prompt_len - 1))
+            targets = torch.tensor([seq.request.prompt_ids[p + 1] for p in positions], device=logits.device)
+            num_top = [seq.request.prompt_logprobs or 0] * len(positions)
+            seq.prompt_logprobs += token_logprobs(logits[offset : offset + len(positions)], targets, num_top)
+            offset += chunk.length
+
+    def _row(self, seq: Seq) -> Row:
+        request = seq.request
+        banned: frozenset[int] = frozenset()
+        if len(seq.output_ids) < request.min_tokens:
+            banned = request.stop_token_ids | (frozenset() if request.ignore_eos else self.eos_token_ids)
+        return Row(
+            request.sampling, seq.generator, request.prompt_ids, seq.output_ids, banned, request.logprobs,
+            request.constraint,
+        )  # fmt: skip
