@@ -15,7 +15,8 @@ from prometheus_client import CollectorRegistry
 
 from app.metrics import EngineMetrics
 from engine.core.grammar import Grammars
-from engine.core.scheduler import Delta, Scheduler
+from engine.core.scheduler import Scheduler
+from engine.core.streams import Delta
 from engine.core.types import GenerationRequest
 
 

@@ -16,7 +16,7 @@ from typing import Any, Protocol
 
 from app.backend import Stream
 from app.tools import ToolCallParser
-from engine.core.scheduler import Delta
+from engine.core.streams import Delta
 from engine.core.tokenizer import Tokenizer
 from engine.core.types import FinishReason, TokenLogprob
 

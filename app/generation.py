@@ -22,7 +22,7 @@ from app.backend import Backend, Stream, Submission
 from app.errors import APIError, error_body
 from app.formats import Choice, Format
 from app.metrics import Metrics
-from engine.core.scheduler import Delta, EngineError
+from engine.core.streams import Delta, EngineError
 from engine.core.tokenizer import Tokenizer
 from engine.core.types import GenerationRequest
 

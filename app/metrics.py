@@ -10,7 +10,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from engine.core.scheduler import Delta
+from engine.core.streams import Delta
 from engine.core.types import MemoryStats
 
 PREFIX = "smolserve:"

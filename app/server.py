@@ -40,6 +40,7 @@ from app.middleware import APIKeyMiddleware, RequestIdMiddleware
 from app.schema import Message
 from app.tools import ToolCalling
 from engine.chooser import ServedModel
+from engine.core.config import IDLE_RELEASE_S, MAX_QUEUE
 from engine.core.grammar import Grammars
 from engine.core.heap import trim_heap
 from engine.core.scheduler import QueueFullError, Scheduler
@@ -61,9 +62,9 @@ class ServerConfig:
     #: The name clients must send as ``model``; ``None`` uses the model's own name.
     served_model_name: str | None = None
     #: Requests allowed to wait for a batch slot before new ones get 429.
-    max_queue: int = 256
+    max_queue: int = MAX_QUEUE
     #: Seconds the engine may sit idle before it hands back the KV memory it keeps for the next requests.
-    kv_cache_idle_release_s: float = 30.0
+    kv_cache_idle_release_s: float = IDLE_RELEASE_S
     #: When set, ``Authorization: Bearer <key>`` is required on /v1/* and /tokenize, /detokenize.
     api_key: str | None = None
     #: Origins allowed by CORS; empty means no CORS headers.

@@ -25,7 +25,8 @@ from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 
 from app.backend import Stream, Submission
 from cluster.replica import REPORT_INTERVAL_S, Accepted, Failed, Rejected
-from engine.core.scheduler import Delta, EngineError, QueueFullError
+from engine.core.scheduler import QueueFullError
+from engine.core.streams import Delta, EngineError
 
 log = logging.getLogger(__name__)
 

@@ -24,7 +24,8 @@ from app.server import ServerConfig, local_backend
 from engine import chooser
 from engine.core.config import EngineConfig
 from engine.core.grammar import Grammars
-from engine.core.scheduler import Delta, EngineError, QueueFullError
+from engine.core.scheduler import QueueFullError
+from engine.core.streams import Delta, EngineError
 from engine.core.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)

@@ -219,7 +219,8 @@ def test_accounting_after_aborts_failures_and_reset(tiny_pair, monkeypatch: pyte
 def test_real_model_streams_through_preemption_read_as_without_it(real_model) -> None:
     """The default model in float32 through the scheduler: six streams in a pool of 20 blocks, where they are
     preempted and resumed, stream the same text, token for token, as in a roomy pool."""
-    from engine.core.scheduler import RequestStream, Scheduler
+    from engine.core.scheduler import Scheduler
+    from engine.core.streams import RequestStream
     from engine.core.tokenizer import HFTokenizer
 
     tokenizer = HFTokenizer(real_model.tokenizer, real_model.eos_token_ids)

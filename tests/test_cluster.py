@@ -23,7 +23,8 @@ from cluster.deployments import app_builder, engine_options, flags
 from cluster.replica import Accepted, Failed, Rejected
 from cluster.routing import PrefixAffinity
 from engine.core.block_pool import prefix_hashes
-from engine.core.scheduler import Delta, EngineError, QueueFullError
+from engine.core.scheduler import QueueFullError
+from engine.core.streams import Delta, EngineError
 from engine.core.types import GenerationRequest
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -19,7 +19,8 @@ from transformers import AutoModelForCausalLM
 
 from engine.core.batch_mode import BatchMode
 from engine.core.config import EngineConfig
-from engine.core.scheduler import EngineError, Scheduler
+from engine.core.scheduler import Scheduler
+from engine.core.streams import EngineError
 from engine.core.tokenizer import HFTokenizer
 from engine.core.types import GenerationRequest
 from engine.runtime.batch_engine import HFEngine

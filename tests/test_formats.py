@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from app.formats import ChatFormat, Choice, CompletionFormat, token_string
-from engine.core.scheduler import Delta
+from engine.core.streams import Delta
 from engine.core.tokenizer import ByteTokenizer
 from engine.core.types import TokenLogprob
 

@@ -8,7 +8,8 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 import pytest
 
 from engine.core.fake_engine import FakeEngine
-from engine.core.scheduler import Delta, EngineError, QueueFullError, RequestStream, Scheduler
+from engine.core.scheduler import QueueFullError, Scheduler
+from engine.core.streams import Delta, EngineError, RequestStream
 from engine.core.tokenizer import ByteTokenizer
 from engine.core.types import GenerationRequest, StepOutput
 
