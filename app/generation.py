@@ -3,7 +3,7 @@
 A request becomes ``len(prompts) * best_of`` sequences, each its own ``RequestStream``, sharing the batch
 with everyone else's. Choice ``prompt_index * n + sample_index`` is built from sample ``sample_index`` of
 prompt ``prompt_index``; with ``best_of > n`` the ``n`` samples with the highest cumulative logprob win.
-The endpoint's wire format is a ``Format`` (``formats.py``): completions and chat differ only in how a choice
+The endpoint's wire format is a ``Format`` (``app/openai/``): completions and chat differ only in how a choice
 is shaped. Every chunk of a stream, and the whole response, carry the same ``created``: when the request came.
 """
 
@@ -17,11 +17,11 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from app import protocol
 from app.backend import Backend, Stream, Submission
-from app.errors import APIError, error_body
-from app.formats import Choice, Format
 from app.metrics import Metrics
+from app.openai.choices import Choice, Format, envelope, new_id, usage
+from app.openai.errors import APIError, error_body
+from app.openai.sampling import GenerationOptions
 from engine.core.streams import Delta, EngineError
 from engine.core.tokenizer import Tokenizer
 from engine.core.types import GenerationRequest
@@ -36,7 +36,7 @@ class Generation:
     tokenizer: Tokenizer
     model_name: str
     fmt: Format
-    options: protocol.GenerationOptions
+    options: GenerationOptions
     prompts: list[list[int]]
     echo_texts: list[str] | None  # the prompt text per prompt, when echoing
     arrived: float
@@ -47,7 +47,7 @@ class Generation:
     created: int = 0  # seconds since the epoch, one value for the whole response
 
     def __post_init__(self) -> None:
-        self.request_id = f"{self.fmt.id_prefix}-{protocol.new_id()}"
+        self.request_id = f"{self.fmt.id_prefix}-{new_id()}"
         self.created = int(time.time())
 
     @property
@@ -121,7 +121,7 @@ class Generation:
         return [(i, c.stream) for i, c in enumerate(self.choices) if c.stream is not None]
 
     def usage(self) -> dict[str, int]:
-        return protocol.usage(self.num_prompt_tokens, self.num_completion_tokens, self.num_cached_tokens)
+        return usage(self.num_prompt_tokens, self.num_completion_tokens, self.num_cached_tokens)
 
     # -- a whole response -------------------------------------------------------------------------------
 
@@ -137,16 +137,10 @@ class Generation:
             self.abort()
         winners = self._best()
         want_logprobs = self.options.logprobs is not None
-        return {
-            "id": self.request_id,
-            "object": self.fmt.object_name,
-            "created": self.created,
-            "model": self.model_name,
-            "choices": [self.fmt.choice(i, choice, want_logprobs) for i, choice in enumerate(winners)],
-            "usage": protocol.usage(
-                self.num_prompt_tokens, sum(len(c.token_ids) for c in winners), self.num_cached_tokens
-            ),
-        }
+        choices = [self.fmt.choice(i, choice, want_logprobs) for i, choice in enumerate(winners)]
+        response = envelope(self.request_id, self.fmt.object_name, self.created, self.model_name, choices)
+        num_completion = sum(len(c.token_ids) for c in winners)
+        return {**response, "usage": usage(self.num_prompt_tokens, num_completion, self.num_cached_tokens)}
 
     async def _collect(self, index: int, stream: Stream) -> None:
         choice = self.choices[index]
@@ -227,13 +221,7 @@ class Generation:
         out.put_nowait((index, None))
 
     def _chunk(self, choices: list[dict[str, Any]], usage: dict[str, Any] | None = None) -> str:
-        chunk: dict[str, Any] = {
-            "id": self.request_id,
-            "object": self.fmt.chunk_object_name,
-            "created": self.created,
-            "model": self.model_name,
-            "choices": choices,
-        }
+        chunk = envelope(self.request_id, self.fmt.chunk_object_name, self.created, self.model_name, choices)
         if self.options.include_usage:
             continuous = self.options.continuous_usage and usage is None
             chunk["usage"] = usage if usage is not None else (self.usage() if continuous else None)

@@ -23,7 +23,7 @@ from starlette.datastructures import Headers
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from app.errors import bad_request, error_body
+from app.openai.errors import bad_request, error_body
 
 
 @dataclass(slots=True, frozen=True)

@@ -1,343 +1,47 @@
-"""The Starlette application: OpenAI-compatible routes over the scheduler. Torch-free."""
+"""The Starlette application: the routes (``app/routes.py``) over the server state (``app/state.py``), with its
+middleware, error handlers and lifespan. Torch-free."""
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
-import dataclasses
-import json
-import time
-from collections.abc import AsyncIterator, Callable
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
-from typing import Any, Protocol, TypeVar
+from collections.abc import AsyncIterator
+from typing import Any
 
-from sse_starlette import EventSourceResponse
 from sse_starlette.sse import AppStatus
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.middleware.cors import CORSMiddleware
-from starlette.requests import ClientDisconnect, Request
-from starlette.responses import JSONResponse, Response
-from starlette.routing import Route
+from starlette.requests import ClientDisconnect
 
-from app import protocol, tools
-from app.backend import Backend, LocalBackend
-from app.errors import (
+from app.backend import Backend
+from app.limits import BodyLimitMiddleware
+from app.middleware import APIKeyMiddleware, RequestIdMiddleware
+from app.openai.errors import (
     APIError,
-    bad_request,
     handle_api_error,
     handle_client_disconnect,
     handle_http_exception,
     handle_unexpected,
 )
-from app.formats import ChatFormat, CompletionFormat, Format
-from app.generation import Generation
-from app.limits import BodyLimitMiddleware, RequestLimits, check_lists, check_text
-from app.metrics import Metrics
-from app.middleware import APIKeyMiddleware, RequestIdMiddleware
-from app.schema import Message
-from app.tools import ToolCalling
-from engine.chooser import ServedModel
-from engine.core.config import IDLE_RELEASE_S, MAX_QUEUE
-from engine.core.grammar import Grammars
-from engine.core.heap import trim_heap
-from engine.core.scheduler import QueueFullError, Scheduler
-from engine.core.tokenizer import Tokenizer
-
-T = TypeVar("T")
-#: Threads that parse, tokenize and render requests off the event loop: as many as the machine's two cores, so a
-#: burst of large requests queues here instead of taking the CPU from the engine's steps.
-PREPARE_WORKERS = 2
-#: A body this large has its memory handed back to the OS once its request is prepared.
-TRIM_AFTER_BYTES = 1 << 20
+from app.routes import ROUTES
+from app.state import Model, ServerConfig, ServerState
 
 # Streams end when their generation ends, also at shutdown: app/serve.py drains them before the server stops.
 AppStatus.disable_automatic_graceful_drain()
 
-
-@dataclass(slots=True, frozen=True)
-class ServerConfig:
-    #: The name clients must send as ``model``; ``None`` uses the model's own name.
-    served_model_name: str | None = None
-    #: Requests allowed to wait for a batch slot before new ones get 429.
-    max_queue: int = MAX_QUEUE
-    #: Seconds the engine may sit idle before it hands back the KV memory it keeps for the next requests.
-    kv_cache_idle_release_s: float = IDLE_RELEASE_S
-    #: When set, ``Authorization: Bearer <key>`` is required on /v1/* and /tokenize, /detokenize.
-    api_key: str | None = None
-    #: Origins allowed by CORS; empty means no CORS headers.
-    cors_origins: tuple[str, ...] = ()
-    #: Seconds between SSE comment lines (``: ping``) on a quiet stream; ``None`` sends none, as OpenAI does
-    #: (simple ``data:``-only parsers choke on them), but a proxy that cuts idle connections may need them.
-    sse_keepalive_s: float | None = None
-    #: What one request may ask before admission (``--max-request-bytes`` and list lengths: ``app/limits.py``).
-    limits: RequestLimits = field(default_factory=RequestLimits)
-
-
-class Model(Protocol):
-    """What the routes need to know of the model: ``engine.chooser.ServedModel`` in one process, what a replica
-    tells the ingress on a cluster."""
-
-    @property
-    def name(self) -> str: ...
-
-    @property
-    def tokenizer(self) -> Tokenizer: ...
-
-    @property
-    def max_model_len(self) -> int: ...
-
-
-def local_backend(served: ServedModel, config: ServerConfig, grammars: Grammars) -> LocalBackend:
-    """This process's scheduler over ``served``'s engine."""
-    scheduler = Scheduler(
-        served.engine,
-        served.tokenizer,
-        max_queue=config.max_queue,
-        engine_thread=served.engine_thread,
-        idle_release_s=config.kv_cache_idle_release_s,
-    )
-    return LocalBackend(scheduler, grammars)
-
-
-class _State:
-    """Everything the routes share, built once per app."""
-
-    def __init__(self, model: Model, config: ServerConfig, backend: Backend | None) -> None:
-        self.model_name = config.served_model_name or model.name
-        self.tokenizer = model.tokenizer
-        self.max_model_len = model.max_model_len
-        self.limits = config.limits
-        self.max_queue = config.max_queue
-        #: Characters of text (other than white space) that could still fit the context.
-        self.max_chars = self.max_model_len * model.tokenizer.max_token_chars
-        self.workers = ThreadPoolExecutor(PREPARE_WORKERS, thread_name_prefix="prepare")
-        self.grammars = Grammars(model.tokenizer)
-        if backend is None:
-            assert isinstance(model, ServedModel), "without a backend the app runs the model's engine itself"
-            backend = local_backend(model, config, self.grammars)
-        self.backend = backend
-        self.metrics = Metrics()
-        backend.register_metrics(self.metrics.registry)
-        #: Whether the chat template renders tools itself: it speaks the call syntax (``app/tools.py``).
-        self.native_tools = tools.OPEN in (model.tokenizer.info().get("chat_template") or "")
-        self.created = int(time.time())
-        self.sse_ping = config.sse_keepalive_s or 0  # sse-starlette: 0 sends no pings
-        #: Set when shutdown begins: new requests get 503 while in-flight ones finish.
-        self.draining = False
-
-    def model_card(self) -> dict[str, Any]:
-        return {
-            "id": self.model_name,
-            "object": "model",
-            "created": self.created,
-            "owned_by": "smolserve",
-            "max_model_len": self.max_model_len,
-        }
-
-    def check_model(self, model: str | None) -> None:
-        if model is not None and model != self.model_name:
-            raise APIError(
-                404,
-                f"The model `{model}` does not exist. This server serves `{self.model_name}`.",
-                param="model",
-                code="model_not_found",
-            )
-
-    async def prepare(self, work: Callable[[], T], size: int) -> T:
-        """Run ``work`` (parsing a body of ``size`` bytes, tokenizing, rendering a template) on the worker pool, so
-        that streams keep flowing while it runs; after a large body, hand the heap's freed memory back."""
-        loop = asyncio.get_running_loop()
-        try:
-            return await loop.run_in_executor(self.workers, work)
-        finally:
-            if size > TRIM_AFTER_BYTES:
-                await loop.run_in_executor(self.workers, trim_heap)
-
-    def parse_body(self, raw: bytes) -> dict[str, Any]:
-        """The body as a JSON object whose lists are within the limits (``app/limits.py``); else a 400."""
-        return protocol.parse_json_object(raw, lambda body: check_lists(body, self.limits, self.max_queue))
-
-    def prepare_completion(self, raw: bytes) -> tuple[protocol.CompletionRequest, list[list[int]], list[str] | None]:
-        """On a worker: the request, its prompts' token ids, and the texts to echo (``echo``)."""
-        req = protocol.parse_completion_request(self.parse_body(raw))
-        self.check_model(req.model)
-        for index, prompt in enumerate(req.prompts):
-            if isinstance(prompt, str):
-                param = "prompt" if len(req.prompts) == 1 else f"prompt[{index}]"
-                check_text([prompt], self.max_chars, self.max_model_len, param)
-        prompts = [self.prompt_ids(p) for p in req.prompts]
-        echo_texts = None
-        if req.echo:
-            # Token prompts are echoed with their special tokens' text, so that logprobs' tokens join to it.
-            decode = self.tokenizer.decode
-            echo_texts = [p if isinstance(p, str) else decode(p, skip_special_tokens=False) for p in req.prompts]
-        return req, prompts, echo_texts
-
-    def prepare_chat(self, raw: bytes) -> tuple[protocol.ChatRequest, list[int]]:
-        """On a worker: the request and its conversation rendered and tokenized."""
-        req = protocol.parse_chat_request(self.parse_body(raw))
-        self.check_model(req.model)
-        calls = [call.function.arguments for message in req.messages for call in message.tool_calls or ()]
-        texts = [message.text for message in req.messages] + calls
-        check_text(texts, self.max_chars, self.max_model_len, "messages")
-        return req, self.chat_prompt(req.messages, req.tools)
-
-    def tokenize(self, raw: bytes) -> bytes:
-        """On a worker: vLLM's ``/tokenize`` of a prompt or of a conversation, rendered."""
-        tokens = self._tokens(self.parse_body(raw))
-        return json.dumps({"tokens": tokens, "count": len(tokens), "max_model_len": self.max_model_len}).encode()
-
-    def _tokens(self, body: dict[str, Any]) -> list[int]:
-        self.check_model(protocol.parse_model(body))
-        if "messages" in body:
-            chat = protocol.parse_chat_request({"messages": body["messages"], "tools": body.get("tools")})
-            return self.chat_prompt(chat.messages, chat.tools)
-        prompts = protocol.parse_completion_request({"prompt": body.get("prompt")}).prompts
-        if len(prompts) != 1:
-            raise bad_request("tokenize takes one prompt", "prompt")
-        add_special = protocol.optional(body, "add_special_tokens", bool, True)  # vLLM's default
-        prompt = prompts[0]
-        return self.tokenizer.encode(prompt, add_special) if isinstance(prompt, str) else self.prompt_ids(prompt)
-
-    def detokenize(self, raw: bytes) -> str:
-        """On a worker: vLLM's ``/detokenize``."""
-        body = self.parse_body(raw)
-        self.check_model(protocol.parse_model(body))
-        tokens = protocol.token_ids(body.get("tokens"), "tokens")
-        return self.tokenizer.decode(self.prompt_ids(tokens, "tokens"))
-
-    def chat_prompt(self, messages: list[Message], calling: ToolCalling | None = None) -> list[int]:
-        """The conversation through the model's template; tools through the template when it speaks the call
-        syntax, else through the default tool prompt (``app/tools.py``)."""
-        native = calling is not None and self.native_tools
-        rendered = tools.render(messages, calling, native)
-        definitions = calling.definitions() if native and calling is not None else None
-        return self.tokenizer.chat_prompt(rendered, definitions or None)
-
-    def prompt_ids(self, prompt: str | list[int], param: str = "prompt") -> list[int]:
-        if isinstance(prompt, str):
-            return self.tokenizer.encode(prompt)
-        if any(t >= self.tokenizer.vocab_size for t in prompt):
-            raise bad_request(f"{param} token ids must be below the vocabulary size {self.tokenizer.vocab_size}", param)
-        return prompt
-
-    def check_context(self, num_prompt: int, max_tokens: int) -> None:
-        if num_prompt + max_tokens > self.max_model_len:
-            raise bad_request(
-                f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
-                f"{num_prompt + max_tokens} tokens ({num_prompt} in the prompt, {max_tokens} in the completion). "
-                "Please reduce the prompt or max_tokens.",
-                "max_tokens",
-            )
-
-    def check_tokens(self, options: protocol.GenerationOptions) -> None:
-        vocab = self.tokenizer.vocab_size
-        if any(token >= vocab for token, _ in options.sampling.logit_bias):
-            raise bad_request(f"logit_bias token ids must be below the vocabulary size {vocab}", "logit_bias")
-        if any(token >= vocab for token in options.stop_token_ids):
-            raise bad_request(f"stop_token_ids must be below the vocabulary size {vocab}", "stop_token_ids")
-
-    async def generation(
-        self,
-        fmt: Format,
-        options: protocol.GenerationOptions,
-        prompts: list[list[int]],
-        echo_texts: list[str] | None,
-        arrived: float,
-        calling: ToolCalling | None = None,
-    ) -> Generation:
-        assert options.max_tokens is not None, "the route fills in chat's default"
-        for ids in prompts:
-            self.check_context(len(ids), options.max_tokens)
-        self.check_tokens(options)
-        if calling is not None and calling.calls_allowed:
-            grammar = await self.tool_grammar(calling)
-        elif options.structured is not None:
-            grammar = await self.compile(options.structured)
-        else:
-            grammar = None
-        return Generation(
-            self.backend, self.metrics, self.tokenizer, self.model_name, fmt, options, prompts, echo_texts, arrived,
-            grammar,
-        )  # fmt: skip
-
-    async def compile(self, structured: protocol.StructuredOutput) -> str:
-        """Compile the grammar (off the event loop; cached) before anything is admitted: a bad one is a 400.
-        Returns the grammar, which each sequence's matcher is made from where it runs."""
-        kind, value = structured.kind, structured.value
-        build = {
-            "json": Grammars.json_schema, "regex": Grammars.regex, "choice": Grammars.choice, "grammar": Grammars.lark,
-        }  # fmt: skip
-        try:
-            grammar = build[kind](value)
-            await asyncio.to_thread(self.grammars.matcher, grammar)
-        except ValueError as exc:  # GrammarError among them
-            raise bad_request(f"{structured.param}: {exc}", structured.param) from None
-        return grammar
-
-    async def tool_grammar(self, calling: ToolCalling) -> str:
-        """The grammar of the calls ``calling`` allows; a 400 naming the tool whose parameters do not compile."""
-        grammar = tools.grammar(calling)
-        assert grammar is not None, "tool_choice none has no grammar"
-        try:
-            return await self.compile(protocol.StructuredOutput("grammar", grammar, "tools"))
-        except APIError:
-            for index, tool in enumerate(calling.tools):
-                param = f"tools[{index}].function.parameters"
-                try:
-                    Grammars.check(Grammars.json_schema(tools.call_schema(tool)))
-                except ValueError as exc:
-                    raise bad_request(f"{param}: {exc}", param) from None
-            raise
-
-    async def respond(self, request: Request, generation: Generation) -> Response:
-        """Queue the generation's sequences and answer: a stream of events, or JSON when all are done."""
-        if self.draining:
-            raise APIError(503, "The server is shutting down; retry on another instance.", code="shutting_down")
-        try:
-            await generation.submit()
-        except QueueFullError as exc:
-            raise APIError(429, str(exc), code="queue_full", headers={"Retry-After": "1"}) from None
-        self.metrics.prompt_tokens.inc(generation.num_prompt_tokens)
-        request.state.usage = (generation.num_prompt_tokens, 0, 0)
-        request.state.replica = generation.replicas
-        if generation.options.stream:
-            events = _logged(request, generation, generation.events())
-            return EventSourceResponse(events, sep="\n", ping=self.sse_ping)
-        complete = asyncio.ensure_future(generation.complete())
-        hangup = asyncio.ensure_future(_wait_for_disconnect(request))
-        try:
-            await asyncio.wait({complete, hangup}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            hangup.cancel()
-            if not complete.done():
-                complete.cancel()
-            generation.abort()
-        request.state.usage = _usage_for_log(generation)
-        if not complete.done() or complete.cancelled():
-            return Response(status_code=499)  # the client left; nobody is listening
-        return JSONResponse(complete.result())
-
-
-async def _logged(request: Request, generation: Generation, events: AsyncIterator[str]) -> AsyncIterator[str]:
-    try:
-        async for event in events:
-            yield event
-    finally:
-        request.state.usage = _usage_for_log(generation)
-
-
-def _usage_for_log(generation: Generation) -> tuple[int, int, int]:
-    return generation.num_prompt_tokens, generation.num_completion_tokens, generation.num_cached_tokens
+_HANDLERS: dict[Any, Any] = {
+    APIError: handle_api_error,
+    HTTPException: handle_http_exception,
+    ClientDisconnect: handle_client_disconnect,
+    Exception: handle_unexpected,
+}
 
 
 def create_app(model: Model, config: ServerConfig | None = None, backend: Backend | None = None) -> Starlette:
     """The app over ``backend``; by default over a scheduler of its own driving ``model``'s engine."""
     config = config or ServerConfig()
-    state = _State(model, config, backend)
+    state = ServerState(model, config, backend)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -348,88 +52,24 @@ def create_app(model: Model, config: ServerConfig | None = None, backend: Backen
             await state.backend.stop()
             state.workers.shutdown(wait=False)
 
-    async def health(request: Request) -> Response:
-        return JSONResponse({"status": "draining" if state.draining else "ok", **await state.backend.health()})
-
-    async def metrics(request: Request) -> Response:
-        return Response(state.metrics.render(), media_type=state.metrics.content_type)
-
-    async def models(request: Request) -> Response:
-        return JSONResponse({"object": "list", "data": [state.model_card()]})
-
-    async def model(request: Request) -> Response:
-        state.check_model(request.path_params["model_id"])
-        return JSONResponse(state.model_card())
-
-    async def tokenizer_info(request: Request) -> Response:
-        return JSONResponse({**state.tokenizer.info(), "model_max_length": state.max_model_len})
-
-    async def completions(request: Request) -> Response:
-        arrived = time.perf_counter()
-        raw = await request.body()
-        req, prompts, echo_texts = await state.prepare(lambda: state.prepare_completion(raw), len(raw))
-        fmt = CompletionFormat(state.tokenizer, prompts)
-        return await state.respond(request, await state.generation(fmt, req.options, prompts, echo_texts, arrived))
-
-    async def chat_completions(request: Request) -> Response:
-        arrived = time.perf_counter()
-        raw = await request.body()
-        req, prompt = await state.prepare(lambda: state.prepare_chat(raw), len(raw))
-        options = req.options
-        if options.max_tokens is None:
-            room = max(state.max_model_len - len(prompt), 1)
-            options = dataclasses.replace(options, max_tokens=room, min_tokens=min(options.min_tokens, room))
-        calls = req.tools is not None and req.tools.calls_allowed
-        fmt = ChatFormat(state.tokenizer, parses_tool_calls=calls)
-        generation = await state.generation(fmt, options, [prompt], None, arrived, req.tools)
-        return await state.respond(request, generation)
-
-    async def tokenize(request: Request) -> Response:
-        raw = await request.body()
-        # The answer is rendered on the worker too: a long prompt's token list is megabytes of JSON.
-        answer = await state.prepare(lambda: state.tokenize(raw), len(raw))
-        return Response(answer, media_type="application/json")
-
-    async def detokenize(request: Request) -> Response:
-        raw = await request.body()
-        return JSONResponse({"prompt": await state.prepare(lambda: state.detokenize(raw), len(raw))})
-
-    routes = [
-        Route("/health", health, methods=["GET"]),
-        Route("/metrics", metrics, methods=["GET"]),
-        Route("/v1/models", models, methods=["GET"]),
-        Route("/v1/models/{model_id:path}", model, methods=["GET"]),
-        Route("/tokenizer_info", tokenizer_info, methods=["GET"]),
-        Route("/v1/completions", completions, methods=["POST"]),
-        Route("/v1/chat/completions", chat_completions, methods=["POST"]),
-        Route("/tokenize", tokenize, methods=["POST"]),
-        Route("/detokenize", detokenize, methods=["POST"]),
-    ]
-    handlers: dict[Any, Any] = {
-        APIError: handle_api_error,
-        HTTPException: handle_http_exception,
-        ClientDisconnect: handle_client_disconnect,
-        Exception: handle_unexpected,
-    }
-    middleware = [Middleware(RequestIdMiddleware)]
-    if config.cors_origins:
-        middleware.append(
-            Middleware(
-                CORSMiddleware, allow_origins=list(config.cors_origins), allow_methods=["*"], allow_headers=["*"]
-            )
-        )
-    if config.api_key:
-        rejected = state.metrics.requests_rejected.labels("invalid_api_key")
-        middleware.append(Middleware(APIKeyMiddleware, api_key=config.api_key, on_reject=rejected.inc))
-    # Innermost: a client without the API key is refused before its body is read.
-    limit = config.limits.max_request_bytes
-    too_large = state.metrics.requests_rejected.labels("request_too_large")
-    middleware.append(Middleware(BodyLimitMiddleware, max_bytes=limit, on_reject=too_large.inc))
-    app = Starlette(routes=routes, exception_handlers=handlers, middleware=middleware, lifespan=lifespan)
+    app = Starlette(
+        routes=ROUTES, exception_handlers=_HANDLERS, middleware=_middleware(state, config), lifespan=lifespan
+    )
     app.state.server = state
     return app
 
 
-async def _wait_for_disconnect(request: Request) -> None:
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
+def _middleware(state: ServerState, config: ServerConfig) -> list[Middleware]:
+    """Request ids outermost; then CORS and the API key where configured; innermost the body-size limit, so that a
+    client without the API key is refused before its body is read."""
+    middleware = [Middleware(RequestIdMiddleware)]
+    if config.cors_origins:
+        origins = list(config.cors_origins)
+        middleware.append(Middleware(CORSMiddleware, allow_origins=origins, allow_methods=["*"], allow_headers=["*"]))
+    if config.api_key:
+        rejected = state.metrics.requests_rejected.labels("invalid_api_key")
+        middleware.append(Middleware(APIKeyMiddleware, api_key=config.api_key, on_reject=rejected.inc))
+    too_large = state.metrics.requests_rejected.labels("request_too_large")
+    limit = config.limits.max_request_bytes
+    middleware.append(Middleware(BodyLimitMiddleware, max_bytes=limit, on_reject=too_large.inc))
+    return middleware

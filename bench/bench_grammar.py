@@ -22,8 +22,10 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from app.schema import Tool
-from app.tools import ToolCalling, call_text, grammar
+from app.openai.messages import Tool
+from app.tools import ToolCalling
+from app.tools.grammar import tool_grammar
+from app.tools.prompt import call_text
 from engine.core.grammar import JSON_STYLE, Grammars
 from engine.core.tokenizer import HFTokenizer
 from engine.runtime import loader
@@ -94,7 +96,7 @@ def bench_llguidance(tok: HFTokenizer) -> None:
     report("llguidance json_schema", first, again, llguidance_masks(grammars, schema_text, ids))
     for choice in ("required", "auto"):
         calling = ToolCalling((TOOL,), choice)  # type: ignore[arg-type]
-        text = grammar(calling)
+        text = tool_grammar(calling)
         assert text is not None
         first = timed(lambda text=text: grammars.matcher(text))
         reply = ("Let me describe it. " if choice == "auto" else "") + call_text("describe_pet", json.dumps(INSTANCE))

@@ -20,9 +20,10 @@ from ray.serve import Application
 from ray.serve.config import RequestRouterConfig
 from ray.serve.handle import DeploymentHandle
 
-from app.__main__ import engine_config, parse_args, server_config
+from app.cli import engine_config, parse_args, server_config
 from app.serve import EmbeddedServer, drain
-from app.server import ServerConfig, create_app
+from app.server import create_app
+from app.state import ServerConfig
 from cluster import RAY_ENV
 from cluster.backend import RayBackend
 from cluster.replica import EngineReplica, configure_logging, reports_actor

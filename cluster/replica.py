@@ -20,7 +20,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from ray import serve
 
 from app.backend import Submission
-from app.server import ServerConfig, local_backend
+from app.state import ServerConfig, local_backend
 from engine import chooser
 from engine.core.config import EngineConfig
 from engine.core.grammar import Grammars

@@ -2,24 +2,22 @@
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from app_helpers import fake_client, sse_chunks
 from starlette.testclient import TestClient
 
-from app.schema import ChatBody, CompletionBody
-from app.server import ServerConfig, create_app
-from engine.chooser import ServedModel
+from app.openai.chat import ChatBody
+from app.openai.completions import CompletionBody
 from engine.core.fake_engine import FakeEngine
 from engine.core.tokenizer import ByteTokenizer
 
 
 @pytest.fixture
 def client() -> Iterator[TestClient]:
-    served = ServedModel("fake", FakeEngine(capacity=16, max_model_len=128), ByteTokenizer())
-    with TestClient(create_app(served, ServerConfig())) as c:
+    with fake_client(FakeEngine(capacity=16, max_model_len=128)) as c:
         yield c
 
 
@@ -30,11 +28,7 @@ def post(client: TestClient, body: dict[str, Any], path: str = "/v1/completions"
 
 
 def events(client: TestClient, body: dict[str, Any], path: str = "/v1/completions") -> list[dict[str, Any]]:
-    with client.stream("POST", path, json=body) as response:
-        assert response.status_code == 200
-        lines = [line.removeprefix("data: ") for line in response.iter_lines() if line]
-    assert lines[-1] == "[DONE]"
-    return [json.loads(line) for line in lines[:-1]]
+    return sse_chunks(client, body, path)
 
 
 def test_prompt_lists_and_n_order_choices_and_count_usage(client: TestClient) -> None:

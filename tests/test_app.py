@@ -7,34 +7,22 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from app_helpers import fake_client, sse_events
 from starlette.testclient import TestClient
 
-from app.server import ServerConfig, create_app
-from engine.chooser import ServedModel
 from engine.core.fake_engine import FakeEngine
-from engine.core.tokenizer import ByteTokenizer
 
 MODEL = "fake-model"
 
 
 def make_client(engine: FakeEngine | None = None, **config: Any) -> TestClient:
-    served = ServedModel("fake", engine or FakeEngine(max_model_len=64), ByteTokenizer())
-    return TestClient(create_app(served, ServerConfig(served_model_name=MODEL, **config)))
+    return fake_client(engine, served_model_name=MODEL, **config)
 
 
 @pytest.fixture
 def client() -> Iterator[TestClient]:
     with make_client() as c:
         yield c
-
-
-def sse_events(client: TestClient, body: dict[str, Any]) -> list[str]:
-    with client.stream("POST", "/v1/completions", json=body) as response:
-        assert response.status_code == 200
-        assert response.headers["content-type"].startswith("text/event-stream")
-        lines = [line for line in response.iter_lines() if line]
-    assert all(line.startswith("data: ") for line in lines), lines
-    return [line.removeprefix("data: ") for line in lines]
 
 
 def assert_envelope(response: Any, status: int, param: str | None = None) -> dict[str, Any]:

@@ -16,8 +16,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 from ray.exceptions import ActorDiedError
 from ray.serve.exceptions import BackPressureError
 
-from app.__main__ import clustered, parse_args
 from app.backend import Submission
+from app.cli import clustered, parse_args
 from cluster.backend import RayBackend, RemoteStream, _ReplicaCollector
 from cluster.deployments import app_builder, engine_options, flags
 from cluster.replica import Accepted, Failed, Rejected

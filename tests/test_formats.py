@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from app.formats import ChatFormat, Choice, CompletionFormat, token_string
+from app.openai.chat import ChatFormat
+from app.openai.choices import Choice, token_string
+from app.openai.completions import CompletionFormat
 from engine.core.streams import Delta
 from engine.core.tokenizer import ByteTokenizer
 from engine.core.types import TokenLogprob

@@ -6,14 +6,10 @@ import json
 from collections.abc import Iterator
 
 import pytest
+from app_helpers import fake_client
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from starlette.testclient import TestClient
-
-from app.server import ServerConfig, create_app
-from engine.chooser import ServedModel
-from engine.core.fake_engine import FakeEngine
-from engine.core.tokenizer import ByteTokenizer
 
 KEYS = [
     "model", "prompt", "max_tokens", "stream", "stream_options", "include_usage", "ignore_eos", "messages",
@@ -33,8 +29,7 @@ bodies = json_values | st.dictionaries(st.sampled_from(KEYS) | texts, json_value
 
 @pytest.fixture(scope="module")
 def client() -> Iterator[TestClient]:
-    served = ServedModel("fake", FakeEngine(max_model_len=64), ByteTokenizer())
-    with TestClient(create_app(served, ServerConfig())) as c:
+    with fake_client() as c:
         yield c
 
 

@@ -15,7 +15,8 @@ import pytest
 from starlette.testclient import TestClient
 
 from app.limits import BodyLimitMiddleware, RequestLimits
-from app.server import ServerConfig, create_app
+from app.server import create_app
+from app.state import ServerConfig
 from engine.chooser import ServedModel
 from engine.core.fake_engine import FakeEngine
 from engine.core.tokenizer import HFTokenizer

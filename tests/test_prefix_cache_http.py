@@ -9,9 +9,8 @@ from __future__ import annotations
 import json
 
 import pytest
+from app_helpers import fake_client, sse_events
 from starlette.testclient import TestClient
-from test_app import make_client as make_app_client
-from test_app import sse_events
 
 from engine.core.fake_engine import FakeEngine
 
@@ -19,7 +18,7 @@ PREAMBLE = "You are a careful assistant. Answer in one short sentence, and never
 
 
 def make_client() -> TestClient:
-    return make_app_client(FakeEngine(max_model_len=1024))
+    return fake_client(FakeEngine(max_model_len=1024))
 
 
 def completion(client: TestClient, prompt: str, **extra: object) -> dict:

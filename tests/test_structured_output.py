@@ -9,12 +9,10 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from app_helpers import fake_client, sse_chunks
 from starlette.testclient import TestClient
 
-from app.server import ServerConfig, create_app
-from engine.chooser import ServedModel
 from engine.core.fake_engine import FakeEngine
-from engine.core.tokenizer import ByteTokenizer
 
 CHAT = {"messages": [{"role": "user", "content": "Answer in JSON."}]}
 SCHEMA = {
@@ -27,8 +25,7 @@ SCHEMA = {
 
 @pytest.fixture(scope="module")
 def client() -> Iterator[TestClient]:
-    served = ServedModel("fake", FakeEngine(capacity=16, max_model_len=256), ByteTokenizer())
-    with TestClient(create_app(served, ServerConfig())) as c:
+    with fake_client(FakeEngine(capacity=16, max_model_len=256)) as c:
         yield c
 
 
@@ -49,11 +46,9 @@ def test_json_schema_output_conforms_streamed_and_not(client: TestClient) -> Non
     response_format = {"type": "json_schema", "json_schema": {"name": "thing", "schema": SCHEMA, "strict": True}}
     value = json.loads(chat(client, response_format=response_format)["choices"][0]["message"]["content"])
     assert set(value) == {"name", "tags"} and len(value["name"]) <= 5 and len(value["tags"]) <= 2
-    with client.stream(
-        "POST", "/v1/chat/completions", json={**CHAT, "stream": True, "response_format": response_format}
-    ) as response:
-        lines = [line[6:] for line in response.iter_lines() if line.startswith("data: {")]
-    streamed = "".join(json.loads(line)["choices"][0]["delta"].get("content") or "" for line in lines)
+    body = {**CHAT, "stream": True, "response_format": response_format}
+    chunks = sse_chunks(client, body, "/v1/chat/completions")
+    streamed = "".join(chunk["choices"][0]["delta"].get("content") or "" for chunk in chunks)
     assert json.loads(streamed) == value
 
 

@@ -10,12 +10,10 @@ from typing import Any
 
 import jsonschema
 import pytest
+from app_helpers import fake_client, sse_chunks
 from starlette.testclient import TestClient
 
-from app.server import ServerConfig, create_app
-from engine.chooser import ServedModel
 from engine.core.fake_engine import FakeEngine
-from engine.core.tokenizer import ByteTokenizer
 
 WEATHER = {
     "type": "function",
@@ -39,8 +37,7 @@ ASK = [{"role": "user", "content": "Weather in Paris?"}]
 
 @pytest.fixture(scope="module")
 def client() -> Iterator[TestClient]:
-    served = ServedModel("fake", FakeEngine(capacity=16, max_model_len=4096), ByteTokenizer())
-    with TestClient(create_app(served, ServerConfig())) as c:
+    with fake_client(FakeEngine(capacity=16, max_model_len=4096)) as c:
         yield c
 
 
@@ -82,10 +79,7 @@ def test_none_and_auto_without_a_call_return_text(client: TestClient) -> None:
 
 def stream(client: TestClient, **fields: Any) -> list[dict[str, Any]]:
     body = {"messages": ASK, "tools": TOOLS, "max_tokens": 300, "stream": True, **fields}
-    with client.stream("POST", "/v1/chat/completions", json=body) as response:
-        lines = [line[6:] for line in response.iter_lines() if line.startswith("data: ")]
-    assert lines[-1] == "[DONE]"
-    return [json.loads(line) for line in lines[:-1]]
+    return sse_chunks(client, body, "/v1/chat/completions")
 
 
 def test_streamed_calls_join_into_the_non_streamed_ones(client: TestClient) -> None:

@@ -11,8 +11,12 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from app.schema import Message, Tool
-from app.tools import CLOSE, OPEN, TOOL_PROMPT, ToolCalling, ToolCallParser, call_text, grammar, render
+from app.openai.messages import Message, Tool
+from app.tools import ToolCalling
+from app.tools.grammar import tool_grammar
+from app.tools.parser import ToolCallParser
+from app.tools.prompt import TOOL_PROMPT, call_text, render
+from app.tools.syntax import CLOSE, OPEN
 from engine.core.grammar import Grammars
 from engine.core.tokenizer import ByteTokenizer
 
@@ -121,7 +125,7 @@ GRAMMARS = Grammars(ByteTokenizer())
 
 def allows(calling: ToolCalling, text: str) -> bool:
     """Whether ``text``, then the end of the reply, is a whole reply the grammar allows (one byte per token)."""
-    matcher = GRAMMARS.matcher(grammar(calling))
+    matcher = GRAMMARS.matcher(tool_grammar(calling))
     for token in [*text.encode(), ByteTokenizer.EOS]:
         mask = np.unpackbits(np.frombuffer(matcher.allowed_tokens(), dtype=np.uint8), bitorder="little")
         if not mask[token]:
@@ -171,7 +175,7 @@ def test_parameters_with_defs_keep_their_references() -> None:
 
 
 def test_none_has_no_grammar() -> None:
-    assert grammar(ToolCalling((WEATHER,), "none")) is None
+    assert tool_grammar(ToolCalling((WEATHER,), "none")) is None
 
 
 # -- into the prompt ------------------------------------------------------------------------------------------

@@ -175,26 +175,7 @@ class LlamaRunner:
         self.scale = self.head_dim**-0.5
         self.eps = config.rms_norm_eps
         inner = model.model
-        # The token embedding, dense; or, when served from its GGUF blocks, read from them row by row (the dense
-        # copy is then not kept: ~113 MB in float32 for SmolLM2).
-        embedding = quantized.get("model.embed_tokens.weight")
-        self.embed: torch.Tensor | PackedWeight = inner.embed_tokens.weight
-        if embedding is not None:
-            self.embed = embedding.pack()
-        self.dtype = model.dtype
-        # RoPE's cos and sin for every position, computed once: a row's rotation is then a lookup, the same
-        # whatever other rows share its step (element-wise cos/sin may round a tensor's tail differently).
-        positions = torch.arange(max_positions, device=model.device)[None]
-        dummy = torch.empty(0, dtype=model.dtype, device=model.device)
-        self.cos, self.sin = (table[0] for table in inner.rotary_emb(dummy, positions))  # [positions, dim]
-        self.norm = inner.norm.weight
-        head = quantized.get("lm_head.weight")
-        # A tied output layer reads the embedding's packed blocks: one copy of them.
-        self.lm_head = (
-            prepack(model.lm_head.weight) if head is None
-            else self.embed if head is embedding and isinstance(self.embed, PackedWeight)
-            else head.pack()
-        )  # fmt: skip
+        self._embeddings(model, quantized, max_positions)
         # torch.compile of the element-wise work between the matmuls was tried and dropped: with the matmuls
         # outside (oneDNN's prepacked weights are opaque to it), each compiled call cost 50-120 us against
         # 10-70 us eager, and whole steps came out no faster for ~30 s more start-up.
@@ -208,6 +189,33 @@ class LlamaRunner:
             self._dense_head = prepack(model.lm_head.weight)
         # The norm after each layer: the following layer's input norm, then the final norm.
         self._next_norms = [layer.input_norm for layer in self.layers[1:]] + [self.norm]
+        self._native_ops(model, quantized)
+
+    def _embeddings(self, model: PreTrainedModel, quantized: dict[str, QuantizedWeight], max_positions: int) -> None:
+        """The token embedding, RoPE's tables, the final norm and the output layer."""
+        # The token embedding, dense; or, when served from its GGUF blocks, read from them row by row (the dense
+        # copy is then not kept: ~113 MB in float32 for SmolLM2).
+        embedding = quantized.get("model.embed_tokens.weight")
+        self.embed: torch.Tensor | PackedWeight = model.model.embed_tokens.weight
+        if embedding is not None:
+            self.embed = embedding.pack()
+        self.dtype = model.dtype
+        # RoPE's cos and sin for every position, computed once: a row's rotation is then a lookup, the same
+        # whatever other rows share its step (element-wise cos/sin may round a tensor's tail differently).
+        positions = torch.arange(max_positions, device=model.device)[None]
+        dummy = torch.empty(0, dtype=model.dtype, device=model.device)
+        self.cos, self.sin = (table[0] for table in model.model.rotary_emb(dummy, positions))  # [positions, dim]
+        self.norm = model.model.norm.weight
+        head = quantized.get("lm_head.weight")
+        # A tied output layer reads the embedding's packed blocks: one copy of them.
+        self.lm_head = (
+            prepack(model.lm_head.weight) if head is None
+            else self.embed if head is embedding and isinstance(self.embed, PackedWeight)
+            else head.pack()
+        )  # fmt: skip
+
+    def _native_ops(self, model: PreTrainedModel, quantized: dict[str, QuantizedWeight]) -> None:
+        """The element-wise ops between the matmuls: native where they build, else torch's."""
         # bfloat16 on the CPU: the element-wise steps between the matmuls as one native op each (~30 torch
         # ops a layer otherwise). Dense float32 keeps torch's ops, token-identical to `generate`; float32 over
         # quantized weights has no such parity to keep, and takes the native ops too.

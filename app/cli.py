@@ -1,0 +1,185 @@
+"""The command line: flags to an engine configuration and a server configuration. Imported by ``app/__main__.py``
+and by ``cluster/``, which passes the same flags to every replica."""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+from app.limits import RequestLimits
+from app.state import ServerConfig
+from engine.core.config import DEFAULT_MODEL, EngineConfig
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m app", description="OpenAI-compatible completions server")
+    _model_flags(parser)
+    _engine_flags(parser, EngineConfig())
+    _server_flags(parser, ServerConfig())
+    _cluster_flags(parser)
+    args = parser.parse_args(argv)
+    _check_cluster(parser, args)
+    return args
+
+
+def _model_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--model",
+        default=DEFAULT_MODEL,
+        help="default model name, .gguf file, HF model dir, hub id, or 'fake'",
+    )
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--served-model-name", default=None, help="name clients send as `model` (default: the model's)")
+
+
+def _engine_flags(parser: argparse.ArgumentParser, defaults: EngineConfig) -> None:
+    parser.add_argument(
+        "--dtype",
+        choices=["auto", "float32", "bfloat16"],
+        default=defaults.dtype,
+        help="weights and activations; auto picks whichever runs decode matmuls faster here",
+    )
+    parser.add_argument("--max-batch-size", type=int, default=defaults.max_batch_size, help="sequences per step")
+    parser.add_argument("--max-model-len", type=int, default=None, help="longest prompt + completion")
+    parser.add_argument("--kv-cache-gib", type=float, default=defaults.kv_cache_gib, help="KV cache memory bound")
+    parser.add_argument(
+        "--kv-cache-dtype",
+        choices=["auto", "int8"],
+        default=defaults.kv_cache_dtype,
+        help="auto: the model's dtype; int8: half of bfloat16's memory, faster decode at long contexts (CPU)",
+    )
+    parser.add_argument(
+        "--quantization",
+        choices=["auto", "native", "int8", "none"],
+        default=defaults.quantization,
+        help="native: a GGUF model's Q4_0/Q4_1/Q8_0/Q4_K/Q6_K weights multiplied in their blocks; int8: linear weights "
+        "quantized per output channel at load; none: dense --dtype weights; auto: native for a GGUF llama, else none",
+    )
+    parser.add_argument(
+        "--threads",
+        type=_threads,
+        default=None,
+        metavar="N|auto",
+        help="threads of the engine's one team; auto (default): the CPUs this process may use (affinity mask, "
+        "cgroup CPU quota), fewer while other processes keep some of them busy; N: exactly N",
+    )
+    parser.add_argument(
+        "--batch-invariant",
+        choices=["auto", "on", "off"],
+        default=defaults.batch_invariant,
+        help="on: a row's result never depends on its batchmates (one numeric path); off: the fastest path for "
+        "each step; auto: on unless that costs 5%% or more of the throughput at --max-batch-size (measured here)",
+    )
+    parser.add_argument(
+        "--no-prefix-caching",
+        dest="prefix_caching",
+        action="store_false",
+        help="do not keep computed prompt and answer blocks for later requests that start the same way",
+    )
+    parser.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=defaults.max_num_batched_tokens,
+        help="tokens per forward step; long prompts are prefilled in chunks of this size",
+    )
+
+
+def _server_flags(parser: argparse.ArgumentParser, defaults: ServerConfig) -> None:
+    parser.add_argument("--max-queue", type=int, default=defaults.max_queue, help="waiting requests before 429")
+    parser.add_argument(
+        "--max-request-bytes",
+        type=int,
+        default=defaults.limits.max_request_bytes,
+        help="largest request body accepted (413 beyond, decided before the body is read)",
+    )
+    parser.add_argument(
+        "--kv-cache-idle-release",
+        type=float,
+        default=defaults.kv_cache_idle_release_s,
+        metavar="SECONDS",
+        help="idle time after which the KV cache's memory is handed back if the prefix cache holds nothing",
+    )
+    parser.add_argument(
+        "--api-key",
+        default=os.environ.get("SMOLSERVE_API_KEY"),
+        help="require `Authorization: Bearer <key>` on /v1/* (default: $SMOLSERVE_API_KEY)",
+    )
+    parser.add_argument("--cors-origins", nargs="*", default=[], help="origins allowed by CORS, e.g. '*'")
+    parser.add_argument(
+        "--sse-keepalive",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="send an SSE comment line (': ping') on a stream quiet for this long (default: never, as OpenAI)",
+    )
+    parser.add_argument(
+        "--shutdown-timeout", type=float, default=30.0, help="seconds in-flight requests get to finish on SIGTERM"
+    )
+    parser.add_argument("--log-level", default="info")
+
+
+def _cluster_flags(parser: argparse.ArgumentParser) -> None:
+    cluster = parser.add_argument_group("scaling out on Ray Serve (any of these starts the cluster mode)")
+    cluster.add_argument("--replicas", type=int, default=None, help="engine replicas (each one engine, its own KV)")
+    cluster.add_argument("--min-replicas", type=int, default=None, help="autoscale between this and --max-replicas")
+    cluster.add_argument("--max-replicas", type=int, default=None)
+    cluster.add_argument(
+        "--ray-address", default=None, help="join this Ray cluster (e.g. 10.0.0.1:6379) instead of starting one"
+    )
+    cluster.add_argument(
+        "--replica-cpus", type=float, default=None, help="CPUs each replica reserves (default: this machine's / max)"
+    )
+
+
+def _check_cluster(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    if (args.min_replicas is None) != (args.max_replicas is None):
+        parser.error("--min-replicas and --max-replicas go together")
+    for name in ("replicas", "min_replicas", "max_replicas"):
+        value = getattr(args, name)
+        if value is not None and value < (0 if name == "min_replicas" else 1):
+            parser.error(f"--{name.replace('_', '-')} must be at least {0 if name == 'min_replicas' else 1}")
+    if args.min_replicas is not None and args.min_replicas > args.max_replicas:
+        parser.error("--min-replicas must not exceed --max-replicas")
+
+
+def _threads(value: str) -> int | None:
+    """``--threads``: ``auto`` (None) or a positive count."""
+    if value == "auto":
+        return None
+    if not value.isdigit() or int(value) < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive number of threads or 'auto', not {value!r}")
+    return int(value)
+
+
+def clustered(args: argparse.Namespace) -> bool:
+    """Whether the flags ask for Ray Serve; without them the server is one process and never imports Ray."""
+    return any(v is not None for v in (args.replicas, args.min_replicas, args.ray_address))
+
+
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    return EngineConfig(
+        model=args.model,
+        dtype=args.dtype,
+        max_batch_size=args.max_batch_size,
+        max_model_len=args.max_model_len,
+        kv_cache_gib=args.kv_cache_gib,
+        kv_cache_dtype=args.kv_cache_dtype,
+        prefix_caching=args.prefix_caching,
+        quantization=args.quantization,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        threads=args.threads,
+        batch_invariant=args.batch_invariant,
+    )
+
+
+def server_config(args: argparse.Namespace) -> ServerConfig:
+    return ServerConfig(
+        served_model_name=args.served_model_name,
+        max_queue=args.max_queue,
+        kv_cache_idle_release_s=args.kv_cache_idle_release,
+        api_key=args.api_key,
+        cors_origins=tuple(args.cors_origins),
+        sse_keepalive_s=args.sse_keepalive,
+        limits=RequestLimits(max_request_bytes=args.max_request_bytes),
+    )

@@ -1,0 +1,147 @@
+"""The wire format of ``/v1/chat/completions``: its body, its request (with tools), and how a choice, a stream
+delta and logprobs are shaped (``chat.completion``, ``chat.completion.chunk``). Tool calls in the reply become
+``tool_calls`` (``app/tools/parser.py``); chat's ``top_logprobs`` holds exactly the number asked for, and each
+token's ``bytes`` are its own bytes."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Annotated, Any, Literal
+
+from pydantic import Field
+
+from app.openai.choices import Choice, token_string
+from app.openai.errors import bad_request
+from app.openai.messages import Message, NamedToolChoice, Tool
+from app.openai.request import validated
+from app.openai.sampling import MAX_LOGPROBS, GenerationOptions, SamplingBody, generation_options, reject_unsupported
+from app.tools import ToolCalling
+from app.tools.parser import ToolCallParser
+from engine.core.streams import Delta
+from engine.core.tokenizer import Tokenizer
+from engine.core.types import TokenLogprob
+
+
+class ChatBody(SamplingBody):
+    messages: Annotated[list[Message], Field(min_length=1)]
+    max_completion_tokens: int | None = None
+    logprobs: bool | None = None
+    top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+
+
+@dataclass(slots=True, frozen=True)
+class ChatRequest:
+    model: str | None
+    messages: list[Message]
+    options: GenerationOptions
+    tools: ToolCalling | None = None  # None: no tools offered
+
+
+def parse_chat_request(body: dict[str, Any]) -> ChatRequest:
+    reject_unsupported(body, chat=True)
+    req: ChatBody = validated(ChatBody, body)
+    logprobs = None
+    if req.logprobs:
+        logprobs = req.top_logprobs or 0
+    elif req.top_logprobs is not None:
+        raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
+    field = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+    # As in the OpenAI chat API, no limit means: up to the context length (the route fills it in).
+    max_tokens = req.max_completion_tokens if field == "max_completion_tokens" else req.max_tokens
+    options = generation_options(req, max_tokens, field, logprobs, allow_zero=False, default_max_tokens=None)
+    calling = _tool_calling(req)
+    if calling is not None and calling.calls_allowed:
+        if options.structured is not None:
+            param = options.structured.param
+            raise bad_request(f"{param} cannot be combined with tool calls (unless tool_choice is none)", param)
+        if options.min_tokens:
+            raise bad_request("min_tokens cannot hold back the end of a tool call", "min_tokens")
+    return ChatRequest(req.model, list(req.messages), options, calling)
+
+
+def _tool_calling(req: ChatBody) -> ToolCalling | None:
+    """``tools``, ``tool_choice`` and ``parallel_tool_calls``; None when no tools are offered."""
+    tools, choice = req.tools or [], req.tool_choice
+    parallel = req.parallel_tool_calls is not False
+    if not tools:
+        if choice not in (None, "none", "auto"):  # with no tools, "auto" means: no tool
+            raise bad_request("tool_choice needs tools", "tool_choice")
+        return None
+    names = [tool.function.name for tool in tools]
+    for index, name in enumerate(names):
+        if name in names[:index]:
+            param = f"tools[{index}].function.name"
+            raise bad_request(f"{param}: another tool is named {name} too", param)
+    if isinstance(choice, NamedToolChoice):
+        if choice.function.name not in names:
+            raise bad_request(f"tool_choice names {choice.function.name}, which is not in tools", "tool_choice")
+        return ToolCalling(tuple(tools), "named", parallel, choice.function.name)
+    return ToolCalling(tuple(tools), choice or "auto", parallel)
+
+
+def _with_calls(finish_reason: str | None) -> str | None:
+    """A reply that made calls and ended on its own ends for them; one cut by max_tokens stays "length"."""
+    return "tool_calls" if finish_reason == "stop" else finish_reason
+
+
+@dataclass(slots=True)
+class ChatFormat:
+    tokenizer: Tokenizer
+    #: Whether the reply may hold tool calls, which become ``tool_calls`` (``app/tools.py``) and not content.
+    parses_tool_calls: bool = False
+    object_name: str = "chat.completion"
+    chunk_object_name: str = "chat.completion.chunk"
+    id_prefix: str = "chatcmpl"
+    _parsers: dict[int, ToolCallParser] = field(default_factory=dict)  # a stream's, by choice
+
+    def choice(self, index: int, choice: Choice, want_logprobs: bool) -> dict[str, Any]:
+        message: dict[str, Any] = {"role": "assistant", "content": choice.text}
+        finish_reason: str | None = choice.finish_reason
+        if self.parses_tool_calls:
+            parser = ToolCallParser()
+            parser.feed(choice.text)
+            parser.finish()
+            message["content"] = parser.text
+            if parser.calls:
+                message["tool_calls"] = [call.as_dict() for call in parser.calls]
+                finish_reason = _with_calls(finish_reason)
+        return {
+            "index": index,
+            "message": message,
+            "logprobs": {"content": self._logprobs(choice.logprobs)} if want_logprobs else None,
+            "finish_reason": finish_reason,
+        }
+
+    def delta(
+        self, index: int, choice: Choice, delta: Delta, want_logprobs: bool, first: bool
+    ) -> dict[str, Any] | None:
+        text, calls, finish_reason = delta.text, [], delta.finish_reason
+        if self.parses_tool_calls:
+            parser = self._parsers.setdefault(index, ToolCallParser())
+            text, calls = parser.feed(delta.text)
+            if finish_reason is not None:
+                text += parser.finish()
+                finish_reason = _with_calls(finish_reason) if parser.calls else finish_reason
+            if not (text or calls or first or want_logprobs or finish_reason):
+                return None  # the parser holds the text back: it may begin a call
+        content: dict[str, Any] = {"role": "assistant"} if first else {}
+        if text or not calls:
+            content["content"] = text
+        if calls:
+            content["tool_calls"] = calls
+        return {
+            "index": index,
+            "delta": content,
+            "logprobs": {"content": self._logprobs(delta.logprobs or [])} if want_logprobs else None,
+            "finish_reason": finish_reason,
+        }
+
+    def _logprobs(self, entries: list[TokenLogprob]) -> list[dict[str, Any]]:
+        def token(token_id: int, logprob: float) -> dict[str, Any]:
+            raw = self.tokenizer.token_bytes(token_id)
+            return {"token": token_string(self.tokenizer, token_id), "logprob": logprob, "bytes": list(raw)}
+
+        return [{**token(e.token_id, e.logprob), "top_logprobs": [token(t, lp) for t, lp in e.top]} for e in entries]

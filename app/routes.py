@@ -1,0 +1,92 @@
+"""The routes: thin handlers that read a body, hand it to the server state (``app/state.py``) and answer. The wire
+format of each endpoint is in ``app/openai/``. Torch-free."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from app.openai.chat import ChatFormat
+from app.openai.completions import CompletionFormat
+from app.openai.models import model_list
+from app.state import server_state
+
+
+async def health(request: Request) -> Response:
+    state = server_state(request)
+    return JSONResponse({"status": "draining" if state.draining else "ok", **await state.backend.health()})
+
+
+async def metrics(request: Request) -> Response:
+    state = server_state(request)
+    return Response(state.metrics.render(), media_type=state.metrics.content_type)
+
+
+async def models(request: Request) -> Response:
+    return JSONResponse(model_list([server_state(request).model_card()]))
+
+
+async def model(request: Request) -> Response:
+    state = server_state(request)
+    state.check_model(request.path_params["model_id"])
+    return JSONResponse(state.model_card())
+
+
+async def tokenizer_info(request: Request) -> Response:
+    state = server_state(request)
+    return JSONResponse({**state.tokenizer.info(), "model_max_length": state.max_model_len})
+
+
+async def completions(request: Request) -> Response:
+    arrived = time.perf_counter()
+    state = server_state(request)
+    raw = await request.body()
+    req, prompts, echo_texts = await state.prepare(lambda: state.prepare_completion(raw), len(raw))
+    fmt = CompletionFormat(state.tokenizer, prompts)
+    return await state.respond(request, await state.generation(fmt, req.options, prompts, echo_texts, arrived))
+
+
+async def chat_completions(request: Request) -> Response:
+    arrived = time.perf_counter()
+    state = server_state(request)
+    raw = await request.body()
+    req, prompt = await state.prepare(lambda: state.prepare_chat(raw), len(raw))
+    options = req.options
+    if options.max_tokens is None:
+        room = max(state.max_model_len - len(prompt), 1)
+        options = dataclasses.replace(options, max_tokens=room, min_tokens=min(options.min_tokens, room))
+    calls = req.tools is not None and req.tools.calls_allowed
+    fmt = ChatFormat(state.tokenizer, parses_tool_calls=calls)
+    generation = await state.generation(fmt, options, [prompt], None, arrived, req.tools)
+    return await state.respond(request, generation)
+
+
+async def tokenize(request: Request) -> Response:
+    state = server_state(request)
+    raw = await request.body()
+    # The answer is rendered on the worker too: a long prompt's token list is megabytes of JSON.
+    answer = await state.prepare(lambda: state.tokenize(raw), len(raw))
+    return Response(answer, media_type="application/json")
+
+
+async def detokenize(request: Request) -> Response:
+    state = server_state(request)
+    raw = await request.body()
+    return JSONResponse({"prompt": await state.prepare(lambda: state.detokenize(raw), len(raw))})
+
+
+ROUTES = [
+    Route("/health", health, methods=["GET"]),
+    Route("/metrics", metrics, methods=["GET"]),
+    Route("/v1/models", models, methods=["GET"]),
+    Route("/v1/models/{model_id:path}", model, methods=["GET"]),
+    Route("/tokenizer_info", tokenizer_info, methods=["GET"]),
+    Route("/v1/completions", completions, methods=["POST"]),
+    Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+    Route("/tokenize", tokenize, methods=["POST"]),
+    Route("/detokenize", detokenize, methods=["POST"]),
+]

@@ -1,0 +1,329 @@
+"""The server's state: what every route shares, and the steps from a request body to a generation (parse and
+tokenize on worker threads, check against the model's limits, compile the grammar, queue, answer). Torch-free."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Protocol, TypeVar
+
+from sse_starlette import EventSourceResponse
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from app.backend import Backend, LocalBackend
+from app.generation import Generation
+from app.limits import RequestLimits, check_lists, check_text
+from app.metrics import Metrics
+from app.openai.chat import ChatRequest, parse_chat_request
+from app.openai.choices import Format
+from app.openai.completions import CompletionRequest, parse_completion_request
+from app.openai.errors import APIError, bad_request
+from app.openai.messages import Message
+from app.openai.models import model_card
+from app.openai.request import optional, parse_json_object, parse_model, token_ids
+from app.openai.sampling import GenerationOptions, StructuredOutput
+from app.tools import ToolCalling
+from app.tools.grammar import call_schema, tool_grammar
+from app.tools.prompt import render
+from app.tools.syntax import OPEN
+from engine.chooser import ServedModel
+from engine.core.config import IDLE_RELEASE_S, MAX_QUEUE
+from engine.core.grammar import Grammars
+from engine.core.heap import trim_heap
+from engine.core.scheduler import QueueFullError, Scheduler
+from engine.core.tokenizer import Tokenizer
+
+T = TypeVar("T")
+#: Threads that parse, tokenize and render requests off the event loop: as many as the machine's two cores, so a
+#: burst of large requests queues here instead of taking the CPU from the engine's steps.
+PREPARE_WORKERS = 2
+#: A body this large has its memory handed back to the OS once its request is prepared.
+TRIM_AFTER_BYTES = 1 << 20
+
+
+@dataclass(slots=True, frozen=True)
+class ServerConfig:
+    #: The name clients must send as ``model``; ``None`` uses the model's own name.
+    served_model_name: str | None = None
+    #: Requests allowed to wait for a batch slot before new ones get 429.
+    max_queue: int = MAX_QUEUE
+    #: Seconds the engine may sit idle before it hands back the KV memory it keeps for the next requests.
+    kv_cache_idle_release_s: float = IDLE_RELEASE_S
+    #: When set, ``Authorization: Bearer <key>`` is required on /v1/* and /tokenize, /detokenize.
+    api_key: str | None = None
+    #: Origins allowed by CORS; empty means no CORS headers.
+    cors_origins: tuple[str, ...] = ()
+    #: Seconds between SSE comment lines (``: ping``) on a quiet stream; ``None`` sends none, as OpenAI does
+    #: (simple ``data:``-only parsers choke on them), but a proxy that cuts idle connections may need them.
+    sse_keepalive_s: float | None = None
+    #: What one request may ask before admission (``--max-request-bytes`` and list lengths: ``app/limits.py``).
+    limits: RequestLimits = field(default_factory=RequestLimits)
+
+
+class Model(Protocol):
+    """What the routes need to know of the model: ``engine.chooser.ServedModel`` in one process, what a replica
+    tells the ingress on a cluster."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def tokenizer(self) -> Tokenizer: ...
+
+    @property
+    def max_model_len(self) -> int: ...
+
+
+def local_backend(served: ServedModel, config: ServerConfig, grammars: Grammars) -> LocalBackend:
+    """This process's scheduler over ``served``'s engine."""
+    scheduler = Scheduler(
+        served.engine,
+        served.tokenizer,
+        max_queue=config.max_queue,
+        engine_thread=served.engine_thread,
+        idle_release_s=config.kv_cache_idle_release_s,
+    )
+    return LocalBackend(scheduler, grammars)
+
+
+class ServerState:
+    """Everything the routes share, built once per app: the model's name, tokenizer and limits, the backend that
+    runs generations, the metrics, and the steps from a request body to a running generation. Reached from a
+    request as ``request.app.state.server`` (``server_state``)."""
+
+    def __init__(self, model: Model, config: ServerConfig, backend: Backend | None) -> None:
+        self.model_name = config.served_model_name or model.name
+        self.tokenizer = model.tokenizer
+        self.max_model_len = model.max_model_len
+        self.limits = config.limits
+        self.max_queue = config.max_queue
+        #: Characters of text (other than white space) that could still fit the context.
+        self.max_chars = self.max_model_len * model.tokenizer.max_token_chars
+        self.workers = ThreadPoolExecutor(PREPARE_WORKERS, thread_name_prefix="prepare")
+        self.grammars = Grammars(model.tokenizer)
+        if backend is None:
+            assert isinstance(model, ServedModel), "without a backend the app runs the model's engine itself"
+            backend = local_backend(model, config, self.grammars)
+        self.backend = backend
+        self.metrics = Metrics()
+        backend.register_metrics(self.metrics.registry)
+        #: Whether the chat template renders tools itself: it speaks the call syntax (``app/tools.py``).
+        self.native_tools = OPEN in (model.tokenizer.info().get("chat_template") or "")
+        self.created = int(time.time())
+        self.sse_ping = config.sse_keepalive_s or 0  # sse-starlette: 0 sends no pings
+        #: Set when shutdown begins: new requests get 503 while in-flight ones finish.
+        self.draining = False
+
+    def model_card(self) -> dict[str, Any]:
+        return model_card(self.model_name, self.created, self.max_model_len)
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise APIError(
+                404,
+                f"The model `{model}` does not exist. This server serves `{self.model_name}`.",
+                param="model",
+                code="model_not_found",
+            )
+
+    async def prepare(self, work: Callable[[], T], size: int) -> T:
+        """Run ``work`` (parsing a body of ``size`` bytes, tokenizing, rendering a template) on the worker pool, so
+        that streams keep flowing while it runs; after a large body, hand the heap's freed memory back."""
+        loop = asyncio.get_running_loop()
+        try:
+            return await loop.run_in_executor(self.workers, work)
+        finally:
+            if size > TRIM_AFTER_BYTES:
+                await loop.run_in_executor(self.workers, trim_heap)
+
+    def parse_body(self, raw: bytes) -> dict[str, Any]:
+        """The body as a JSON object whose lists are within the limits (``app/limits.py``); else a 400."""
+        return parse_json_object(raw, lambda body: check_lists(body, self.limits, self.max_queue))
+
+    def prepare_completion(self, raw: bytes) -> tuple[CompletionRequest, list[list[int]], list[str] | None]:
+        """On a worker: the request, its prompts' token ids, and the texts to echo (``echo``)."""
+        req = parse_completion_request(self.parse_body(raw))
+        self.check_model(req.model)
+        for index, prompt in enumerate(req.prompts):
+            if isinstance(prompt, str):
+                param = "prompt" if len(req.prompts) == 1 else f"prompt[{index}]"
+                check_text([prompt], self.max_chars, self.max_model_len, param)
+        prompts = [self.prompt_ids(p) for p in req.prompts]
+        echo_texts = None
+        if req.echo:
+            # Token prompts are echoed with their special tokens' text, so that logprobs' tokens join to it.
+            decode = self.tokenizer.decode
+            echo_texts = [p if isinstance(p, str) else decode(p, skip_special_tokens=False) for p in req.prompts]
+        return req, prompts, echo_texts
+
+    def prepare_chat(self, raw: bytes) -> tuple[ChatRequest, list[int]]:
+        """On a worker: the request and its conversation rendered and tokenized."""
+        req = parse_chat_request(self.parse_body(raw))
+        self.check_model(req.model)
+        calls = [call.function.arguments for message in req.messages for call in message.tool_calls or ()]
+        texts = [message.text for message in req.messages] + calls
+        check_text(texts, self.max_chars, self.max_model_len, "messages")
+        return req, self.chat_prompt(req.messages, req.tools)
+
+    def tokenize(self, raw: bytes) -> bytes:
+        """On a worker: vLLM's ``/tokenize`` of a prompt or of a conversation, rendered."""
+        tokens = self._tokens(self.parse_body(raw))
+        return json.dumps({"tokens": tokens, "count": len(tokens), "max_model_len": self.max_model_len}).encode()
+
+    def _tokens(self, body: dict[str, Any]) -> list[int]:
+        self.check_model(parse_model(body))
+        if "messages" in body:
+            chat = parse_chat_request({"messages": body["messages"], "tools": body.get("tools")})
+            return self.chat_prompt(chat.messages, chat.tools)
+        prompts = parse_completion_request({"prompt": body.get("prompt")}).prompts
+        if len(prompts) != 1:
+            raise bad_request("tokenize takes one prompt", "prompt")
+        add_special = optional(body, "add_special_tokens", bool, True)  # vLLM's default
+        prompt = prompts[0]
+        return self.tokenizer.encode(prompt, add_special) if isinstance(prompt, str) else self.prompt_ids(prompt)
+
+    def detokenize(self, raw: bytes) -> str:
+        """On a worker: vLLM's ``/detokenize``."""
+        body = self.parse_body(raw)
+        self.check_model(parse_model(body))
+        tokens = token_ids(body.get("tokens"), "tokens")
+        return self.tokenizer.decode(self.prompt_ids(tokens, "tokens"))
+
+    def chat_prompt(self, messages: list[Message], calling: ToolCalling | None = None) -> list[int]:
+        """The conversation through the model's template; tools through the template when it speaks the call
+        syntax, else through the default tool prompt (``app/tools.py``)."""
+        native = calling is not None and self.native_tools
+        rendered = render(messages, calling, native)
+        definitions = calling.definitions() if native and calling is not None else None
+        return self.tokenizer.chat_prompt(rendered, definitions or None)
+
+    def prompt_ids(self, prompt: str | list[int], param: str = "prompt") -> list[int]:
+        if isinstance(prompt, str):
+            return self.tokenizer.encode(prompt)
+        if any(t >= self.tokenizer.vocab_size for t in prompt):
+            raise bad_request(f"{param} token ids must be below the vocabulary size {self.tokenizer.vocab_size}", param)
+        return prompt
+
+    def check_context(self, num_prompt: int, max_tokens: int) -> None:
+        if num_prompt + max_tokens > self.max_model_len:
+            raise bad_request(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
+                f"{num_prompt + max_tokens} tokens ({num_prompt} in the prompt, {max_tokens} in the completion). "
+                "Please reduce the prompt or max_tokens.",
+                "max_tokens",
+            )
+
+    def check_tokens(self, options: GenerationOptions) -> None:
+        vocab = self.tokenizer.vocab_size
+        if any(token >= vocab for token, _ in options.sampling.logit_bias):
+            raise bad_request(f"logit_bias token ids must be below the vocabulary size {vocab}", "logit_bias")
+        if any(token >= vocab for token in options.stop_token_ids):
+            raise bad_request(f"stop_token_ids must be below the vocabulary size {vocab}", "stop_token_ids")
+
+    async def generation(
+        self,
+        fmt: Format,
+        options: GenerationOptions,
+        prompts: list[list[int]],
+        echo_texts: list[str] | None,
+        arrived: float,
+        calling: ToolCalling | None = None,
+    ) -> Generation:
+        assert options.max_tokens is not None, "the route fills in chat's default"
+        for ids in prompts:
+            self.check_context(len(ids), options.max_tokens)
+        self.check_tokens(options)
+        if calling is not None and calling.calls_allowed:
+            grammar = await self.compile_tools(calling)
+        elif options.structured is not None:
+            grammar = await self.compile(options.structured)
+        else:
+            grammar = None
+        return Generation(
+            self.backend, self.metrics, self.tokenizer, self.model_name, fmt, options, prompts, echo_texts, arrived,
+            grammar,
+        )  # fmt: skip
+
+    async def compile(self, structured: StructuredOutput) -> str:
+        """Compile the grammar (off the event loop; cached) before anything is admitted: a bad one is a 400.
+        Returns the grammar, which each sequence's matcher is made from where it runs."""
+        kind, value = structured.kind, structured.value
+        build = {
+            "json": Grammars.json_schema, "regex": Grammars.regex, "choice": Grammars.choice, "grammar": Grammars.lark,
+        }  # fmt: skip
+        try:
+            grammar = build[kind](value)
+            await asyncio.to_thread(self.grammars.matcher, grammar)
+        except ValueError as exc:  # GrammarError among them
+            raise bad_request(f"{structured.param}: {exc}", structured.param) from None
+        return grammar
+
+    async def compile_tools(self, calling: ToolCalling) -> str:
+        """The grammar of the calls ``calling`` allows; a 400 naming the tool whose parameters do not compile."""
+        grammar = tool_grammar(calling)
+        assert grammar is not None, "tool_choice none has no grammar"
+        try:
+            return await self.compile(StructuredOutput("grammar", grammar, "tools"))
+        except APIError:
+            for index, tool in enumerate(calling.tools):
+                param = f"tools[{index}].function.parameters"
+                try:
+                    Grammars.check(Grammars.json_schema(call_schema(tool)))
+                except ValueError as exc:
+                    raise bad_request(f"{param}: {exc}", param) from None
+            raise
+
+    async def respond(self, request: Request, generation: Generation) -> Response:
+        """Queue the generation's sequences and answer: a stream of events, or JSON when all are done."""
+        if self.draining:
+            raise APIError(503, "The server is shutting down; retry on another instance.", code="shutting_down")
+        try:
+            await generation.submit()
+        except QueueFullError as exc:
+            raise APIError(429, str(exc), code="queue_full", headers={"Retry-After": "1"}) from None
+        self.metrics.prompt_tokens.inc(generation.num_prompt_tokens)
+        request.state.usage = (generation.num_prompt_tokens, 0, 0)
+        request.state.replica = generation.replicas
+        if generation.options.stream:
+            events = _logged(request, generation, generation.events())
+            return EventSourceResponse(events, sep="\n", ping=self.sse_ping)
+        complete = asyncio.ensure_future(generation.complete())
+        hangup = asyncio.ensure_future(_wait_for_disconnect(request))
+        try:
+            await asyncio.wait({complete, hangup}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            hangup.cancel()
+            if not complete.done():
+                complete.cancel()
+            generation.abort()
+        request.state.usage = _usage_for_log(generation)
+        if not complete.done() or complete.cancelled():
+            return Response(status_code=499)  # the client left; nobody is listening
+        return JSONResponse(complete.result())
+
+
+async def _logged(request: Request, generation: Generation, events: AsyncIterator[str]) -> AsyncIterator[str]:
+    try:
+        async for event in events:
+            yield event
+    finally:
+        request.state.usage = _usage_for_log(generation)
+
+
+def _usage_for_log(generation: Generation) -> tuple[int, int, int]:
+    return generation.num_prompt_tokens, generation.num_completion_tokens, generation.num_cached_tokens
+
+
+def server_state(request: Request) -> ServerState:
+    """The state of the app serving ``request``."""
+    return request.app.state.server
+
+
+async def _wait_for_disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass

@@ -1,0 +1,162 @@
+"""Calls read back out of a reply's text, whole or delta by delta as it streams."""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from app.tools.syntax import CLOSE, OPEN
+
+_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"arguments"\s*:\s*')
+
+
+@dataclass(slots=True)
+class ParsedCall:
+    id: str
+    name: str
+    arguments: str = ""
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
+
+
+@dataclass(slots=True)
+class ToolCallParser:
+    """Reads calls out of a reply as it grows. ``feed`` takes the next text and returns the content (text
+    outside calls) it can release and the ``tool_calls`` stream deltas: a call's first delta carries its id,
+    type and name, later ones fragments of its arguments, which concatenate to the whole. Fed the same text
+    in any split, it releases the same content and calls."""
+
+    calls: list[ParsedCall] = field(default_factory=list)
+    content: list[str] = field(default_factory=list)
+    _pending: str = ""
+    _state: Literal["text", "head", "arguments", "tail"] = "text"  # text -> head -> arguments -> tail -> text
+    _depth: int = 0  # JSON nesting inside the arguments
+    _in_string: bool = False
+    _escaped: bool = False
+    _said: bool = False  # content other than white space has been released
+
+    def feed(self, text: str) -> tuple[str, list[dict[str, Any]]]:
+        self._pending += text
+        released: list[str] = []
+        deltas: list[dict[str, Any]] = []
+        while self._pending and self._advance(released, deltas):
+            pass
+        self.content += released
+        return "".join(released), deltas
+
+    def _advance(self, released: list[str], deltas: list[dict[str, Any]]) -> bool:
+        """One move of the state machine over the pending text; False when it must wait for more."""
+        match self._state:
+            case "text":
+                return self._text(released, deltas)
+            case "head":
+                return self._head(deltas)
+            case "arguments":
+                return self._arguments(deltas)
+            case "tail":
+                return self._tail()
+
+    def finish(self) -> str:
+        """At the end of the reply: text held back in case it began a call is content after all (a call
+        cut short by ``max_tokens`` keeps the arguments it has)."""
+        rest = ""
+        if self._state == "text":
+            rest = self._pending if not self.calls or self._pending.strip() else ""
+        elif self._state == "head":
+            rest = OPEN + self._pending
+        self._pending = ""
+        self.content.append(rest)
+        return rest
+
+    @property
+    def text(self) -> str | None:
+        """The reply's content: None when it made calls and said nothing else."""
+        content = "".join(self.content)
+        return None if self.calls and not content else content
+
+    def _text(self, released: list[str], deltas: list[dict[str, Any]]) -> bool:
+        start = self._pending.find(OPEN)
+        if start < 0:
+            cut = len(self._pending) - _partial_suffix(self._pending, OPEN)
+            if self._said or self._pending[:cut].strip():  # leading white space waits: a call may follow
+                self._release(self._pending[:cut], released)
+                self._pending = self._pending[cut:]
+            return False
+        self._release(self._pending[:start], released)
+        self._pending = self._pending[start + len(OPEN) :]
+        self._state = "head"
+        return True
+
+    def _release(self, text: str, released: list[str]) -> None:
+        """Content, but not white space before the first call or between calls."""
+        if text.strip() or (text and self._said and not self.calls):
+            released.append(text)
+            self._said = True
+
+    def _head(self, deltas: list[dict[str, Any]]) -> bool:
+        match = _HEAD.match(self._pending)
+        if match is None:
+            return False  # wait for more text
+        call = ParsedCall(f"call_{uuid.uuid4().hex[:24]}", json.loads(match.group(1)))
+        deltas.append({"index": len(self.calls), **call.as_dict()})
+        self.calls.append(call)
+        self._pending = self._pending[match.end() :]
+        self._state, self._depth, self._in_string, self._escaped = "arguments", 0, False, False
+        return True
+
+    def _arguments(self, deltas: list[dict[str, Any]]) -> bool:
+        """Scans the arguments' JSON character by character: they end where their outermost value closes."""
+        if not self.calls[-1].arguments:
+            self._pending = self._pending.lstrip()  # the space after "arguments": may come in a later piece
+            if not self._pending:
+                return False
+        end = None
+        for i, char in enumerate(self._pending):
+            if self._in_string:
+                self._escaped, self._in_string = (False, True) if self._escaped else (char == "\\", char != '"')
+            elif char == '"':
+                self._in_string = True
+            elif char in "{[":
+                self._depth += 1
+            elif char in "}]":
+                self._depth -= 1
+                if self._depth == 0:
+                    end = i + 1
+                    break
+        fragment = self._pending[:end] if end is not None else self._pending
+        if fragment:
+            self.calls[-1].arguments += fragment
+            _add_arguments(deltas, len(self.calls) - 1, fragment)
+        self._pending = self._pending[len(fragment) :]
+        if end is None:
+            return False
+        self._state = "tail"
+        return True
+
+    def _tail(self) -> bool:
+        end = self._pending.find(CLOSE)
+        if end < 0:
+            return False
+        self._pending = self._pending[end + len(CLOSE) :]
+        self._state = "text"
+        return True
+
+
+def _add_arguments(deltas: list[dict[str, Any]], index: int, fragment: str) -> None:
+    """One delta per call per chunk: a fragment joins the call's delta already in this chunk, if any."""
+    if deltas and deltas[-1]["index"] == index:
+        deltas[-1]["function"]["arguments"] += fragment
+    else:
+        deltas.append({"index": index, "function": {"arguments": fragment}})
+
+
+def _partial_suffix(text: str, marker: str) -> int:
+    """The length of the longest end of ``text`` that begins ``marker``."""
+    for size in range(min(len(marker) - 1, len(text)), 0, -1):
+        if marker.startswith(text[-size:]):
+            return size
+    return 0

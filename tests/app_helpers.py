@@ -1,0 +1,38 @@
+"""Helpers the HTTP tests share: the app over the fake engine, behind a test client, and a stream's events."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from starlette.testclient import TestClient
+
+from app.server import create_app
+from app.state import ServerConfig
+from engine.chooser import ServedModel
+from engine.core.fake_engine import FakeEngine
+from engine.core.tokenizer import ByteTokenizer
+
+
+def fake_client(engine: FakeEngine | None = None, **config: Any) -> TestClient:
+    """The app over ``engine`` (a fake engine of 64 positions by default) and the byte tokenizer; ``config``:
+    ``ServerConfig`` fields. Use it as a context manager, which runs the app's lifespan."""
+    served = ServedModel("fake", engine or FakeEngine(max_model_len=64), ByteTokenizer())
+    return TestClient(create_app(served, ServerConfig(**config)))
+
+
+def sse_events(client: TestClient, body: dict[str, Any], path: str = "/v1/completions") -> list[str]:
+    """The ``data:`` payloads of a stream, checked to be server-sent events."""
+    with client.stream("POST", path, json=body) as response:
+        assert response.status_code == 200
+        assert response.headers["content-type"].startswith("text/event-stream")
+        lines = [line for line in response.iter_lines() if line]
+    assert all(line.startswith("data: ") for line in lines), lines
+    return [line.removeprefix("data: ") for line in lines]
+
+
+def sse_chunks(client: TestClient, body: dict[str, Any], path: str = "/v1/completions") -> list[dict[str, Any]]:
+    """A stream's chunks, parsed, checked to end with ``[DONE]``."""
+    events = sse_events(client, body, path)
+    assert events[-1] == "[DONE]"
+    return [json.loads(event) for event in events[:-1]]
