@@ -12,10 +12,11 @@ import contextlib
 import logging
 import signal
 from collections.abc import Iterator
-from typing import Any
 
 import uvicorn
 from starlette.applications import Starlette
+
+from app.state import ServerState, server_state
 
 log = logging.getLogger(__name__)
 
@@ -23,7 +24,7 @@ log = logging.getLogger(__name__)
 class DrainingServer(uvicorn.Server):
     def __init__(self, config: uvicorn.Config, app: Starlette, shutdown_timeout: float) -> None:
         super().__init__(config)
-        self._state = app.state.server
+        self._state = server_state(app)
         self._shutdown_timeout = shutdown_timeout
         self._drain_task: asyncio.Task[None] | None = None
 
@@ -54,9 +55,9 @@ class DrainingServer(uvicorn.Server):
         self.should_exit = True
 
 
-async def drain(state: Any, timeout: float) -> None:
+async def drain(state: ServerState, timeout: float) -> None:
     """Stop admitting (503), let in-flight requests finish for up to ``timeout`` s, then end the rest with an
-    error. ``state`` is the app's ``app.state.server``."""
+    error."""
     state.draining = True
     backend = state.backend
     loop = asyncio.get_running_loop()

@@ -5,37 +5,21 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import AsyncIterator
-from typing import Any
 
 from sse_starlette.sse import AppStatus
 from starlette.applications import Starlette
-from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.middleware.cors import CORSMiddleware
-from starlette.requests import ClientDisconnect
 
 from app.backend import Backend
+from app.handlers import HANDLERS
 from app.limits import BodyLimitMiddleware
 from app.middleware import APIKeyMiddleware, RequestIdMiddleware
-from app.openai.errors import (
-    APIError,
-    handle_api_error,
-    handle_client_disconnect,
-    handle_http_exception,
-    handle_unexpected,
-)
 from app.routes import ROUTES
 from app.state import Model, ServerConfig, ServerState
 
 # Streams end when their generation ends, also at shutdown: app/serve.py drains them before the server stops.
 AppStatus.disable_automatic_graceful_drain()
-
-_HANDLERS: dict[Any, Any] = {
-    APIError: handle_api_error,
-    HTTPException: handle_http_exception,
-    ClientDisconnect: handle_client_disconnect,
-    Exception: handle_unexpected,
-}
 
 
 def create_app(model: Model, config: ServerConfig | None = None, backend: Backend | None = None) -> Starlette:
@@ -53,7 +37,7 @@ def create_app(model: Model, config: ServerConfig | None = None, backend: Backen
             state.workers.shutdown(wait=False)
 
     app = Starlette(
-        routes=ROUTES, exception_handlers=_HANDLERS, middleware=_middleware(state, config), lifespan=lifespan
+        routes=ROUTES, exception_handlers=HANDLERS, middleware=_middleware(state, config), lifespan=lifespan
     )
     app.state.server = state
     return app

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
 from sse_starlette import EventSourceResponse
+from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
@@ -319,9 +320,10 @@ def _usage_for_log(generation: Generation) -> tuple[int, int, int]:
     return generation.num_prompt_tokens, generation.num_completion_tokens, generation.num_cached_tokens
 
 
-def server_state(request: Request) -> ServerState:
-    """The state of the app serving ``request``."""
-    return request.app.state.server
+def server_state(source: Request | Starlette) -> ServerState:
+    """The state of the app serving a request, or of an app."""
+    app = source.app if isinstance(source, Request) else source
+    return app.state.server
 
 
 async def _wait_for_disconnect(request: Request) -> None:

@@ -23,7 +23,7 @@ from ray.serve.handle import DeploymentHandle
 from app.cli import engine_config, parse_args, server_config
 from app.serve import EmbeddedServer, drain
 from app.server import create_app
-from app.state import ServerConfig
+from app.state import ServerConfig, server_state
 from cluster import RAY_ENV
 from cluster.backend import RayBackend
 from cluster.replica import EngineReplica, configure_logging, reports_actor
@@ -112,7 +112,7 @@ class Ingress:
     async def drain(self, timeout: float) -> None:
         """What SIGTERM does to the one-process server: 503 for newcomers, in-flight requests finish (up to
         ``timeout``), the rest end with an error. The launcher calls it before shutting Serve down."""
-        await drain(self._app.state.server, timeout)
+        await drain(server_state(self._app), timeout)
 
     async def check_health(self) -> None:
         """Serve's health check: a replica whose HTTP server stopped is replaced."""

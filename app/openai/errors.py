@@ -2,14 +2,7 @@
 
 from __future__ import annotations
 
-import logging
 from typing import Any
-
-from starlette.exceptions import HTTPException
-from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
-
-log = logging.getLogger(__name__)
 
 _TYPES = {
     400: "invalid_request_error",
@@ -55,25 +48,3 @@ def error_body(status: int, message: str, *, param: str | None = None, code: str
 
 def bad_request(message: str, param: str | None = None) -> APIError:
     return APIError(400, message, param=param)
-
-
-async def handle_api_error(request: Request, exc: Exception) -> JSONResponse:
-    assert isinstance(exc, APIError)
-    request.app.state.server.metrics.requests_rejected.labels(exc.reason).inc()
-    return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
-
-
-async def handle_http_exception(request: Request, exc: Exception) -> JSONResponse:
-    assert isinstance(exc, HTTPException)
-    message = exc.detail if exc.status_code != 404 else f"no route {request.method} {request.url.path}"
-    return JSONResponse(error_body(exc.status_code, message), status_code=exc.status_code, headers=exc.headers)
-
-
-async def handle_client_disconnect(request: Request, exc: Exception) -> Response:
-    """The client left before we read its whole body: nobody to answer, nothing to log as an error."""
-    return Response(status_code=499)
-
-
-async def handle_unexpected(request: Request, exc: Exception) -> JSONResponse:
-    log.exception("unhandled error on %s %s", request.method, request.url.path)
-    return JSONResponse(error_body(500, "internal server error"), status_code=500)

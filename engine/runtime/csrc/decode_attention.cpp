@@ -27,36 +27,28 @@
 
 #include "block_softmax.h"
 #include "block_table.h"
+#include "common.h"
 #include "ops.h"
 
 namespace {
 
-constexpr int64_t kTile = 16;   // positions per tile of keys
-constexpr int64_t kMaxDim = 256;
-constexpr int64_t kMaxGroups = 16;
-
-// bfloat16 is the top half of a float32: widening is a shift, which vectorizes (c10's conversion does not).
-inline float widen(c10::BFloat16 value) {
-  uint32_t bits = static_cast<uint32_t>(value.x) << 16;
-  float result;
-  std::memcpy(&result, &bits, sizeof(float));
-  return result;
-}
-
-inline float widen(float value) { return value; }
+using smolserve::kKeyTile;
+using smolserve::kMaxGroups;
+using smolserve::kMaxHeadDim;
+using smolserve::widen;
 
 // scores[i] = scaled_query . key[i] for the 16 positions of one tile (those past the length included).
 template <typename T, int64_t Dim>
 inline void score_tile(const float* scaled_query, const T* tile, int64_t dynamic_dim, float* scores) {
   const int64_t dim = Dim ? Dim : dynamic_dim;
-  float sums[kTile] = {};
+  float sums[kKeyTile] = {};
   for (int64_t j = 0; j < dim / 2; ++j) {
-    const T* row = tile + j * 2 * kTile;
+    const T* row = tile + j * 2 * kKeyTile;
     const float even = scaled_query[2 * j], odd = scaled_query[2 * j + 1];
 #pragma omp simd
-    for (int64_t i = 0; i < kTile; ++i) sums[i] += even * widen(row[2 * i]) + odd * widen(row[2 * i + 1]);
+    for (int64_t i = 0; i < kKeyTile; ++i) sums[i] += even * widen(row[2 * i]) + odd * widen(row[2 * i + 1]);
   }
-  std::copy(sums, sums + kTile, scores);
+  std::copy(sums, sums + kKeyTile, scores);
 }
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -73,7 +65,7 @@ inline void score_tile_avx2(const float* scaled_query, const float* tile, float*
   __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
   for (int64_t j = 0; j < Dim / 2; ++j) {
     const __m256 pair = _mm256_castpd_ps(_mm256_broadcast_sd(reinterpret_cast<const double*>(scaled_query + 2 * j)));
-    const float* row = tile + j * 2 * kTile;
+    const float* row = tile + j * 2 * kKeyTile;
     for (int k = 0; k < 4; ++k) acc[k] = _mm256_fmadd_ps(_mm256_loadu_ps(row + 8 * k), pair, acc[k]);
   }
   // hadd of positions 0-3 and 4-7 gives [0, 1, 4, 5 | 2, 3, 6, 7]: 64-bit lanes 0, 2, 1, 3 put them in order.
@@ -93,7 +85,7 @@ inline void weigh_values_avx2(const float* const* probabilities, const float* va
       for (int k = 0; k < 4; ++k) sums[r][k] = _mm256_setzero_ps();
     }
     for (int64_t t = 0; t < length; ++t) {
-      const float* value = values + (tiles[t / kTile] + t % kTile) * Dim + c;
+      const float* value = values + (tiles[t / kKeyTile] + t % kKeyTile) * Dim + c;
       __m256 v[4];
       for (int k = 0; k < 4; ++k) v[k] = _mm256_loadu_ps(value + 8 * k);
       for (int r = 0; r < Rows; ++r) {
@@ -117,17 +109,17 @@ template <typename T, int64_t Dim>
 void attend_one(const T* query, const T* keys, const T* values, T* out, int64_t groups, int64_t dynamic_dim,
                 int64_t length, const int64_t* tiles, float scale) {
   const int64_t dim = Dim ? Dim : dynamic_dim;
-  const int64_t width = (length + kTile - 1) / kTile * kTile;
-  alignas(64) float q[kMaxGroups * kMaxDim];
-  alignas(64) float acc[kMaxGroups * kMaxDim];
+  const int64_t width = (length + kKeyTile - 1) / kKeyTile * kKeyTile;
+  alignas(64) float q[kMaxGroups * kMaxHeadDim];
+  alignas(64) float acc[kMaxGroups * kMaxHeadDim];
   float* scores = smolserve::score_rows(groups * width);
   for (int64_t g = 0; g < groups; ++g) {
     for (int64_t d = 0; d < dim; ++d) q[g * dim + d] = widen(query[g * dim + d]) * scale;
     std::fill(&acc[g * dim], &acc[g * dim] + dim, 0.0f);
   }
-  for (int64_t t = 0; t < length; t += kTile) {
+  for (int64_t t = 0; t < length; t += kKeyTile) {
     for (int64_t g = 0; g < groups; ++g) {
-      const T* tile = keys + tiles[t / kTile] * dim;
+      const T* tile = keys + tiles[t / kKeyTile] * dim;
 #if defined(__AVX2__) && defined(__FMA__)
       if constexpr (kAvx2<T, Dim>) {
         score_tile_avx2<Dim>(&q[g * dim], tile, scores + g * width + t);
@@ -151,7 +143,7 @@ void attend_one(const T* query, const T* keys, const T* values, T* out, int64_t 
 #endif
   {
     for (int64_t t = 0; t < length; ++t) {
-      const T* value = values + (tiles[t / kTile] + t % kTile) * dim;
+      const T* value = values + (tiles[t / kKeyTile] + t % kKeyTile) * dim;
       for (int64_t g = 0; g < groups; ++g) {
         const float p = scores[g * width + t];
         float* a = &acc[g * dim];
@@ -180,7 +172,7 @@ inline void score_tile_paired(const uint32_t (*query_pairs)[Dim / 2], const bf16
   for (int64_t j = 0; j < Dim / 2; j += 2) {
 #pragma GCC unroll 2
     for (int half = 0; half < 2; ++half) {
-      const __m512bh keys = (__m512bh)_mm512_loadu_si512(tile + 2 * kTile * (j + half));
+      const __m512bh keys = (__m512bh)_mm512_loadu_si512(tile + 2 * kKeyTile * (j + half));
 #pragma GCC unroll 8
       for (int g = 0; g < Groups; ++g) {
         const __m512bh pair = (__m512bh)_mm512_set1_epi32(static_cast<int>(query_pairs[g][j + half]));
@@ -226,8 +218,8 @@ void attend_paired(const bf16* query, const bf16* keys, const bf16* values, bf16
   std::memcpy(query_pairs, query, sizeof(query_pairs));
   float* scores[Groups];
   const int64_t width = smolserve::score_rows(length, scores);
-  for (int64_t t = 0; t < length; t += kTile) {
-    score_tile_paired<Dim, Groups>(query_pairs, keys + tiles[t / kTile] * Dim, scale, scores, t);
+  for (int64_t t = 0; t < length; t += kKeyTile) {
+    score_tile_paired<Dim, Groups>(query_pairs, keys + tiles[t / kKeyTile] * Dim, scale, scores, t);
   }
   float total[Groups];
   for (int g = 0; g < Groups; ++g) {
@@ -239,7 +231,7 @@ void attend_paired(const bf16* query, const bf16* keys, const bf16* values, bf16
     for (int64_t i = 0; i < 2 * kChunks; ++i) sums[g][i] = _mm512_setzero_ps();
   }
   for (int64_t t = 0; t < length; t += 2) {
-    const bf16* first = values + (tiles[t / kTile] + t % kTile) * Dim;  // t even: t + 1 is in the same tile
+    const bf16* first = values + (tiles[t / kKeyTile] + t % kKeyTile) * Dim;  // t even: t + 1 is in the same tile
     const bf16* second = t + 1 < length ? first + Dim : first;  // an odd last one pairs with itself
     __m512bh pair[Groups];
     for (int g = 0; g < Groups; ++g) {
@@ -332,13 +324,13 @@ void write_rows(const at::Tensor& keys, const at::Tensor& values, const int64_t*
   const T* v_in = value.data_ptr<T>();
   for (int64_t row = 0; row < rows; ++row) {
     const int64_t p = slots[row];
-    const int64_t tile = (p / kTile) * kTile * dim, lane = (p % kTile) * 2;
+    const int64_t tile = (p / kKeyTile) * kKeyTile * dim, lane = (p % kKeyTile) * 2;
     for (int64_t h = 0; h < heads; ++h) {
       const T* k = k_in + (row * heads + h) * dim;
       T* tiled = k_out + h * head_stride + tile + lane;
       for (int64_t d = 0; d < dim; d += 2) {  // dims d, d + 1 of position p: row d / 2 of its tile
-        tiled[(d / 2) * kTile * 2] = k[d];
-        tiled[(d / 2) * kTile * 2 + 1] = k[d + 1];
+        tiled[(d / 2) * kKeyTile * 2] = k[d];
+        tiled[(d / 2) * kKeyTile * 2 + 1] = k[d + 1];
       }
       std::memcpy(v_out + h * head_stride + p * dim, v_in + (row * heads + h) * dim, dim * sizeof(T));
     }
@@ -366,7 +358,7 @@ at::Tensor decode_attention(const at::Tensor& query, const at::Tensor& keys, con
   const int64_t heads = q.size(1), groups = q.size(2), dim = q.size(3);
   TORCH_CHECK(keys.sizes() == values.sizes() && keys.size(0) == heads && keys.size(2) == dim, "cache shape mismatch");
   TORCH_CHECK(dim % 2 == 0, "keys come in pairs of dims");
-  TORCH_CHECK(dim <= kMaxDim && groups <= kMaxGroups, "head_dim or query heads per KV head too large");
+  TORCH_CHECK(dim <= kMaxHeadDim && groups <= kMaxGroups, "head_dim or query heads per KV head too large");
   const smolserve::BlockTables tables(block_tables, lengths, q.size(0), block_size, keys.size(1));
   at::Tensor out = at::empty_like(q);
   if (q.scalar_type() == at::kBFloat16) {
@@ -382,7 +374,7 @@ void write_kv(const at::Tensor& keys, const at::Tensor& values, const at::Tensor
               const at::Tensor& value) {
   TORCH_CHECK(keys.dim() == 3 && keys.sizes() == values.sizes() && keys.strides() == values.strides(),
               "keys and values must be [kv_heads, positions, dim] alike");
-  TORCH_CHECK(keys.stride(2) == 1 && keys.stride(1) == keys.size(2) && keys.size(1) % kTile == 0,
+  TORCH_CHECK(keys.stride(2) == 1 && keys.stride(1) == keys.size(2) && keys.size(1) % kKeyTile == 0,
               "each head's positions must be contiguous, in whole tiles");
   TORCH_CHECK(key.dim() == 3 && key.sizes() == value.sizes() && key.size(1) == keys.size(0) &&
                   key.size(2) == keys.size(2) && key.size(2) % 2 == 0,

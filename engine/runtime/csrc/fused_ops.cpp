@@ -10,6 +10,7 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "common.h"
 #include "ops.h"
 
 #include <cmath>
@@ -21,13 +22,7 @@ namespace {
 
 using bf16 = c10::BFloat16;
 
-inline float widen(float value) { return value; }
-inline float widen(bf16 value) {
-  uint32_t bits = static_cast<uint32_t>(value.x) << 16;
-  float result;
-  std::memcpy(&result, &bits, sizeof(float));
-  return result;
-}
+using smolserve::widen;
 
 // To the rows' dtype: float32 as it is; bfloat16 rounded to nearest even, as c10::BFloat16 does for finite
 // values, in a form that vectorizes.

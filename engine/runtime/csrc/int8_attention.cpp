@@ -28,6 +28,8 @@
 
 #include "block_softmax.h"
 #include "block_table.h"
+#include "common.h"
+#include "ops.h"
 #include "prefetch.h"
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512F__)
@@ -37,30 +39,29 @@
 
 namespace {
 
-constexpr int64_t kTile = 16;        // positions per tile of keys
-constexpr int64_t kBlock = 64;       // positions per block of scores and weights (whole tiles)
+using smolserve::kKeyTile;
+using smolserve::kMaxGroups;
+using smolserve::kMaxHeadDim;
+constexpr int64_t kScoreBlock = 64;  // positions per block of scores and weights (whole tiles)
 constexpr int64_t kQueryChunk = 32;  // dims per scale of the quantized query
-constexpr int64_t kMaxGroups = 16;
-constexpr int64_t kMaxDim = 256;
 constexpr float kWeightMax = 32767.0f;
 
-inline float to_float(c10::BFloat16 value) { return static_cast<float>(value); }
-inline float to_float(float value) { return value; }
+using smolserve::widen;
 
 // Symmetric 8-bit quantization of `dim` values: out[d] = round(x[d] / scale), scale = max |x| / 127 (1 for zeros).
 template <typename T>
 inline float quantize(const T* x, int64_t dim, int8_t* out) {
   float most = 0.0f;
-  for (int64_t d = 0; d < dim; ++d) most = std::max(most, std::abs(to_float(x[d])));
+  for (int64_t d = 0; d < dim; ++d) most = std::max(most, std::abs(widen(x[d])));
   const float scale = most > 0.0f ? most / 127.0f : 1.0f;
   const float inverse = 1.0f / scale;
-  for (int64_t d = 0; d < dim; ++d) out[d] = static_cast<int8_t>(std::nearbyint(to_float(x[d]) * inverse));
+  for (int64_t d = 0; d < dim; ++d) out[d] = static_cast<int8_t>(std::nearbyint(widen(x[d]) * inverse));
   return scale;
 }
 
 // Byte offsets of (position, dim) inside one head's positions, in the two layouts above.
 inline int64_t key_offset(int64_t position, int64_t dim_index, int64_t dim) {
-  return (position / kTile) * kTile * dim + (dim_index / 4) * kTile * 4 + (position % kTile) * 4 + dim_index % 4;
+  return (position / kKeyTile) * kKeyTile * dim + (dim_index / 4) * kKeyTile * 4 + (position % kKeyTile) * 4 + dim_index % 4;
 }
 inline int64_t value_offset(int64_t position, int64_t dim_index, int64_t dim) {
   return (position / 2) * 2 * dim + dim_index * 2 + position % 2;
@@ -69,7 +70,7 @@ inline int64_t value_offset(int64_t position, int64_t dim_index, int64_t dim) {
 // Probabilities times each position's value scale, as int16 against the block's largest (zero past `count`);
 // returns the factor that turns the integer sums back into float.
 inline float quantize_weights(const float* p, const float* value_scales, int64_t count, int16_t* weights) {
-  float scaled[kBlock];
+  float scaled[kScoreBlock];
   float most = 0.0f;
 #pragma omp simd reduction(max : most)
   for (int64_t t = 0; t < count; ++t) {
@@ -79,7 +80,7 @@ inline float quantize_weights(const float* p, const float* value_scales, int64_t
   const float inverse = most > 0.0f ? kWeightMax / most : 0.0f;
 #pragma omp simd
   for (int64_t t = 0; t < count; ++t) weights[t] = static_cast<int16_t>(std::nearbyint(scaled[t] * inverse));
-  std::fill(weights + count, weights + kBlock, int16_t{0});
+  std::fill(weights + count, weights + kScoreBlock, int16_t{0});
   return most / kWeightMax;
 }
 
@@ -98,12 +99,12 @@ struct Item {
   float scale;
 
   // The physical position of the row's position `p`.
-  int64_t at(int64_t p) const { return tiles[p / kTile] + p % kTile; }
+  int64_t at(int64_t p) const { return tiles[p / kKeyTile] + p % kKeyTile; }
 
   // The value scales of positions start..start+count-1, gathered (they may lie in several blocks).
   void value_scales_of(int64_t start, int64_t count, float* out_scales) const {
-    for (int64_t t = 0; t < count; t += kTile) {
-      const int64_t n = std::min(kTile, count - t);
+    for (int64_t t = 0; t < count; t += kKeyTile) {
+      const int64_t n = std::min(kKeyTile, count - t);
       std::memcpy(out_scales + t, value_scales + at(start + t), n * sizeof(float));
     }
   }
@@ -113,8 +114,8 @@ struct Item {
 // keys back into a score: (sum - correction) * factor, times the position's scale.
 template <typename T>
 struct QuantizedQuery {
-  static constexpr int64_t kChunks = kMaxDim / kQueryChunk;
-  alignas(64) int8_t q[kMaxGroups][kMaxDim];
+  static constexpr int64_t kChunks = kMaxHeadDim / kQueryChunk;
+  alignas(64) int8_t q[kMaxGroups][kMaxHeadDim];
   int32_t correction[kMaxGroups][kChunks];
   float factor[kMaxGroups][kChunks];
 
@@ -136,15 +137,15 @@ template <typename T>
 void attend_portable(const Item<T>& item) {
   const int64_t dim = item.dim, groups = item.groups;
   const QuantizedQuery<T> query(item);
-  float acc[kMaxGroups][kMaxDim] = {};
-  float scores[kBlock];
-  int16_t weights[kBlock];
+  float acc[kMaxGroups][kMaxHeadDim] = {};
+  float scores[kScoreBlock];
+  int16_t weights[kScoreBlock];
   float running_max[kMaxGroups], total[kMaxGroups];
   std::fill(running_max, running_max + groups, -std::numeric_limits<float>::infinity());
   std::fill(total, total + groups, 0.0f);
-  for (int64_t start = 0; start < item.length; start += kBlock) {
-    const int64_t count = std::min(kBlock, item.length - start);
-    float value_scales[kBlock];
+  for (int64_t start = 0; start < item.length; start += kScoreBlock) {
+    const int64_t count = std::min(kScoreBlock, item.length - start);
+    float value_scales[kScoreBlock];
     item.value_scales_of(start, count, value_scales);
     for (int64_t g = 0; g < groups; ++g) {
       for (int64_t t = 0; t < count; ++t) {
@@ -175,7 +176,7 @@ void attend_portable(const Item<T>& item) {
 #if defined(SMOLSERVE_VNNI)
 // quantize_weights for a whole block of probabilities, zero past `count` (as softmax_row_avx512 leaves them).
 inline float quantize_weights_avx512(const float* p, const float* value_scales, int64_t count, int16_t* weights) {
-  constexpr int64_t kRegisters = kBlock / 16;
+  constexpr int64_t kRegisters = kScoreBlock / 16;
   __m512 scaled[kRegisters];
   __m512 most = _mm512_setzero_ps();
   for (int64_t i = 0; i < kRegisters; ++i) {
@@ -222,27 +223,27 @@ inline void score_tile(const uint32_t (*query_quads)[Dim / 4], const QuantizedQu
 
 // `Groups` query rows of head size `Dim` at once, in three passes as the bfloat16 kernel takes them: every
 // score from one stream of keys, the softmax over whole rows, then the weighted sum from one stream of values,
-// whose probabilities are quantized per block of kBlock positions. Each tile of keys and pair of values is
+// whose probabilities are quantized per block of kScoreBlock positions. Each tile of keys and pair of values is
 // loaded once for all rows, and their sums stay in registers.
 template <typename T, int64_t Dim, int Groups>
 void attend_vnni(const Item<T>& item, const QuantizedQuery<T>& query, int64_t first) {
   constexpr int64_t kRows = Dim / 16;  // 16 dims of a pair of positions widen to one register
   alignas(64) uint32_t query_quads[Groups][Dim / 4];
-  alignas(64) int16_t weights[Groups][kBlock];
+  alignas(64) int16_t weights[Groups][kScoreBlock];
   alignas(64) float acc[Groups][Dim] = {};
   for (int g = 0; g < Groups; ++g) std::memcpy(query_quads[g], query.q[first + g], Dim);
   float* scores[Groups];
   const int64_t width = smolserve::score_rows(item.length, scores);
-  for (int64_t t = 0; t < item.length; t += kTile) {
-    const int64_t tile = item.tiles[t / kTile];
-    smolserve::prefetch_ahead(item.keys + tile * Dim, kTile * Dim);
+  for (int64_t t = 0; t < item.length; t += kKeyTile) {
+    const int64_t tile = item.tiles[t / kKeyTile];
+    smolserve::prefetch_ahead(item.keys + tile * Dim, kKeyTile * Dim);
     score_tile<Dim, Groups>(query_quads, query, first, item.keys + tile * Dim, item.key_scales + tile, scores, t);
   }
   float total[Groups], factor[Groups];
   for (int g = 0; g < Groups; ++g) total[g] = smolserve::softmax_row_avx512(scores[g], item.length, width);
-  for (int64_t start = 0; start < item.length; start += kBlock) {
-    const int64_t count = std::min(kBlock, item.length - start);
-    float value_scales[kBlock];
+  for (int64_t start = 0; start < item.length; start += kScoreBlock) {
+    const int64_t count = std::min(kScoreBlock, item.length - start);
+    float value_scales[kScoreBlock];
     item.value_scales_of(start, count, value_scales);
     for (int g = 0; g < Groups; ++g) {
       factor[g] = quantize_weights_avx512(scores[g] + start, value_scales, count, weights[g]);
@@ -320,7 +321,7 @@ void check_cache(const at::Tensor& keys, const at::Tensor& values, const at::Ten
     TORCH_CHECK(t->stride(2) == 1 && t->stride(1) == t->size(2), "each head's positions must be contiguous");
   }
   TORCH_CHECK(key_scales.stride(1) == 1 && value_scales.stride(1) == 1, "each head's scales must be contiguous");
-  TORCH_CHECK(keys.size(1) % kTile == 0 && keys.size(2) % 4 == 0 && keys.size(2) <= kMaxDim,
+  TORCH_CHECK(keys.size(1) % kKeyTile == 0 && keys.size(2) % 4 == 0 && keys.size(2) <= kMaxHeadDim,
               "positions come in tiles of 16, dims in fours (at most 256)");
 }
 
@@ -347,6 +348,10 @@ void run(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values, 
     }
   });
 }
+
+}  // namespace
+
+namespace smolserve {
 
 // query [rows, kv_heads, groups, dim] (float32 or bfloat16); keys and values uint8 [kv_heads, positions, dim]
 // in the layouts above, in blocks of `block_size` positions; key_scales and value_scales float32
@@ -381,7 +386,7 @@ void write_rows(const at::Tensor& keys, const at::Tensor& values, const at::Tens
   uint8_t* vp = values.mutable_data_ptr<uint8_t>();
   float* ks = key_scales.mutable_data_ptr<float>();
   float* vs = value_scales.mutable_data_ptr<float>();
-  int8_t quantized[kMaxDim];
+  int8_t quantized[kMaxHeadDim];
   for (int64_t row = 0; row < key.size(0); ++row) {
     for (int64_t h = 0; h < heads; ++h) {
       const int64_t p = position[row];
@@ -419,7 +424,7 @@ void write_kv_int8(const at::Tensor& keys, const at::Tensor& values, const at::T
   }
 }
 
-}  // namespace
+}  // namespace smolserve
 
 TORCH_LIBRARY_FRAGMENT(smolserve, m) {
   m.def(
@@ -431,6 +436,6 @@ TORCH_LIBRARY_FRAGMENT(smolserve, m) {
 }
 
 TORCH_LIBRARY_IMPL(smolserve, CPU, m) {
-  m.impl("decode_attention_int8", &decode_attention_int8);
-  m.impl("write_kv_int8", &write_kv_int8);
+  m.impl("decode_attention_int8", &smolserve::decode_attention_int8);
+  m.impl("write_kv_int8", &smolserve::write_kv_int8);
 }

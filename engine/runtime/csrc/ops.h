@@ -1,5 +1,5 @@
-// The native ops that other native code calls directly (llama_layer.cpp), declared once. Each is also registered
-// as torch.ops.smolserve.<name> by the file that defines it.
+// Every native op, declared once. Each is registered as torch.ops.smolserve.<name> by the file that defines it;
+// native code calls them directly (llama_layer.cpp).
 #pragma once
 
 #include <ATen/ATen.h>
@@ -16,6 +16,15 @@ at::Tensor decode_attention(const at::Tensor& query, const at::Tensor& keys, con
 void write_kv(const at::Tensor& keys, const at::Tensor& values, const at::Tensor& slots, const at::Tensor& key,
               const at::Tensor& value);
 
+// int8_attention.cpp
+at::Tensor decode_attention_int8(const at::Tensor& query, const at::Tensor& keys, const at::Tensor& values,
+                                 const at::Tensor& key_scales, const at::Tensor& value_scales,
+                                 const at::Tensor& block_tables, const at::Tensor& lengths, int64_t block_size,
+                                 double scale);
+void write_kv_int8(const at::Tensor& keys, const at::Tensor& values, const at::Tensor& key_scales,
+                   const at::Tensor& value_scales, const at::Tensor& positions, const at::Tensor& key,
+                   const at::Tensor& value);
+
 // fused_ops.cpp
 std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& hidden, const at::Tensor& delta,
                                                 const at::Tensor& weight, double eps);
@@ -26,5 +35,15 @@ at::Tensor silu_mul(const at::Tensor& gate_up);
 at::Tensor quant_pack(const at::Tensor& weight, int64_t type);
 at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& packed, int64_t type, int64_t out_features,
                         bool portable);
+at::Tensor quant_rows(const at::Tensor& packed, int64_t type, const at::Tensor& index);
+
+// llama_layer.cpp
+std::tuple<at::Tensor, at::Tensor> llama_layer(
+    const at::Tensor& hidden, const at::Tensor& normed, const at::Tensor& qkv, int64_t qkv_type, int64_t qkv_out,
+    const at::Tensor& o, int64_t o_type, int64_t o_out, const at::Tensor& post_norm, const at::Tensor& gate_up,
+    int64_t gate_up_type, int64_t gate_up_out, const at::Tensor& down, int64_t down_type, int64_t down_out,
+    const at::Tensor& next_norm, double eps, const at::Tensor& cos, const at::Tensor& sin, int64_t num_heads,
+    int64_t num_kv_heads, const at::Tensor& keys, const at::Tensor& values, const at::Tensor& slots,
+    const at::Tensor& block_tables, const at::Tensor& lengths, int64_t block_size, double scale);
 
 }  // namespace smolserve

@@ -47,7 +47,7 @@ namespace {
 
 constexpr int64_t kBlock = 32;
 constexpr int64_t kCols = 8;   // output rows whose blocks are packed side by side
-constexpr int64_t kTile = 4;   // activation rows per pass over a group's weights
+constexpr int64_t kRowTile = 4;  // activation rows per pass over a group's weights
 constexpr int64_t kChunk = 64;  // activation rows per sweep over a thread's groups (their int8 stays in cache)
 enum QuantType : int64_t { kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8, kQ4_K = 12, kQ6_K = 14 };  // GGML's type numbers
 
@@ -465,9 +465,9 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& packed, int64_t t
     for (int64_t chunk = 0; chunk < rows; chunk += kChunk) {
       const int64_t chunk_end = std::min(rows, chunk + kChunk);
       for (int64_t g = begin; g < end; ++g) {
-        for (int64_t first = chunk; first < chunk_end; first += kTile) {
+        for (int64_t first = chunk; first < chunk_end; first += kRowTile) {
           const Tile t{w + g * group_bytes, blocks, &quantized, first, out + first * width + g * kCols, width};
-          tile(t, std::min(kTile, chunk_end - first));
+          tile(t, std::min(kRowTile, chunk_end - first));
         }
       }
     }

@@ -1,0 +1,46 @@
+"""The app's exception handlers: every error a client gets is OpenAI's envelope (``app/openai/errors.py``); an API
+error is counted by its reason, a route that does not exist names itself, an unexpected error is logged and a 500."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import JSONResponse, Response
+
+from app.openai.errors import APIError, error_body
+from app.state import server_state
+
+log = logging.getLogger(__name__)
+
+
+async def handle_api_error(request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, APIError)
+    server_state(request).metrics.requests_rejected.labels(exc.reason).inc()
+    return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+
+
+async def handle_http_exception(request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, HTTPException)
+    message = exc.detail if exc.status_code != 404 else f"no route {request.method} {request.url.path}"
+    return JSONResponse(error_body(exc.status_code, message), status_code=exc.status_code, headers=exc.headers)
+
+
+async def handle_client_disconnect(request: Request, exc: Exception) -> Response:
+    """The client left before we read its whole body: nobody to answer, nothing to log as an error."""
+    return Response(status_code=499)
+
+
+async def handle_unexpected(request: Request, exc: Exception) -> JSONResponse:
+    log.exception("unhandled error on %s %s", request.method, request.url.path)
+    return JSONResponse(error_body(500, "internal server error"), status_code=500)
+
+
+HANDLERS: dict[Any, Any] = {
+    APIError: handle_api_error,
+    HTTPException: handle_http_exception,
+    ClientDisconnect: handle_client_disconnect,
+    Exception: handle_unexpected,
+}
