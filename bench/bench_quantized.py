@@ -21,7 +21,6 @@ import argparse
 import asyncio
 import math
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -32,9 +31,9 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 from bench_serving import RssSampler, median_run, run_level  # noqa: E402
+from llama import start_llama  # noqa: E402
 
-from compat.conftest import free_port, start_server, stop_server, wait_until_healthy  # noqa: E402
-from engine.core.config import DEFAULT_GGUF  # noqa: E402
+from compat.conftest import start_server, stop_server  # noqa: E402
 
 MODEL = "SmolLM2-135M-Instruct"
 PROMPTS = [
@@ -122,27 +121,6 @@ def steps(batches: list[int], count: int = 40) -> None:
               f"({medians['none'] / medians['native']:.2f}x)", flush=True)  # fmt: skip
         for engine in built.values():
             engine.reset()
-
-
-def start_llama(binary: str, slots: int, context: int = 256, threads: int = 2) -> tuple[subprocess.Popen[bytes], str]:
-    """llama.cpp's server on the default GGUF, ``threads`` threads, ``slots`` sequences of ``context`` positions
-    each. Where its weight repacking crashes at start (Intel AMX machines), again with ``--no-repack``."""
-    package, filename = DEFAULT_GGUF
-    gguf = next((ROOT / ".venv").glob(f"lib/python*/site-packages/{package}/{filename}"))
-    for extra in ([], ["--no-repack"]):
-        port = free_port()
-        cmd = [binary, "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port), "-np", str(slots),
-               "-c", str(slots * context), "-t", str(threads), "-cb", *extra]  # fmt: skip
-        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        base = f"http://127.0.0.1:{port}"
-        try:
-            wait_until_healthy(proc, base, 300)
-        except RuntimeError:
-            if extra:
-                raise
-            continue
-        return proc, base
-    raise AssertionError("unreachable")
 
 
 def http(levels: list[int], repeats: int, llama_server: str | None) -> None:
