@@ -20,7 +20,7 @@ $(STAMP): pyproject.toml Makefile
 serve: install
 	$(PY) -m app --host 127.0.0.1 --port 8000
 
-# The same API on Ray Serve, $(REPLICAS) engine replicas (README "Scaling out").
+# The same API on Ray Serve, $(REPLICAS) engine replicas (docs/operating.md, "Scaling out").
 serve-cluster: install
 	$(PY) -m app --host 127.0.0.1 --port 8000 --replicas $(REPLICAS)
 

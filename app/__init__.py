@@ -1,1 +1,1 @@
-"""HTTP layer: the OpenAI wire format over the scheduler. Never imports torch."""
+"""The HTTP server: the OpenAI wire format (``openai/``) over the scheduler. Never imports torch."""
