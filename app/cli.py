@@ -101,6 +101,14 @@ def _server_flags(parser: argparse.ArgumentParser, defaults: ServerConfig) -> No
         help="idle time after which the KV cache's memory is handed back if the prefix cache holds nothing",
     )
     parser.add_argument(
+        "--responses-store-size",
+        type=int,
+        default=defaults.responses_store_size,
+        metavar="N",
+        help="responses kept for previous_response_id and GET /v1/responses/{id} (least recently used leave first; "
+        "0 keeps none)",
+    )
+    parser.add_argument(
         "--api-key",
         default=os.environ.get("SMOLSERVE_API_KEY"),
         help="require `Authorization: Bearer <key>` on /v1/* (default: $SMOLSERVE_API_KEY)",
@@ -182,4 +190,5 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
         cors_origins=tuple(args.cors_origins),
         sse_keepalive_s=args.sse_keepalive,
         limits=RequestLimits(max_request_bytes=args.max_request_bytes),
+        responses_store_size=args.responses_store_size,
     )

@@ -125,7 +125,8 @@ class Generation:
 
     # -- a whole response -------------------------------------------------------------------------------
 
-    async def complete(self) -> dict[str, Any]:
+    async def collect(self) -> list[Choice]:
+        """Run every sequence to its end; the choices to answer with (``best_of``'s winners)."""
         collectors = [asyncio.ensure_future(self._collect(i, s)) for i, s in self.running]
         try:
             await asyncio.gather(*collectors)
@@ -135,7 +136,10 @@ class Generation:
             for collector in collectors:  # after a failure, the others would wait forever
                 collector.cancel()
             self.abort()
-        winners = self._best()
+        return self._best()
+
+    async def complete(self) -> dict[str, Any]:
+        winners = await self.collect()
         want_logprobs = self.options.logprobs is not None
         choices = [self.fmt.choice(i, choice, want_logprobs) for i, choice in enumerate(winners)]
         response = envelope(self.request_id, self.fmt.object_name, self.created, self.model_name, choices)
@@ -173,28 +177,45 @@ class Generation:
 
     # -- a stream of chunks ------------------------------------------------------------------------------
 
-    async def events(self) -> AsyncIterator[str]:
-        """Server-sent event payloads: chunks as each choice produces text, then usage, then [DONE]."""
+    async def deltas(self) -> AsyncIterator[tuple[int, Delta | EngineError]]:
+        """Each choice's deltas as they come (recorded in its ``Choice`` first), merged; an ``EngineError`` ends
+        them. Leaving early aborts the sequences: they leave the batch at the next step."""
         merged: asyncio.Queue[tuple[int, Delta | EngineError | None]] = asyncio.Queue()
         pumps = [asyncio.ensure_future(self._pump(i, s, merged)) for i, s in self.running]
         try:
-            want_logprobs = self.options.logprobs is not None
-            if self.echo_texts is not None and not self.scores_prompt:
-                for index, choice in enumerate(self.choices):
-                    echoed = Delta(choice.prefix, [], choice.finish_reason)
-                    yield self._chunk([self.fmt.delta(index, choice, echoed, False, first=True) or {}])
             remaining = len(pumps)
-            started: set[int] = set()
             while remaining:
                 index, item = await merged.get()
                 if item is None:
                     remaining -= 1
                     continue
+                if not isinstance(item, EngineError):
+                    self._record(self.choices[index], item)
+                yield index, item
+                if isinstance(item, EngineError):
+                    return
+        finally:
+            for pump in pumps:
+                pump.cancel()
+            self.abort()
+
+    async def events(self) -> AsyncIterator[str]:
+        """Server-sent event payloads: chunks as each choice produces text, then usage, then [DONE]."""
+        want_logprobs = self.options.logprobs is not None
+        if self.echo_texts is not None and not self.scores_prompt:
+            for index, choice in enumerate(self.choices):
+                echoed = Delta(choice.prefix, [], choice.finish_reason)
+                yield self._chunk([self.fmt.delta(index, choice, echoed, False, first=True) or {}])
+        started: set[int] = set()
+        failed = False
+        deltas = self.deltas()
+        try:
+            async for index, item in deltas:
                 if isinstance(item, EngineError):
                     yield json.dumps(error_body(500, str(item), code="engine_error"))
+                    failed = True
                     break
                 choice = self.choices[index]
-                self._record(choice, item)
                 first = index not in started and (self.echo_texts is None or self.scores_prompt)
                 if choice.prompt_only:
                     item = Delta("", [], "length", [])
@@ -203,13 +224,10 @@ class Generation:
                     piece = self.fmt.delta(index, choice, item, want_logprobs, first)
                     if piece is not None:
                         yield self._chunk([piece])
-            else:
-                if self.options.include_usage:
-                    yield self._chunk([], usage=self.usage())
         finally:
-            for pump in pumps:
-                pump.cancel()
-            self.abort()  # the client may have left mid-stream: the sequences leave the batch at the next step
+            await deltas.aclose()  # the client may have left mid-stream: its sequences leave the batch
+        if not failed and self.options.include_usage:
+            yield self._chunk([], usage=self.usage())
         yield "[DONE]"
 
     async def _pump(self, index: int, stream: Stream, out: asyncio.Queue[Any]) -> None:

@@ -13,6 +13,7 @@ from starlette.routing import Route
 from app.openai.chat import ChatFormat
 from app.openai.completions import CompletionFormat
 from app.openai.models import model_list
+from app.openai.responses import input_item_list
 from app.state import server_state
 
 
@@ -65,6 +66,29 @@ async def chat_completions(request: Request) -> Response:
     return await state.respond(request, generation)
 
 
+async def responses(request: Request) -> Response:
+    arrived = time.perf_counter()
+    state = server_state(request)
+    raw = await request.body()
+    req, prompt, messages = await state.prepare(lambda: state.prepare_response(raw), len(raw))
+    return await state.respond(request, await state.response_generation(req, prompt, messages, arrived))
+
+
+async def get_response(request: Request) -> Response:
+    return JSONResponse(server_state(request).responses.get(request.path_params["response_id"]).response)
+
+
+async def delete_response(request: Request) -> Response:
+    response_id = request.path_params["response_id"]
+    server_state(request).responses.delete(response_id)
+    return JSONResponse({"id": response_id, "object": "response.deleted", "deleted": True})
+
+
+async def response_input_items(request: Request) -> Response:
+    stored = server_state(request).responses.get(request.path_params["response_id"])
+    return JSONResponse(input_item_list(stored.input_items, request.query_params))
+
+
 async def tokenize(request: Request) -> Response:
     state = server_state(request)
     raw = await request.body()
@@ -87,6 +111,10 @@ ROUTES = [
     Route("/tokenizer_info", tokenizer_info, methods=["GET"]),
     Route("/v1/completions", completions, methods=["POST"]),
     Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+    Route("/v1/responses", responses, methods=["POST"]),
+    Route("/v1/responses/{response_id}", get_response, methods=["GET"]),
+    Route("/v1/responses/{response_id}", delete_response, methods=["DELETE"]),
+    Route("/v1/responses/{response_id}/input_items", response_input_items, methods=["GET"]),
     Route("/tokenize", tokenize, methods=["POST"]),
     Route("/detokenize", detokenize, methods=["POST"]),
 ]

@@ -4,6 +4,7 @@ tokenize on worker threads, check against the model's limits, compile the gramma
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import time
 from collections.abc import AsyncIterator, Callable
@@ -11,6 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
+from prometheus_client import Gauge
 from sse_starlette import EventSourceResponse
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -20,14 +22,24 @@ from app.backend import Backend, LocalBackend
 from app.generation import Generation
 from app.limits import RequestLimits, check_lists, check_text
 from app.metrics import Metrics
-from app.openai.chat import ChatRequest, parse_chat_request
+from app.openai.chat import ChatFormat, ChatRequest, parse_chat_request
 from app.openai.choices import Format
 from app.openai.completions import CompletionRequest, parse_completion_request
 from app.openai.errors import APIError, bad_request
 from app.openai.messages import Message
 from app.openai.models import model_card
 from app.openai.request import optional, parse_json_object, parse_model, token_ids
+from app.openai.responses import (
+    ResponsesRequest,
+    conversation,
+    item_texts,
+    new_id,
+    parse_responses_request,
+    stored_input_items,
+    with_instructions,
+)
 from app.openai.sampling import GenerationOptions, StructuredOutput
+from app.responses import STORE_SIZE, ResponseGeneration, ResponseStore
 from app.tools import ToolCalling
 from app.tools.grammar import call_schema, tool_grammar
 from app.tools.prompt import render
@@ -64,6 +76,8 @@ class ServerConfig:
     sse_keepalive_s: float | None = None
     #: What one request may ask before admission (``--max-request-bytes`` and list lengths: ``app/limits.py``).
     limits: RequestLimits = field(default_factory=RequestLimits)
+    #: Responses kept for ``previous_response_id`` and ``GET /v1/responses/{id}`` (least recently used leave first).
+    responses_store_size: int = STORE_SIZE
 
 
 class Model(Protocol):
@@ -119,6 +133,10 @@ class ServerState:
         self.sse_ping = config.sse_keepalive_s or 0  # sse-starlette: 0 sends no pings
         #: Set when shutdown begins: new requests get 503 while in-flight ones finish.
         self.draining = False
+        self.responses = ResponseStore(config.responses_store_size)
+        stored = Gauge("smolserve:responses_stored", "Responses kept for previous_response_id and retrieval",
+                       registry=self.metrics.registry)  # fmt: skip
+        stored.set_function(lambda: len(self.responses))
 
     def model_card(self) -> dict[str, Any]:
         return model_card(self.model_name, self.created, self.max_model_len)
@@ -170,6 +188,45 @@ class ServerState:
         texts = [message.text for message in req.messages] + calls
         check_text(texts, self.max_chars, self.max_model_len, "messages")
         return req, self.chat_prompt(req.messages, req.tools)
+
+    def prepare_response(self, raw: bytes) -> tuple[ResponsesRequest, list[int], list[Message]]:
+        """On a worker: the request, its prompt (the stored conversation it continues, then its input, with its
+        instructions first), and the conversation without the instructions."""
+        req = parse_responses_request(self.parse_body(raw))
+        self.check_model(req.model)
+        check_text(item_texts(req.items), self.max_chars, self.max_model_len, "input")
+        previous = req.body.previous_response_id
+        history = [] if previous is None else self.responses.get(previous, "previous_response_id").conversation
+        messages = history + conversation(req.items)
+        prompt = self.chat_prompt(with_instructions(req.instructions, messages), req.tools)
+        need = req.options.max_tokens or 1
+        while req.truncate and len(prompt) + need > self.max_model_len and len(messages) > 1:
+            messages = _drop_oldest(messages)
+            prompt = self.chat_prompt(with_instructions(req.instructions, messages), req.tools)
+        if len(prompt) + need > self.max_model_len:
+            param = "max_output_tokens" if req.options.max_tokens else "input"
+            raise bad_request(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, the input is "
+                f"{len(prompt)} tokens and {need} more were asked for. Shorten the input, or set truncation: auto.",
+                param,
+            )
+        return req, prompt, messages
+
+    async def response_generation(
+        self, req: ResponsesRequest, prompt: list[int], messages: list[Message], arrived: float
+    ) -> ResponseGeneration:
+        options = req.options
+        if options.max_tokens is None:  # as chat: up to the context length
+            room = self.max_model_len - len(prompt)
+            options = dataclasses.replace(options, max_tokens=room, min_tokens=min(options.min_tokens, room))
+        calls = req.tools is not None and req.tools.calls_allowed
+        generation = await self.generation(
+            ChatFormat(self.tokenizer), options, [prompt], None, arrived, req.tools, kind=ResponseGeneration,
+            request=req, store=self.responses if req.store else None, history=messages,
+            stored_items=stored_input_items(req.items), parses_calls=calls, response_id=new_id("resp"),
+        )  # fmt: skip
+        assert isinstance(generation, ResponseGeneration)
+        return generation
 
     def tokenize(self, raw: bytes) -> bytes:
         """On a worker: vLLM's ``/tokenize`` of a prompt or of a conversation, rendered."""
@@ -234,21 +291,27 @@ class ServerState:
         echo_texts: list[str] | None,
         arrived: float,
         calling: ToolCalling | None = None,
+        kind: type[Generation] = Generation,
+        **extra: Any,
     ) -> Generation:
         assert options.max_tokens is not None, "the route fills in chat's default"
         for ids in prompts:
             self.check_context(len(ids), options.max_tokens)
         self.check_tokens(options)
-        if calling is not None and calling.calls_allowed:
-            grammar = await self.compile_tools(calling)
-        elif options.structured is not None:
-            grammar = await self.compile(options.structured)
-        else:
-            grammar = None
-        return Generation(
+        grammar = await self.grammar(options, calling)
+        return kind(
             self.backend, self.metrics, self.tokenizer, self.model_name, fmt, options, prompts, echo_texts, arrived,
-            grammar,
+            grammar, **extra,
         )  # fmt: skip
+
+    async def grammar(self, options: GenerationOptions, calling: ToolCalling | None) -> str | None:
+        """What every sequence's tokens must follow: the structured output asked for, else the calls the tools
+        allow (with ``tool_choice: "none"``, text that starts no call), else nothing."""
+        if options.structured is not None:
+            return await self.compile(options.structured)
+        if calling is not None:
+            return await self.compile_tools(calling)
+        return None
 
     async def compile(self, structured: StructuredOutput) -> str:
         """Compile the grammar (off the event loop; cached) before anything is admitted: a bad one is a 400.
@@ -266,13 +329,11 @@ class ServerState:
 
     async def compile_tools(self, calling: ToolCalling) -> str:
         """The grammar of the calls ``calling`` allows; a 400 naming the tool whose parameters do not compile."""
-        grammar = tool_grammar(calling)
-        assert grammar is not None, "tool_choice none has no grammar"
         try:
-            return await self.compile(StructuredOutput("grammar", grammar, "tools"))
+            return await self.compile(StructuredOutput("grammar", tool_grammar(calling), "tools"))
         except APIError:
             for index, tool in enumerate(calling.tools):
-                param = f"tools[{index}].function.parameters"
+                param = calling.parameters_param(index)
                 try:
                     Grammars.check(Grammars.json_schema(call_schema(tool)))
                 except ValueError as exc:
@@ -318,6 +379,14 @@ async def _logged(request: Request, generation: Generation, events: AsyncIterato
 
 def _usage_for_log(generation: Generation) -> tuple[int, int, int]:
     return generation.num_prompt_tokens, generation.num_completion_tokens, generation.num_cached_tokens
+
+
+def _drop_oldest(messages: list[Message]) -> list[Message]:
+    """The conversation without its oldest message, nor the tool results that answered a call it held."""
+    rest = messages[1:]
+    while len(rest) > 1 and rest[0].role == "tool":
+        rest = rest[1:]
+    return rest
 
 
 def server_state(source: Request | Starlette) -> ServerState:

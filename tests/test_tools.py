@@ -60,7 +60,9 @@ def parse(text: str, splits: list[int] = ()) -> tuple[ToolCallParser, list[str],
         pieces.append(piece)
         deltas += calls
         start = max(start, end)
-    pieces.append(parser.finish())
+    rest, more = parser.finish()
+    pieces.append(rest)
+    deltas += more
     return parser, pieces, deltas
 
 
@@ -107,13 +109,15 @@ def test_any_split_of_a_reply_gives_the_same_content_and_calls(before: str, call
 
 
 def test_a_reply_cut_short_keeps_what_it_has() -> None:
-    """max_tokens may end a reply anywhere: inside the trigger (text after all), inside the head (text), or
-    inside the arguments (the call, with the arguments so far)."""
+    """max_tokens may end a reply anywhere: inside the trigger (text after all), inside the head (a call with the
+    name so far, never the call syntax as text), or inside the arguments (the call, with the arguments so far)."""
     text = 'Hi <tool_call>\n{"name": "now", "arguments": {"a": [1, 2'
     parser, pieces, deltas = parse(text[: len("Hi <tool_c")])
     assert "".join(pieces) == "Hi <tool_c" and not parser.calls
-    parser, pieces, _ = parse(text[: len('Hi <tool_call>\n{"na')])
-    assert "".join(pieces) == 'Hi <tool_call>\n{"na' and not parser.calls
+    for cut, name in (('{"na', ""), ('{"name": "no', "no"), ('{"name": "now", "argu', "now")):
+        parser, pieces, deltas = parse("Hi <tool_call>\n" + cut)
+        assert "".join(pieces) == "Hi " and assembled(deltas) == [{"name": name, "arguments": ""}]
+        assert parser.text == "Hi "
     parser, pieces, deltas = parse(text)
     assert "".join(pieces) == "Hi " and assembled(deltas) == [{"name": "now", "arguments": '{"a": [1, 2'}]
 
@@ -174,8 +178,10 @@ def test_parameters_with_defs_keep_their_references() -> None:
     assert not allows(required, call_text("book", '{"guest": {"age": "thirty"}}'))
 
 
-def test_none_has_no_grammar() -> None:
-    assert tool_grammar(ToolCalling((WEATHER,), "none")) is None
+def test_none_lets_any_text_through_but_no_call() -> None:
+    none = ToolCalling((WEATHER,), "none")
+    assert allows(none, "It is sunny in Paris. <tool> and tool_call are words too.")
+    assert not allows(none, 'Sure. <tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>')
 
 
 # -- into the prompt ------------------------------------------------------------------------------------------
@@ -215,10 +221,12 @@ def test_tools_and_tool_traffic_are_written_into_the_conversation() -> None:
     assert rendered[3]["content"] == "<tool_response>\nsunny\n</tool_response>\n<tool_response>\nnoon\n</tool_response>"
 
 
-def test_the_tool_prompt_comes_first_without_a_system_message_and_not_at_all_for_none() -> None:
+def test_the_tool_prompt_comes_first_without_a_system_message_and_for_none_too() -> None:
+    """``none`` keeps the tools visible, as OpenAI and vLLM do: only calls are refused (by the grammar)."""
     conversation = messages({"role": "user", "content": "hi"})
-    assert render(conversation, ToolCalling((NOW,), "required"), native=False)[0]["role"] == "system"
-    assert render(conversation, ToolCalling((NOW,), "none"), native=False) == [{"role": "user", "content": "hi"}]
+    for choice in ("required", "none"):
+        rendered = render(conversation, ToolCalling((NOW,), choice), native=False)
+        assert rendered[0]["role"] == "system" and '"name": "now"' in rendered[0]["content"]
 
 
 def test_a_native_template_gets_arguments_as_objects() -> None:

@@ -15,7 +15,7 @@ from app.openai.errors import bad_request
 from app.openai.messages import Message, NamedToolChoice, Tool
 from app.openai.request import validated
 from app.openai.sampling import MAX_LOGPROBS, GenerationOptions, SamplingBody, generation_options, reject_unsupported
-from app.tools import ToolCalling
+from app.tools import ToolCalling, tool_calling
 from app.tools.parser import ToolCallParser
 from engine.core.streams import Delta
 from engine.core.tokenizer import Tokenizer
@@ -64,22 +64,11 @@ def parse_chat_request(body: dict[str, Any]) -> ChatRequest:
 
 def _tool_calling(req: ChatBody) -> ToolCalling | None:
     """``tools``, ``tool_choice`` and ``parallel_tool_calls``; None when no tools are offered."""
-    tools, choice = req.tools or [], req.tool_choice
+    choice = req.tool_choice
+    named = choice.function.name if isinstance(choice, NamedToolChoice) else None
+    mode = "named" if named is not None else choice
     parallel = req.parallel_tool_calls is not False
-    if not tools:
-        if choice not in (None, "none", "auto"):  # with no tools, "auto" means: no tool
-            raise bad_request("tool_choice needs tools", "tool_choice")
-        return None
-    names = [tool.function.name for tool in tools]
-    for index, name in enumerate(names):
-        if name in names[:index]:
-            param = f"tools[{index}].function.name"
-            raise bad_request(f"{param}: another tool is named {name} too", param)
-    if isinstance(choice, NamedToolChoice):
-        if choice.function.name not in names:
-            raise bad_request(f"tool_choice names {choice.function.name}, which is not in tools", "tool_choice")
-        return ToolCalling(tuple(tools), "named", parallel, choice.function.name)
-    return ToolCalling(tuple(tools), choice or "auto", parallel)
+    return tool_calling(req.tools or [], mode, named, parallel, lambda index: f"tools[{index}].function.name")
 
 
 def _with_calls(finish_reason: str | None) -> str | None:
@@ -103,7 +92,7 @@ class ChatFormat:
         if self.parses_tool_calls:
             parser = ToolCallParser()
             parser.feed(choice.text)
-            parser.finish()
+            parser.finish()  # what it held back joins the content or the calls
             message["content"] = parser.text
             if parser.calls:
                 message["tool_calls"] = [call.as_dict() for call in parser.calls]
@@ -111,7 +100,7 @@ class ChatFormat:
         return {
             "index": index,
             "message": message,
-            "logprobs": {"content": self._logprobs(choice.logprobs)} if want_logprobs else None,
+            "logprobs": {"content": token_logprobs(self.tokenizer, choice.logprobs)} if want_logprobs else None,
             "finish_reason": finish_reason,
         }
 
@@ -123,7 +112,8 @@ class ChatFormat:
             parser = self._parsers.setdefault(index, ToolCallParser())
             text, calls = parser.feed(delta.text)
             if finish_reason is not None:
-                text += parser.finish()
+                rest, more = parser.finish()
+                text, calls = text + rest, calls + more
                 finish_reason = _with_calls(finish_reason) if parser.calls else finish_reason
             if not (text or calls or first or want_logprobs or finish_reason):
                 return None  # the parser holds the text back: it may begin a call
@@ -135,13 +125,16 @@ class ChatFormat:
         return {
             "index": index,
             "delta": content,
-            "logprobs": {"content": self._logprobs(delta.logprobs or [])} if want_logprobs else None,
+            "logprobs": {"content": token_logprobs(self.tokenizer, delta.logprobs or [])} if want_logprobs else None,
             "finish_reason": finish_reason,
         }
 
-    def _logprobs(self, entries: list[TokenLogprob]) -> list[dict[str, Any]]:
-        def token(token_id: int, logprob: float) -> dict[str, Any]:
-            raw = self.tokenizer.token_bytes(token_id)
-            return {"token": token_string(self.tokenizer, token_id), "logprob": logprob, "bytes": list(raw)}
 
-        return [{**token(e.token_id, e.logprob), "top_logprobs": [token(t, lp) for t, lp in e.top]} for e in entries]
+def token_logprobs(tokenizer: Tokenizer, entries: list[TokenLogprob]) -> list[dict[str, Any]]:
+    """Chat's (and the Responses API's) logprobs: each token's string, logprob, own bytes and alternatives."""
+
+    def token(token_id: int, logprob: float) -> dict[str, Any]:
+        raw = tokenizer.token_bytes(token_id)
+        return {"token": token_string(tokenizer, token_id), "logprob": logprob, "bytes": list(raw)}
+
+    return [{**token(e.token_id, e.logprob), "top_logprobs": [token(t, lp) for t, lp in e.top]} for e in entries]

@@ -180,7 +180,13 @@ def generation_options(
     stream_options = req.stream_options or StreamOptions()
     max_tokens = default_max_tokens if max_tokens is None else max_tokens
     if max_tokens is not None and max_tokens < (0 if allow_zero else 1):
-        limit = "at least 1 (0 only with echo)" if not allow_zero else "at least 0"
+        limit = (
+            "at least 0"
+            if allow_zero
+            else "at least 1 (0 only with echo)"
+            if max_tokens_param == "max_tokens"
+            else "at least 1"
+        )
         raise bad_request(f"{max_tokens_param} must be {limit}, got {max_tokens}", max_tokens_param)
     n = req.n or 1
     best_of = n if req.best_of is None else req.best_of

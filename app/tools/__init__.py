@@ -23,9 +23,11 @@ tools.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from app.openai.errors import bad_request
 from app.openai.messages import Tool
 
 
@@ -38,6 +40,8 @@ class ToolCalling:
     choice: Literal["none", "auto", "required", "named"]
     parallel: bool = True
     named: str | None = None  # the function a named choice calls
+    #: Where tool i's parameters are in the request, for errors: chat nests them under ``function``.
+    parameters_param: Callable[[int], str] = lambda index: f"tools[{index}].function.parameters"
 
     @property
     def calls_allowed(self) -> bool:
@@ -50,7 +54,32 @@ class ToolCalling:
         return [tool for tool in self.tools if tool.function.name == self.named]
 
     def definitions(self) -> list[dict[str, Any]]:
-        """The tools as the API spells them, for a prompt (``none`` shows the model none)."""
-        if not self.calls_allowed:
-            return []
+        """The tools as the API spells them, for a prompt (``none`` shows them all: only calls are refused)."""
         return [tool.model_dump(exclude_none=True) for tool in self.offered()]
+
+
+def tool_calling(
+    tools: list[Tool], choice: str | None, named: str | None, parallel: bool, name_param: Callable[[int], str]
+) -> ToolCalling | None:
+    """A request's ``tools``, ``tool_choice`` (``"named"`` with ``named`` for a function's name) and
+    ``parallel_tool_calls``, checked; None when no tools are offered. ``name_param(i)``: the path of tool i's name
+    in the request, for errors."""
+    if not tools:
+        if choice not in (None, "none", "auto"):  # with no tools, "auto" means: no tool
+            raise bad_request("tool_choice needs tools", "tool_choice")
+        return None
+    names = [tool.function.name for tool in tools]
+    for index, name in enumerate(names):
+        if name in names[:index]:
+            param = name_param(index)
+            raise bad_request(f"{param}: another tool is named {name} too", param)
+    if named is not None:
+        if named not in names:
+            raise bad_request(f"tool_choice names {named}, which is not in tools", "tool_choice")
+        return ToolCalling(tuple(tools), "named", parallel, named)
+    return ToolCalling(tuple(tools), choice or "auto", parallel)  # type: ignore[arg-type]
+
+
+def flat_parameters(index: int) -> str:
+    """The Responses API's spelling of tool i's parameters (function tools are flat there)."""
+    return f"tools[{index}].parameters"

@@ -27,10 +27,15 @@ def call_schema(tool: Tool) -> dict[str, Any]:
     }
 
 
-def tool_grammar(calling: ToolCalling) -> str | None:
-    """The Lark grammar (llguidance's dialect) the reply must follow, or None when calls are not allowed."""
+#: ``tool_choice: "none"``: any text without the call marker. The tools stay in the prompt, as OpenAI and vLLM
+#: show them, but no call can start.
+NO_CALLS = f"start: TEXT\nTEXT: /(?s:.*)/ & ~/(?s:.*{OPEN}.*)/\n"
+
+
+def tool_grammar(calling: ToolCalling) -> str:
+    """The Lark grammar (llguidance's dialect) the reply must follow."""
     if not calling.calls_allowed:
-        return None
+        return "%llguidance {}\n" + NO_CALLS
     bodies = [f"fn_{i}: %json {json.dumps(call_schema(tool))}" for i, tool in enumerate(calling.offered())]
     call = f'"{OPEN}\\n" body "\\n{CLOSE}"'
     more = ' ("\\n" call)*' if calling.parallel and calling.choice in ("auto", "required") else ""

@@ -10,6 +10,7 @@ from typing import Any, Literal
 
 from app.tools.syntax import CLOSE, OPEN
 
+_PARTIAL_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*\\?)')
 _HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"arguments"\s*:\s*')
 
 
@@ -60,17 +61,20 @@ class ToolCallParser:
             case "tail":
                 return self._tail()
 
-    def finish(self) -> str:
-        """At the end of the reply: text held back in case it began a call is content after all (a call
-        cut short by ``max_tokens`` keeps the arguments it has)."""
-        rest = ""
+    def finish(self) -> tuple[str, list[dict[str, Any]]]:
+        """At the end of the reply: the content and call deltas still held back. Text held back in case it began
+        a call is content after all; a call cut short by ``max_tokens`` is a call with what it has: the arguments
+        so far, or, cut inside its head, the name so far and no arguments (never its syntax as text)."""
+        rest, deltas = "", []
         if self._state == "text":
             rest = self._pending if not self.calls or self._pending.strip() else ""
         elif self._state == "head":
-            rest = OPEN + self._pending
+            call = ParsedCall(f"call_{uuid.uuid4().hex[:24]}", _partial_name(self._pending))
+            deltas.append({"index": len(self.calls), **call.as_dict()})
+            self.calls.append(call)
         self._pending = ""
         self.content.append(rest)
-        return rest
+        return rest, deltas
 
     @property
     def text(self) -> str | None:
@@ -144,6 +148,18 @@ class ToolCallParser:
         self._pending = self._pending[end + len(CLOSE) :]
         self._state = "text"
         return True
+
+
+def _partial_name(head: str) -> str:
+    """The function name a call's head cut short has written so far (``{"name": "get_wea``: ``get_wea``)."""
+    match = _PARTIAL_HEAD.match(head)
+    if match is None:
+        return ""
+    raw = match.group(1).rstrip("\\")  # a cut escape
+    try:
+        return json.loads(f'"{raw}"')
+    except ValueError:
+        return raw
 
 
 def _add_arguments(deltas: list[dict[str, Any]], index: int, fragment: str) -> None:

@@ -1,0 +1,152 @@
+"""A response's output as it is generated: output items (an assistant message, function calls) built from the text
+deltas, and the stream events of the Responses API, numbered from 0 (``sequence_number``).
+
+The same builder makes a whole response's output (the text fed at once), so that a streamed response and a whole
+one have the same items. With tools, the text goes through the call parser (``app/tools/parser.py``): content
+opens a message item, each call a ``function_call`` item whose arguments stream as deltas.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from app.openai.chat import token_logprobs
+from app.openai.responses import call_item, message_item, new_id, output_text_part
+from app.tools.parser import ToolCallParser
+from engine.core.tokenizer import Tokenizer
+from engine.core.types import FinishReason, TokenLogprob
+
+
+@dataclass(slots=True)
+class _Message:
+    item_id: str
+    output_index: int
+    text: str = ""
+    logprobs: list[dict[str, Any]] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class _Call:
+    item_id: str
+    output_index: int
+    call_id: str
+    name: str
+    arguments: str = ""
+
+
+@dataclass(slots=True)
+class ResponseEvents:
+    """Feed it the deltas of one sequence; it returns the events each one makes, and keeps the output items."""
+
+    tokenizer: Tokenizer
+    #: Whether the reply may hold calls (tools offered and allowed): then its text goes through the call parser.
+    parses_calls: bool
+    #: ``include: ["message.output_text.logprobs"]``: the output text's logprobs, in items and deltas.
+    logprobs: bool
+    output: list[dict[str, Any]] = field(default_factory=list)
+    sequence_number: int = 0
+    _parser: ToolCallParser | None = None
+    _message: _Message | None = None
+    _call: _Call | None = None
+
+    def __post_init__(self) -> None:
+        if self.parses_calls:
+            self._parser = ToolCallParser()
+
+    def event(self, kind: str, **fields: Any) -> dict[str, Any]:
+        event = {"type": kind, "sequence_number": self.sequence_number, **fields}
+        self.sequence_number += 1
+        return event
+
+    def feed(self, text: str, logprobs: list[TokenLogprob] | None) -> list[dict[str, Any]]:
+        """The events of the next piece of generated text."""
+        entries = token_logprobs(self.tokenizer, logprobs or []) if self.logprobs else []
+        calls: list[dict[str, Any]] = []
+        if self._parser is not None:
+            text, calls = self._parser.feed(text)
+        return self._text(text, entries) + self._calls(calls)
+
+    def finish(self, finish_reason: FinishReason | None) -> list[dict[str, Any]]:
+        """The events that close the output: what the parser held back, then each open item, done."""
+        events: list[dict[str, Any]] = []
+        if self._parser is not None:
+            text, calls = self._parser.finish()
+            events += self._text(text, []) + self._calls(calls)
+        status = "incomplete" if finish_reason == "length" else "completed"
+        return events + self._close_message(status) + self._close_call(status)
+
+    # -- items ------------------------------------------------------------------------------------------
+
+    def _text(self, text: str, logprobs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        if not text:
+            return []
+        events = self._close_call("completed")
+        message = self._message
+        if message is None:
+            message = self._message = _Message(new_id("msg"), len(self.output))
+            self.output.append(message_item(message.item_id, "", "in_progress", None))
+            events.append(self._item_event("response.output_item.added", message.output_index))
+            part = output_text_part("")
+            events.append(self.event("response.content_part.added", item_id=message.item_id,
+                                     output_index=message.output_index, content_index=0, part=part))  # fmt: skip
+        message.text += text
+        message.logprobs += logprobs
+        delta_logprobs = [{key: entry[key] for key in ("token", "logprob", "top_logprobs")} for entry in logprobs]
+        events.append(self.event("response.output_text.delta", item_id=message.item_id,
+                                 output_index=message.output_index, content_index=0, delta=text,
+                                 logprobs=delta_logprobs))  # fmt: skip
+        return events
+
+    def _calls(self, deltas: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        events: list[dict[str, Any]] = []
+        for delta in deltas:
+            if "id" in delta:  # a new call: its head
+                events += self._close_message("completed") + self._close_call("completed")
+                function = delta["function"]
+                call = self._call = _Call(new_id("fc"), len(self.output), delta["id"], function["name"])
+                self.output.append(call_item(call.item_id, call.call_id, call.name, "", "in_progress"))
+                events.append(self._item_event("response.output_item.added", call.output_index))
+                fragment = function.get("arguments") or ""
+            else:
+                fragment = delta["function"]["arguments"]
+            call = self._call
+            assert call is not None, "arguments come after their call's head"
+            if fragment:
+                call.arguments += fragment
+                events.append(self.event("response.function_call_arguments.delta", item_id=call.item_id,
+                                         output_index=call.output_index, delta=fragment))  # fmt: skip
+        return events
+
+    def _close_message(self, status: str) -> list[dict[str, Any]]:
+        message, self._message = self._message, None
+        if message is None:
+            return []
+        logprobs = message.logprobs if self.logprobs else None
+        item = self.output[message.output_index] = message_item(message.item_id, message.text, status, logprobs)
+        delta_logprobs = [{key: entry[key] for key in ("token", "logprob", "top_logprobs")} for entry in logprobs or []]
+        where = {"item_id": message.item_id, "output_index": message.output_index, "content_index": 0}
+        return [
+            self.event("response.output_text.done", **where, text=message.text, logprobs=delta_logprobs),
+            self.event("response.content_part.done", **where, part=item["content"][0]),
+            self._item_event("response.output_item.done", message.output_index),
+        ]
+
+    def _close_call(self, status: str) -> list[dict[str, Any]]:
+        call, self._call = self._call, None
+        if call is None:
+            return []
+        self.output[call.output_index] = call_item(call.item_id, call.call_id, call.name, call.arguments, status)
+        return [
+            self.event(
+                "response.function_call_arguments.done",
+                item_id=call.item_id,
+                output_index=call.output_index,
+                name=call.name,
+                arguments=call.arguments,
+            ),
+            self._item_event("response.output_item.done", call.output_index),
+        ]
+
+    def _item_event(self, kind: str, output_index: int) -> dict[str, Any]:
+        return self.event(kind, output_index=output_index, item=self.output[output_index])

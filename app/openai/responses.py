@@ -1,0 +1,411 @@
+"""The wire format of ``/v1/responses`` (OpenAI's Responses API): its body, its input items as a chat
+conversation, and the response object and stream events it answers with.
+
+``instructions`` become the system message and the input items the conversation, so that a response and a chat
+completion of the same conversation see the same prompt. Function tools are spelled flat
+(``{"type": "function", "name", "parameters"}``); calls come back as ``function_call`` output items. The stream is
+``app/openai/response_events.py``'s.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Annotated, Any, Literal
+
+from pydantic import Field
+
+from app.openai.errors import APIError, bad_request
+from app.openai.messages import FunctionCall, FunctionDefinition, Message, Tool, ToolCall
+from app.openai.request import NonEmpty, WireModel, validated
+from app.openai.sampling import (
+    MAX_LOGPROBS,
+    GenerationOptions,
+    JsonSchemaFormat,
+    ResponseFormat,
+    SamplingBody,
+    generation_options,
+)
+from app.tools import ToolCalling, flat_parameters, tool_calling
+
+#: ``include`` values the API defines. Only the logprobs one changes what this server returns; the others ask for
+#: parts of items (search results, images, reasoning) this server never produces.
+INCLUDABLE = frozenset({
+    "message.output_text.logprobs", "reasoning.encrypted_content", "file_search_call.results",
+    "web_search_call.results", "web_search_call.action.sources", "message.input_image.image_url",
+    "computer_call_output.output.image_url", "code_interpreter_call.outputs",
+})  # fmt: skip
+#: Body fields of the API that change the answer and that this server does not implement: a 400 naming them.
+_UNSUPPORTED = ("conversation", "prompt", "n", "best_of", "response_format", "messages", "echo", "suffix")
+
+
+class InputPart(WireModel):
+    """Text in a message: ``input_text`` (sent), ``output_text`` (an assistant message as returned)."""
+
+    type: Literal["input_text", "output_text"]
+    text: str
+
+
+class InputMessage(WireModel):
+    type: Literal["message"] = "message"
+    role: Literal["user", "assistant", "system", "developer"]
+    content: str | Annotated[list[InputPart], Field(min_length=1)]
+
+    @property
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(part.text for part in self.content)
+
+
+class FunctionCallItem(WireModel):
+    type: Literal["function_call"]
+    call_id: NonEmpty
+    name: NonEmpty
+    arguments: str
+
+
+class FunctionCallOutputItem(WireModel):
+    type: Literal["function_call_output"]
+    call_id: NonEmpty
+    output: str | Annotated[list[InputPart], Field(min_length=1)]
+
+    @property
+    def text(self) -> str:
+        return self.output if isinstance(self.output, str) else "".join(part.text for part in self.output)
+
+
+InputItem = InputMessage | FunctionCallItem | FunctionCallOutputItem
+_ITEM_MODELS: dict[str | None, type[WireModel]] = {
+    None: InputMessage,
+    "message": InputMessage,
+    "function_call": FunctionCallItem,
+    "function_call_output": FunctionCallOutputItem,
+}
+
+
+class FunctionTool(WireModel):
+    type: Literal["function"]
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class NamedFunctionChoice(WireModel):
+    type: Literal["function"]
+    name: NonEmpty
+
+
+class TextFormat(WireModel):
+    type: Literal["text", "json_object", "json_schema"]
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | bool | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class TextConfig(WireModel):
+    format: TextFormat | None = None
+    verbosity: Literal["low", "medium", "high"] | None = None  # for reasoning models: nothing to change here
+
+
+class ResponsesBody(SamplingBody):
+    input: Any = None  # a string or a list of items: checked item by item (``input_items``)
+    instructions: str | None = None
+    max_output_tokens: int | None = None
+    store: bool | None = None
+    previous_response_id: NonEmpty | None = None
+    metadata: Annotated[dict[str, Annotated[str, Field(max_length=512)]], Field(max_length=16)] | None = None
+    user: str | None = None
+    parallel_tool_calls: bool | None = None
+    truncation: Literal["auto", "disabled"] | None = None
+    include: list[str] | None = None
+    top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    reasoning: dict[str, Any] | None = None  # accepted; this model does not reason apart from its answer
+    tools: list[dict[str, Any]] | None = None  # checked one by one: a tool type this server lacks is a 400
+    tool_choice: Literal["none", "auto", "required"] | NamedFunctionChoice | None = None
+    text: TextConfig | None = None
+    background: bool | None = None
+
+
+@dataclass(slots=True, frozen=True)
+class ResponsesRequest:
+    """A checked Responses request: what to run, and what the response object echoes back."""
+
+    model: str | None
+    items: list[InputItem]  # the new input, as items
+    options: GenerationOptions
+    tools: ToolCalling | None
+    body: ResponsesBody
+    #: ``include`` asked for the output text's logprobs.
+    logprobs: bool = False
+    wire_tools: list[dict[str, Any]] = field(default_factory=list)  # the tools as sent, for the response object
+
+    @property
+    def store(self) -> bool:
+        return self.body.store is not False
+
+    @property
+    def instructions(self) -> str | None:
+        return self.body.instructions
+
+    @property
+    def truncate(self) -> bool:
+        return self.body.truncation == "auto"
+
+
+def parse_responses_request(body: dict[str, Any]) -> ResponsesRequest:
+    for name in _UNSUPPORTED:
+        if body.get(name) is not None:
+            raise bad_request(f"{name} is not supported by /v1/responses on this server", name)
+    if body.get("background"):
+        raise bad_request("background responses are not supported by this server", "background")
+    req: ResponsesBody = validated(ResponsesBody, body)
+    items = input_items(req.input)
+    include = req.include or []
+    for index, name in enumerate(include):
+        if name not in INCLUDABLE:
+            raise bad_request(f"include[{index}]: unknown value {name!r}", f"include[{index}]")
+    logprobs = "message.output_text.logprobs" in include
+    if req.top_logprobs and not logprobs:
+        raise bad_request("top_logprobs needs include: ['message.output_text.logprobs']", "top_logprobs")
+    wire_tools = req.tools or []
+    calling = _tool_calling(req, [_function_tool(tool, index) for index, tool in enumerate(wire_tools)])
+    sampling = req.model_copy(update={"response_format": _response_format(req.text)})
+    options = generation_options(
+        sampling, req.max_output_tokens, "max_output_tokens", (req.top_logprobs or 0) if logprobs else None,
+        allow_zero=False, default_max_tokens=None,
+    )  # fmt: skip
+    if options.structured is not None:  # errors name the field as this endpoint spells it
+        options = dataclasses.replace(options, structured=dataclasses.replace(options.structured, param="text.format"))
+    if calling is not None and calling.calls_allowed and options.structured is not None:
+        raise bad_request("text.format cannot be combined with tool calls (unless tool_choice is none)", "text.format")
+    return ResponsesRequest(req.model, items, options, calling, req, logprobs, wire_tools)
+
+
+def input_items(value: Any) -> list[InputItem]:
+    """``input``: a string (one user message) or a non-empty list of items, each checked by its type."""
+    if isinstance(value, str):
+        if not value:
+            raise bad_request("input must not be empty", "input")
+        return [InputMessage(role="user", content=value)]
+    if not isinstance(value, list) or not value:
+        raise bad_request("input must be a non-empty string or a non-empty list of items", "input")
+    return [_item(item, index) for index, item in enumerate(value)]
+
+
+def _item(item: Any, index: int) -> InputItem:
+    param = f"input[{index}]"
+    if not isinstance(item, dict):
+        raise bad_request(f"{param} must be an object", param)
+    kind = item.get("type")
+    model = _ITEM_MODELS.get(kind)
+    if model is None:
+        raise bad_request(f"{param}.type: items of type {kind!r} are not supported by this server", f"{param}.type")
+    try:
+        return validated(model, item)
+    except APIError as exc:
+        inner = f"{param}.{exc.param}" if exc.param else param
+        raise bad_request(f"{param}: {exc.message}", inner) from None
+
+
+def _function_tool(tool: dict[str, Any], index: int) -> Tool:
+    param = f"tools[{index}]"
+    kind = tool.get("type") if isinstance(tool, dict) else None
+    if kind != "function":
+        raise bad_request(f"{param}.type: {kind!r} tools are not supported by this server", f"{param}.type")
+    try:
+        spec: FunctionTool = validated(FunctionTool, tool)
+    except APIError as exc:
+        inner = f"{param}.{exc.param}" if exc.param else param
+        raise bad_request(f"{param}: {exc.message}", inner) from None
+    definition = {"name": spec.name, "description": spec.description, "strict": spec.strict}
+    if spec.parameters is not None:
+        definition["parameters"] = spec.parameters
+    return Tool(type="function", function=FunctionDefinition(**definition))
+
+
+def _tool_calling(req: ResponsesBody, tools: list[Tool]) -> ToolCalling | None:
+    choice = req.tool_choice
+    named = choice.name if isinstance(choice, NamedFunctionChoice) else None
+    mode = "named" if named is not None else choice
+    parallel = req.parallel_tool_calls is not False
+    calling = tool_calling(tools, mode, named, parallel, lambda index: f"tools[{index}].name")
+    return None if calling is None else dataclasses.replace(calling, parameters_param=flat_parameters)
+
+
+def _response_format(text: TextConfig | None) -> ResponseFormat | None:
+    spec = text.format if text is not None else None
+    if spec is None or spec.type == "text":
+        return None
+    if spec.type == "json_object":
+        return ResponseFormat(type="json_object")
+    schema = True if spec.schema_ is None else spec.schema_
+    return ResponseFormat(
+        type="json_schema", json_schema=JsonSchemaFormat(name=spec.name, schema=schema, strict=spec.strict)
+    )
+
+
+# -- the conversation ----------------------------------------------------------------------------------------
+
+
+def conversation(items: list[InputItem]) -> list[Message]:
+    """Input items as chat messages: consecutive function calls join the assistant message before them (or a new
+    one), as a chat completion's ``tool_calls``; a call's output is a ``tool`` message."""
+    messages: list[Message] = []
+    for item in items:
+        if isinstance(item, InputMessage):
+            messages.append(Message(role=item.role, content=item.text))
+        elif isinstance(item, FunctionCallOutputItem):
+            messages.append(Message(role="tool", content=item.text, tool_call_id=item.call_id))
+        else:
+            call = ToolCall(id=item.call_id, function=FunctionCall(name=item.name, arguments=item.arguments))
+            last = messages[-1] if messages else None
+            if last is not None and last.role == "assistant":
+                content = last.content if last.content != "" else None
+                messages[-1] = Message(role="assistant", content=content, tool_calls=[*(last.tool_calls or []), call])
+            else:
+                messages.append(Message(role="assistant", tool_calls=[call]))
+    return messages
+
+
+def with_instructions(instructions: str | None, messages: list[Message]) -> list[Message]:
+    return messages if instructions is None else [Message(role="system", content=instructions), *messages]
+
+
+def output_messages(output: list[dict[str, Any]]) -> list[Message]:
+    """A response's output items as the conversation continues them: one assistant message, its text and calls."""
+    text = "".join(part["text"] for item in output if item["type"] == "message" for part in item["content"])
+    calls = [
+        ToolCall(id=item["call_id"], function=FunctionCall(name=item["name"], arguments=item["arguments"]))
+        for item in output
+        if item["type"] == "function_call"
+    ]
+    return [Message(role="assistant", content=text if text or not calls else None, tool_calls=calls or None)]
+
+
+def item_texts(items: list[InputItem]) -> list[str]:
+    """Every text an item carries, for the check that the input could fit the context at all."""
+    texts = []
+    for item in items:
+        texts.append(item.arguments if isinstance(item, FunctionCallItem) else item.text)
+    return texts
+
+
+# -- what goes back ------------------------------------------------------------------------------------------
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex}"
+
+
+def stored_input_items(items: list[InputItem]) -> list[dict[str, Any]]:
+    """The input as the API lists it (``GET /v1/responses/{id}/input_items``): every item with an id."""
+    listed = []
+    for item in items:
+        if isinstance(item, InputMessage):
+            kind = "output_text" if item.role == "assistant" else "input_text"
+            content = [{"type": kind, "text": item.text}]
+            listed.append({"id": new_id("msg"), "type": "message", "role": item.role, "content": content,
+                           "status": "completed"})  # fmt: skip
+        elif isinstance(item, FunctionCallItem):
+            listed.append({"id": new_id("fc"), "type": "function_call", "call_id": item.call_id, "name": item.name,
+                           "arguments": item.arguments, "status": "completed"})  # fmt: skip
+        else:
+            listed.append({"id": new_id("fco"), "type": "function_call_output", "call_id": item.call_id,
+                           "output": item.text, "status": "completed"})  # fmt: skip
+    return listed
+
+
+def message_item(item_id: str, text: str, status: str, logprobs: list[dict[str, Any]] | None) -> dict[str, Any]:
+    part: dict[str, Any] = {"type": "output_text", "text": text, "annotations": []}
+    if logprobs is not None:
+        part["logprobs"] = logprobs
+    return {"id": item_id, "type": "message", "role": "assistant", "status": status, "content": [part]}
+
+
+def call_item(item_id: str, call_id: str, name: str, arguments: str, status: str) -> dict[str, Any]:
+    return {"id": item_id, "type": "function_call", "call_id": call_id, "name": name, "arguments": arguments,
+            "status": status}  # fmt: skip
+
+
+def usage(input_tokens: int, output_tokens: int, cached_tokens: int) -> dict[str, Any]:
+    return {
+        "input_tokens": input_tokens,
+        # Prompt tokens this response computed: the prefix cache keeps their full blocks for later requests.
+        "input_tokens_details": {"cached_tokens": cached_tokens, "cache_write_tokens": input_tokens - cached_tokens},
+        "output_tokens": output_tokens,
+        "output_tokens_details": {"reasoning_tokens": 0},
+        "total_tokens": input_tokens + output_tokens,
+    }
+
+
+def text_config(body: ResponsesBody) -> dict[str, Any]:
+    spec = body.text.format if body.text is not None else None
+    if spec is None:
+        return {"format": {"type": "text"}}
+    return {"format": spec.model_dump(by_alias=True, exclude_none=True)}
+
+
+def tool_choice(body: ResponsesBody) -> Any:
+    choice = body.tool_choice
+    if isinstance(choice, NamedFunctionChoice):
+        return {"type": "function", "name": choice.name}
+    return choice or "auto"
+
+
+def response_object(
+    req: ResponsesRequest,
+    response_id: str,
+    model: str,
+    created_at: int,
+    *,
+    status: str,
+    output: list[dict[str, Any]],
+    usage: dict[str, Any] | None = None,
+    error: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """The response object: every field the SDK's ``Response`` requires, and the request's settings echoed."""
+    body = req.body
+    incomplete = {"reason": "max_output_tokens"} if status == "incomplete" else None
+    return {
+        "id": response_id, "object": "response", "created_at": created_at, "status": status,
+        "completed_at": int(time.time()) if status == "completed" else None, "background": False,
+        "error": error, "incomplete_details": incomplete, "instructions": body.instructions,
+        "max_output_tokens": body.max_output_tokens, "model": model, "output": output,
+        "parallel_tool_calls": body.parallel_tool_calls is not False,
+        "previous_response_id": body.previous_response_id, "reasoning": body.reasoning,
+        "store": req.store, "temperature": body.temperature, "text": text_config(body),
+        "tool_choice": tool_choice(body), "tools": req.wire_tools, "top_p": body.top_p,
+        "truncation": body.truncation or "disabled", "usage": usage, "user": body.user,
+        "metadata": body.metadata or {},
+    }  # fmt: skip
+
+
+def output_text_part(text: str) -> dict[str, Any]:
+    return {"type": "output_text", "text": text, "annotations": []}
+
+
+def input_item_list(items: list[dict[str, Any]], query: Mapping[str, str]) -> dict[str, Any]:
+    """``GET /v1/responses/{id}/input_items``: a page of the input items, ``order`` ``desc`` (the API's default) or
+    ``asc``, ``limit`` 1..100 (20), starting ``after`` an item's id."""
+    order = query.get("order", "desc")
+    if order not in ("asc", "desc"):
+        raise bad_request("order must be asc or desc", "order")
+    limit_text = query.get("limit", "20")
+    if not limit_text.isdigit() or not 1 <= int(limit_text) <= 100:
+        raise bad_request("limit must be an integer from 1 to 100", "limit")
+    ordered = items if order == "asc" else items[::-1]
+    after = query.get("after")
+    if after is not None:
+        ids = [item["id"] for item in ordered]
+        if after not in ids:
+            raise bad_request(f"after: no input item {after!r} in this response", "after")
+        ordered = ordered[ids.index(after) + 1 :]
+    page = ordered[: int(limit_text)]
+    return {
+        "object": "list", "data": page, "first_id": page[0]["id"] if page else None,
+        "last_id": page[-1]["id"] if page else None, "has_more": len(ordered) > len(page),
+    }  # fmt: skip
