@@ -199,6 +199,8 @@ def test_a_failure_mid_stream_is_an_error_event_then_response_failed() -> None:
         ({"input": "hi", "conversation": "conv_1"}, "conversation"),
         ({"input": "hi", "include": ["everything"]}, "include[0]"),
         ({"input": "hi", "top_logprobs": 2}, "top_logprobs"),
+        ({"input": "hi", "max_tokens": 2}, "max_tokens"),
+        ({"input": "hi", "functions": [{"name": "f"}]}, "functions"),
     ],
 )  # fmt: skip
 def test_bad_requests_name_their_field(client: TestClient, fields: dict[str, Any], param: str) -> None:

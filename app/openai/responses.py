@@ -28,6 +28,7 @@ from app.openai.sampling import (
     ResponseFormat,
     SamplingBody,
     generation_options,
+    reject_unsupported,
 )
 from app.tools import ToolCalling, flat_parameters, tool_calling
 
@@ -40,6 +41,9 @@ INCLUDABLE = frozenset({
 })  # fmt: skip
 #: Body fields of the API that change the answer and that this server does not implement: a 400 naming them.
 _UNSUPPORTED = ("conversation", "prompt", "n", "best_of", "response_format", "messages", "echo", "suffix")
+#: Other endpoints' spellings of what the Responses API names otherwise: a 400 that says which field to use.
+_RENAMED = {"max_tokens": "max_output_tokens", "max_completion_tokens": "max_output_tokens",
+            "logprobs": "include: ['message.output_text.logprobs']"}  # fmt: skip
 
 
 class InputPart(WireModel):
@@ -160,6 +164,10 @@ def parse_responses_request(body: dict[str, Any]) -> ResponsesRequest:
     for name in _UNSUPPORTED:
         if body.get(name) is not None:
             raise bad_request(f"{name} is not supported by /v1/responses on this server", name)
+    for name, instead in _RENAMED.items():
+        if body.get(name) is not None:
+            raise bad_request(f"{name} is not a field of /v1/responses: use {instead}", name)
+    reject_unsupported(body, chat=True)
     if body.get("background"):
         raise bad_request("background responses are not supported by this server", "background")
     req: ResponsesBody = validated(ResponsesBody, body)

@@ -1,0 +1,142 @@
+"""/v1/responses against /v1/chat/completions on the same greedy prompts, and a continued conversation's first token.
+
+    .venv/bin/python bench/bench_responses.py [--concurrency 1 32] [--repeats 3] [--new-tokens 64]
+
+One server (default flags). For each level, N concurrent streaming clients send the same conversation (a distinct
+question each) through each endpoint in turn, greedy, ``ignore_eos``; the median run of each side is reported, as
+output tokens per second over the run. Then the second turn of a ``previous_response_id`` conversation (its
+earlier turn from the prefix cache) against a first turn of the same new input's length: time to the first token.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import sys
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from compat.conftest import MODEL, start_server, stop_server  # noqa: E402
+
+SYSTEM = "You are a helpful assistant. Answer carefully."
+WORDS = [
+    "river",
+    "stone",
+    "maple",
+    "cloud",
+    "lantern",
+    "harbor",
+    "meadow",
+    "copper",
+    "violet",
+    "ember",
+    "orchard",
+    "falcon",
+]
+
+
+def question(index: int, run: int) -> str:
+    picked = [WORDS[(index * 7 + run * 3 + k) % len(WORDS)] for k in range(4)]
+    return f"Run {run}, client {index}: write about {', '.join(picked)}."
+
+
+async def events(response: httpx.Response) -> AsyncIterator[dict[str, Any]]:
+    async for line in response.aiter_lines():
+        if line.startswith("data: ") and line != "data: [DONE]":
+            yield json.loads(line[6:])
+
+
+async def chat_stream(client: httpx.AsyncClient, base: str, text: str, tokens: int) -> tuple[int, float]:
+    body = {"model": MODEL, "messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": text}],
+            "max_tokens": tokens, "temperature": 0, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True}}  # fmt: skip
+    start, first, count = time.perf_counter(), None, 0
+    async with client.stream("POST", f"{base}/v1/chat/completions", json=body) as response:
+        async for chunk in events(response):
+            if chunk["choices"] and first is None:
+                first = time.perf_counter() - start
+            if chunk.get("usage"):
+                count = chunk["usage"]["completion_tokens"]
+    return count, first or 0.0
+
+
+async def response_stream(
+    client: httpx.AsyncClient, base: str, text: str, tokens: int, **extra: Any
+) -> tuple[int, float, str]:
+    body = {"model": MODEL, "instructions": SYSTEM, "input": text, "max_output_tokens": tokens, "temperature": 0,
+            "ignore_eos": True, "stream": True, **extra}  # fmt: skip
+    start, first, count, rid = time.perf_counter(), None, 0, ""
+    async with client.stream("POST", f"{base}/v1/responses", json=body) as response:
+        async for event in events(response):
+            if event["type"] == "response.output_text.delta" and first is None:
+                first = time.perf_counter() - start
+            if event["type"] in ("response.completed", "response.incomplete"):
+                count, rid = event["response"]["usage"]["output_tokens"], event["response"]["id"]
+    return count, first or 0.0, rid
+
+
+async def level(base: str, endpoint: str, n: int, tokens: int, run: int) -> float:
+    limits = httpx.Limits(max_connections=n + 4, max_keepalive_connections=0)
+    async with httpx.AsyncClient(timeout=600, limits=limits) as client:
+        start = time.perf_counter()
+        if endpoint == "chat":
+            results = await asyncio.gather(*(chat_stream(client, base, question(i, run), tokens) for i in range(n)))
+        else:
+            results = await asyncio.gather(
+                *(response_stream(client, base, question(i, run), tokens, store=False) for i in range(n))
+            )
+        elapsed = time.perf_counter() - start
+    return sum(result[0] for result in results) / elapsed
+
+
+async def second_turn(base: str, rounds: int) -> tuple[list[float], list[float]]:
+    """TTFT of a continued turn (previous_response_id) and of a first turn with an input of the same length."""
+    continued, fresh = [], []
+    async with httpx.AsyncClient(timeout=600) as client:
+        for r in range(rounds):
+            opening = " ".join(WORDS[(r + k) % len(WORDS)] for k in range(60)) + f" (round {r})"
+            _, _, rid = await response_stream(client, base, opening, 48)
+            follow = f"Now summarize that in one line, round {r}."
+            _, ttft, _ = await response_stream(client, base, follow, 8, previous_response_id=rid)
+            continued.append(ttft)
+            _, ttft, _ = await response_stream(client, base, f"Summarize a harbor in one line, round {r} x.", 8)
+            fresh.append(ttft)
+    return continued, fresh
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 32])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--new-tokens", type=int, default=64)
+    args = parser.parse_args()
+    proc, base = start_server("--model", MODEL)
+    try:
+        asyncio.run(level(base, "chat", 4, 8, -1))  # warm-up
+        print("| streams | chat tok/s | responses tok/s | responses / chat |\n|---|---|---|---|")
+        for n in args.concurrency:
+            runs: dict[str, list[float]] = {"chat": [], "responses": []}
+            for run in range(args.repeats):
+                for endpoint in ("chat", "responses"):
+                    runs[endpoint].append(asyncio.run(level(base, endpoint, n, args.new_tokens, run)))
+            chat, resp = statistics.median(runs["chat"]), statistics.median(runs["responses"])
+            print(f"| {n} | {chat:.1f} | {resp:.1f} | {resp / chat:.3f}x |", flush=True)
+        continued, fresh = asyncio.run(second_turn(base, 5))
+        c, f = statistics.median(continued), statistics.median(fresh)
+        print(f"\nsecond turn (previous_response_id) TTFT p50 {c * 1000:.0f} ms; a first turn of the same new input "
+              f"{f * 1000:.0f} ms; ratio {c / f:.2f}")  # fmt: skip
+    finally:
+        stop_server(proc)
+
+
+if __name__ == "__main__":
+    main()
