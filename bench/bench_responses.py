@@ -99,7 +99,8 @@ async def level(base: str, endpoint: str, n: int, tokens: int, run: int) -> floa
 
 
 async def second_turn(base: str, rounds: int) -> tuple[list[float], list[float]]:
-    """TTFT of a continued turn (previous_response_id) and of a first turn with an input of the same length."""
+    """TTFT of a continued turn (previous_response_id) and of a first turn whose prompt (its instructions made
+    unique, so that nothing of it is cached) is as long as what the continued turn adds: the new input."""
     continued, fresh = [], []
     async with httpx.AsyncClient(timeout=600) as client:
         for r in range(rounds):
@@ -108,7 +109,10 @@ async def second_turn(base: str, rounds: int) -> tuple[list[float], list[float]]
             follow = f"Now summarize that in one line, round {r}."
             _, ttft, _ = await response_stream(client, base, follow, 8, previous_response_id=rid)
             continued.append(ttft)
-            _, ttft, _ = await response_stream(client, base, f"Summarize a harbor in one line, round {r} x.", 8)
+            fresh_turn = {"instructions": f"Round {r}, fresh. {SYSTEM}"}
+            _, ttft, _ = await response_stream(
+                client, base, f"Summarize a harbor in one line, round {r} x.", 8, **fresh_turn
+            )
             fresh.append(ttft)
     return continued, fresh
 
@@ -118,12 +122,13 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 32])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--turns-only", action="store_true", help="only the continued conversation's first token")
     args = parser.parse_args()
     proc, base = start_server("--model", MODEL)
     try:
         asyncio.run(level(base, "chat", 4, 8, -1))  # warm-up
         print("| streams | chat tok/s | responses tok/s | responses / chat |\n|---|---|---|---|")
-        for n in args.concurrency:
+        for n in [] if args.turns_only else args.concurrency:
             runs: dict[str, list[float]] = {"chat": [], "responses": []}
             for run in range(args.repeats):
                 for endpoint in ("chat", "responses"):
