@@ -110,6 +110,14 @@ def answers(base: str) -> list[object]:
             response_format={"type": "json_schema", "json_schema": {"name": "place", "schema": PLACE}},
         )
         out.append(structured.choices[0].message.content)
+        # The Responses API: its store lives with the HTTP layer, so a conversation continues whichever replica ran
+        # the turn before.
+        first = client.responses.create(model=MODEL, input="My name is Ada.", max_output_tokens=12, temperature=0)
+        second = client.responses.create(
+            model=MODEL, input="What is my name?", previous_response_id=first.id, max_output_tokens=12, temperature=0
+        )
+        out += [first.output_text, second.output_text, second.usage.input_tokens]
+        out.append(client.responses.retrieve(second.id).output_text)
         return out
 
 
