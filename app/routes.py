@@ -28,13 +28,19 @@ async def metrics(request: Request) -> Response:
 
 
 async def models(request: Request) -> Response:
-    return JSONResponse(model_list([server_state(request).model_card()]))
+    return JSONResponse(model_list(server_state(request).registry.cards()))
 
 
 async def model(request: Request) -> Response:
+    return JSONResponse(server_state(request).registry.card(request.path_params["model_id"]))
+
+
+async def embeddings(request: Request) -> Response:
     state = server_state(request)
-    state.check_model(request.path_params["model_id"])
-    return JSONResponse(state.model_card())
+    raw = await request.body()
+    req, batch = await state.prepare(lambda: state.prepare_embeddings(raw), len(raw))
+    assert state.embeddings is not None
+    return JSONResponse(await state.embeddings.answer(req, batch))
 
 
 async def tokenizer_info(request: Request) -> Response:
@@ -112,6 +118,7 @@ ROUTES = [
     Route("/v1/completions", completions, methods=["POST"]),
     Route("/v1/chat/completions", chat_completions, methods=["POST"]),
     Route("/v1/responses", responses, methods=["POST"]),
+    Route("/v1/embeddings", embeddings, methods=["POST"]),
     Route("/v1/responses/{response_id}", get_response, methods=["GET"]),
     Route("/v1/responses/{response_id}", delete_response, methods=["DELETE"]),
     Route("/v1/responses/{response_id}/input_items", response_input_items, methods=["GET"]),

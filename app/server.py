@@ -29,12 +29,11 @@ def create_app(model: Model, config: ServerConfig | None = None, backend: Backen
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        await state.backend.start()
+        await state.start()
         try:
             yield
         finally:
-            await state.backend.stop()
-            state.workers.shutdown(wait=False)
+            await state.stop()
 
     app = Starlette(
         routes=ROUTES, exception_handlers=HANDLERS, middleware=_middleware(state, config), lifespan=lifespan

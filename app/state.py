@@ -19,15 +19,17 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from app.backend import Backend, LocalBackend
+from app.embeddings import MAX_INPUTS, EmbeddingService
 from app.generation import Generation
 from app.limits import RequestLimits, check_lists, check_text
 from app.metrics import Metrics
+from app.models import ModelRegistry, ServedEntry
 from app.openai.chat import ChatFormat, ChatRequest, parse_chat_request
 from app.openai.choices import Format
 from app.openai.completions import CompletionRequest, parse_completion_request
+from app.openai.embeddings import EmbeddingsRequest, parse_embeddings_request
 from app.openai.errors import APIError, bad_request
 from app.openai.messages import Message
-from app.openai.models import model_card
 from app.openai.request import optional, parse_json_object, parse_model, token_ids
 from app.openai.responses import (
     ResponsesRequest,
@@ -46,6 +48,7 @@ from app.tools.prompt import render
 from app.tools.syntax import OPEN
 from engine.chooser import ServedModel
 from engine.core.config import IDLE_RELEASE_S, MAX_QUEUE
+from engine.core.encoder import Encoder
 from engine.core.grammar import Grammars
 from engine.core.heap import trim_heap
 from engine.core.scheduler import QueueFullError, Scheduler
@@ -63,6 +66,12 @@ TRIM_AFTER_BYTES = 1 << 20
 class ServerConfig:
     #: The name clients must send as ``model``; ``None`` uses the model's own name.
     served_model_name: str | None = None
+    #: More names the chat model answers to (vLLM's ``--served-model-name a b``).
+    model_aliases: tuple[str, ...] = ()
+    #: The names of the embedding model; empty: its own name.
+    embedding_model_names: tuple[str, ...] = ()
+    #: Inputs one embeddings request may carry.
+    max_embedding_inputs: int = MAX_INPUTS
     #: Requests allowed to wait for a batch slot before new ones get 429.
     max_queue: int = MAX_QUEUE
     #: Seconds the engine may sit idle before it hands back the KV memory it keeps for the next requests.
@@ -117,6 +126,7 @@ class ServerState:
         self.max_model_len = model.max_model_len
         self.limits = config.limits
         self.max_queue = config.max_queue
+        self.max_embedding_inputs = config.max_embedding_inputs
         #: Characters of text (other than white space) that could still fit the context.
         self.max_chars = self.max_model_len * model.tokenizer.max_token_chars
         self.workers = ThreadPoolExecutor(PREPARE_WORKERS, thread_name_prefix="prepare")
@@ -133,22 +143,50 @@ class ServerState:
         self.sse_ping = config.sse_keepalive_s or 0  # sse-starlette: 0 sends no pings
         #: Set when shutdown begins: new requests get 503 while in-flight ones finish.
         self.draining = False
+        self.registry, self.embeddings = self._models(model, config)
         self.responses = ResponseStore(config.responses_store_size)
         stored = Gauge("smolserve:responses_stored", "Responses kept for previous_response_id and retrieval",
                        registry=self.metrics.registry)  # fmt: skip
         stored.set_function(lambda: len(self.responses))
 
-    def model_card(self) -> dict[str, Any]:
-        return model_card(self.model_name, self.created, self.max_model_len)
+    def _models(self, model: Model, config: ServerConfig) -> tuple[ModelRegistry, EmbeddingService | None]:
+        """The served models: the chat model, then the embedding model beside it (run on the engine's thread)."""
+        chat = ServedEntry((self.model_name, *config.model_aliases), "generate", self.max_model_len)
+        encoder: Encoder | None = getattr(model, "encoder", None)
+        if encoder is None:
+            return ModelRegistry([chat], self.created), None
+        entry = ServedEntry(config.embedding_model_names or (encoder.name,), "embed", encoder.max_seq_length)
+        scheduler = getattr(self.backend, "scheduler", None)
+
+        def chat_step_seconds() -> float | None:
+            return scheduler.last_step_s if scheduler is not None and scheduler.num_running else None
+
+        executor = getattr(model, "engine_thread", None)
+        service = EmbeddingService(encoder, entry, executor, self.metrics.registry, chat_step_seconds)
+        return ModelRegistry([chat, entry], self.created), service
+
+    async def start(self) -> None:
+        await self.backend.start()
+        if self.embeddings is not None:
+            await self.embeddings.batcher.start()
+
+    async def stop(self) -> None:
+        if self.embeddings is not None:
+            await self.embeddings.batcher.stop()
+        await self.backend.stop()
+        self.workers.shutdown(wait=False)
 
     def check_model(self, model: str | None) -> None:
-        if model is not None and model != self.model_name:
-            raise APIError(
-                404,
-                f"The model `{model}` does not exist. This server serves `{self.model_name}`.",
-                param="model",
-                code="model_not_found",
-            )
+        """``model`` of a generating request: the chat model (or none named)."""
+        self.registry.route(model, "generate")
+
+    def prepare_embeddings(self, raw: bytes) -> tuple[EmbeddingsRequest, list[list[int]]]:
+        """On a worker: the request and each input's token ids, every check passed."""
+        body = self.parse_body(raw)
+        self.registry.route(parse_model(body), "embed")  # a 404 or a 400 before anything else
+        assert self.embeddings is not None, "the registry routes to an embedding model only when one is served"
+        req = parse_embeddings_request(body, self.max_embedding_inputs)
+        return req, self.embeddings.token_ids(req)
 
     async def prepare(self, work: Callable[[], T], size: int) -> T:
         """Run ``work`` (parsing a body of ``size`` bytes, tokenizing, rendering a template) on the worker pool, so

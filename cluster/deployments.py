@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import os
 from typing import Any
 
@@ -37,7 +38,10 @@ HEAD_NODE = "node:__internal_head__"
 def application(args: argparse.Namespace, name: str = APP_NAME) -> Application:
     servers = server_config(args)
     engine = serve.deployment(EngineReplica).options(**engine_options(args))
-    engine = engine.bind(engine_config(args), servers, name, args.log_level)
+    # Replicas serve generation only: /v1/embeddings is a one-process feature for now (docs/api.md).
+    engine = engine.bind(
+        dataclasses.replace(engine_config(args), embedding_model="none"), servers, name, args.log_level
+    )
     ingress = serve.deployment(Ingress).options(
         name="Ingress",
         num_replicas=1,

@@ -101,8 +101,8 @@ def client(server_url: str) -> Iterator[OpenAI]:
 @pytest.fixture(scope="session")
 def invariant_server_url() -> Iterator[str]:
     """A server with `--batch-invariant on`, for tests of what that promises: outputs that do not depend on their
-    batchmates. The default (`auto`) turns it off where it costs more than 5% (CPUs with AMX: README "Greedy
-    output that does not depend on the batch")."""
+    batchmates. The default (`auto`) turns it off where it costs more than 5% (CPUs with AMX: docs/design.md,
+    "Greedy output that does not depend on the batch")."""
     yield from served("--batch-invariant", "on")
 
 

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 from engine.core import cpu
 from engine.core.batch_mode import BatchMode, choose
 from engine.core.config import EngineConfig
+from engine.core.encoder import Encoder, FakeEncoder
 from engine.core.fake_engine import FakeEngine
 from engine.core.seam import InferenceEngine
 from engine.core.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
@@ -30,6 +31,8 @@ class ServedModel:
     tokenizer: Tokenizer
     #: The thread the engine was built on, for its steps to run on too (``None``: any thread will do).
     engine_thread: ThreadPoolExecutor | None = None
+    #: The sentence-embedding model served beside it, run on the same thread; None when there is none.
+    encoder: Encoder | None = None
 
     @property
     def max_model_len(self) -> int:
@@ -39,7 +42,8 @@ class ServedModel:
 def build(config: EngineConfig) -> ServedModel:
     if config.model == "fake":
         engine = FakeEngine(capacity=config.max_batch_size, max_model_len=config.max_model_len or 2048)
-        return ServedModel("fake", engine, ByteTokenizer())
+        encoder = FakeEncoder() if config.embedding_model == "default" else build_encoder(config.embedding_model)
+        return ServedModel("fake", engine, ByteTokenizer(), encoder=encoder)
     # Every torch call of a HF engine, from loading to the last step, runs on one thread: each thread that
     # enters torch's OpenMP gets its own team of workers, and with a second team on this 2-core machine a
     # decode step ran ~2x slower, even with the first team idle.
@@ -71,7 +75,8 @@ def _build_hf(config: EngineConfig, engine_thread: ThreadPoolExecutor) -> Served
         batch_mode=mode,
         governor=governor,
     )
-    served = ServedModel(loaded.name, hf_engine, HFTokenizer(loaded.tokenizer, loaded.eos_token_ids), engine_thread)
+    tokenizer = HFTokenizer(loaded.tokenizer, loaded.eos_token_ids)
+    served = ServedModel(loaded.name, hf_engine, tokenizer, engine_thread, build_encoder(config.embedding_model))
     # The engine runs on its own (prepacked) copies of the weights; the loaded model is freed here, and
     # without a trim glibc kept its ~280 MB resident (RSS after start-up: 1057 MiB, trimmed 778 MiB).
     del loaded
@@ -150,3 +155,16 @@ def batch_mode(loaded: LoadedModel, quantized: dict[str, QuantizedWeight] | None
     times = probe(model, quantized, config.max_batch_size)
     log.info("%s", times.describe())
     return choose(config.batch_invariant, times, config.max_batch_size)
+
+
+def build_encoder(spec: str) -> Encoder | None:
+    """The embedding model ``spec`` names (``default``: the bundled all-MiniLM-L6-v2), on the calling thread."""
+    if spec == "none":
+        return None
+    from pathlib import Path
+
+    from engine.runtime.encoder import DEFAULT_NAME, SentenceEncoder, default_path
+
+    if spec == "default":
+        return SentenceEncoder(default_path(), DEFAULT_NAME)
+    return SentenceEncoder(spec, Path(spec).resolve().name)

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from app.__main__ import engine_config, parse_args
+from app.cli import engine_config, parse_args, server_config
 
 
 def test_defaults_serve_the_default_model_on_localhost_8000() -> None:
@@ -16,7 +16,18 @@ def test_defaults_serve_the_default_model_on_localhost_8000() -> None:
 
 def test_flags_are_parsed() -> None:
     args = parse_args(["--model", "fake", "--port", "9001", "--served-model-name", "m", "--max-batch-size", "4"])
-    assert (args.model, args.port, args.served_model_name, args.max_batch_size) == ("fake", 9001, "m", 4)
+    assert (args.model, args.port, args.served_model_name, args.max_batch_size) == ("fake", 9001, ["m"], 4)
+
+
+def test_served_model_names_and_the_embedding_model_flags() -> None:
+    args = parse_args(["--served-model-name", "chat", "gpt-4o-mini", "--embedding-model-name", "emb", "e5",
+                       "--embedding-model", "none", "--max-embedding-inputs", "16"])  # fmt: skip
+    config = server_config(args)
+    assert (config.served_model_name, config.model_aliases) == ("chat", ("gpt-4o-mini",))
+    assert (config.embedding_model_names, config.max_embedding_inputs) == (("emb", "e5"), 16)
+    assert engine_config(args).embedding_model == "none"
+    defaults = parse_args([])
+    assert engine_config(defaults).embedding_model == "default" and server_config(defaults).model_aliases == ()
 
 
 def test_unknown_dtype_is_refused() -> None:

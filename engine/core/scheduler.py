@@ -56,6 +56,8 @@ class Scheduler:
         self._task: asyncio.Task[None] | None = None
         #: Called on the event loop after every step with its duration in seconds and the sequences it ran.
         self.on_step: Callable[[float, int], None] | None = None
+        #: How long the last step took, in seconds (0 before the first).
+        self.last_step_s = 0.0
 
     @property
     def num_waiting(self) -> int:
@@ -121,6 +123,7 @@ class Scheduler:
             self._admit_waiting()
             aborts, self._pending_aborts = self._pending_aborts, []
             outputs, error, seconds, batch_size = await loop.run_in_executor(self._executor, self._step, aborts)
+            self.last_step_s = seconds
             if self.on_step is not None:
                 self.on_step(seconds, batch_size)
             if error is not None:
