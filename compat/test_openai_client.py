@@ -66,8 +66,9 @@ def test_seeded_sampling_reproduces(client: OpenAI) -> None:
     assert len({first, sample(1), sample(2), sample(3)}) > 1
 
 
-def test_models_lists_the_served_model(client: OpenAI) -> None:
-    assert [m.id for m in client.models.list().data] == [MODEL]
+def test_models_lists_the_served_models(client: OpenAI) -> None:
+    """The chat model first, then the embedding model served beside it."""
+    assert [m.id for m in client.models.list().data] == [MODEL, "all-MiniLM-L6-v2"]
 
 
 def test_unknown_model_is_not_found(client: OpenAI) -> None:
