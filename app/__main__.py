@@ -7,6 +7,8 @@ import logging
 from app.cli import clustered, engine_config, parse_args, server_config
 from app.serve import serve
 from app.server import create_app
+from app.state import server_state
+from app.summary import startup_summary
 from engine import chooser
 
 
@@ -18,7 +20,10 @@ def main(argv: list[str] | None = None) -> None:
 
         run(args)
         return
-    app = create_app(chooser.build(engine_config(args)), server_config(args))
+    served = chooser.build(engine_config(args))
+    app = create_app(served, server_config(args))
+    summary = startup_summary(server_state(app), served.engine.runtime_info(), f"http://{args.host}:{args.port}")
+    logging.getLogger("smolserve").info("%s", summary)
     serve(app, args.host, args.port, shutdown_timeout=args.shutdown_timeout, log_level=args.log_level)
 
 

@@ -15,11 +15,15 @@ from app.openai.completions import CompletionFormat
 from app.openai.models import model_list
 from app.openai.responses import input_item_list
 from app.state import server_state
+from app.summary import server_facts
 
 
 async def health(request: Request) -> Response:
     state = server_state(request)
-    return JSONResponse({"status": "draining" if state.draining else "ok", **await state.backend.health()})
+    health = await state.backend.health()
+    facts = server_facts(state, health.get("engine", {}))
+    return JSONResponse({"status": "draining" if state.draining else "ok", **health, "models": facts["models"],
+                         "speculative": facts["speculative"]})  # fmt: skip
 
 
 async def metrics(request: Request) -> Response:

@@ -263,7 +263,11 @@ def test_draining_server_answers_503(client: TestClient) -> None:
     client.app.state.server.draining = True
     error = assert_envelope(client.post("/v1/completions", json={"prompt": "x"}), 503)
     assert error["code"] == "shutting_down"
-    assert client.get("/health").json() == {"status": "draining"}
+    health = client.get("/health").json()
+    assert health["status"] == "draining"
+    assert health["models"] == [{"names": [MODEL], "kind": "generate", "max_model_len": 64,
+                                 "weights": "none (the fake engine writes the alphabet)"}]  # fmt: skip
+    assert health["engine"]["kv_cache"]["block_size"] == 16 and health["engine"]["max_model_len"] == 64
 
 
 def test_every_chunk_of_a_stream_carries_the_created_of_its_request() -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from typing import Any
 
 from engine.core.block_pool import BlockPool
 from engine.core.blocks import BlockLedger
@@ -78,6 +79,16 @@ class FakeEngine(InferenceEngine):
         outputs = self.planner.commit(plan, self._tokens(plan))
         self.num_tokens += len(outputs)
         return outputs
+
+    def runtime_info(self) -> dict[str, Any]:
+        pool = self.planner.pool
+        return {
+            "weights": "none (the fake engine writes the alphabet)",
+            "kv_cache": {"blocks": pool.num_blocks, "block_size": pool.block_size,
+                         "tokens": pool.num_blocks * pool.block_size, "bytes": 0, "dtype": "none"},
+            "max_batch_size": self.capacity, "max_num_batched_tokens": self.planner.max_num_batched_tokens,
+            "max_model_len": self.max_model_len, "prefix_caching": True,
+        }  # fmt: skip
 
     def describe_step(self) -> str:
         return f"fake step {self.num_steps}"

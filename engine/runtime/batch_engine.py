@@ -23,7 +23,7 @@ from engine.core.types import GenerationRequest, MemoryStats, StepOutput, TokenL
 from engine.runtime.block_tables import BlockTables
 from engine.runtime.kv_cache import BlockKVCache, StepBatch
 from engine.runtime.model_runner import make_runner
-from engine.runtime.quantized_weights import QuantizedWeight
+from engine.runtime.quantized_weights import SUPPORTED, QuantizedWeight
 from engine.runtime.sampler import Row, select_tokens, token_logprobs
 
 
@@ -82,6 +82,7 @@ class HFEngine(InferenceEngine):
             copy_block=self.cache.copy_block,
         )
         self._plan_now: Plan | None = None  # the step being run, for describe_step
+        self._facts = self._describe(quantized, model)
 
     @property
     def pool(self) -> BlockPool:
@@ -166,7 +167,30 @@ class HFEngine(InferenceEngine):
         if self.governor is not None:
             governor = self.governor
             info.update(threads=governor.threads, max_threads=governor.max_threads, threads_reason=governor.reason)
-        return info
+        return {**info, **self._facts}
+
+    def _describe(self, quantized: dict[str, QuantizedWeight] | None, model: PreTrainedModel) -> dict[str, Any]:
+        """What this engine runs, for the start-up summary and ``/health``: its weights, KV pool and limits."""
+        names = {code: name for name, code in SUPPORTED.items()}
+        blocks = sorted({names[weight.qtype] for weight in (quantized or {}).values()})
+        dtype = str(model.dtype).removeprefix("torch.")
+        weights = f"dense {dtype}"
+        if blocks:
+            weights = f"GGUF blocks {'/'.join(blocks)} (native kernels), activations {dtype}"
+        cache, pool = self.cache, self.pool
+        positions = pool.num_blocks * pool.block_size
+        per_token = BlockKVCache.bytes_per_token(
+            cache.num_layers, cache.num_kv_heads, cache.head_dim, cache.dtype, "int8" if cache.quantized else "auto"
+        )
+        return {
+            "weights": weights,
+            "kv_cache": {
+                "blocks": pool.num_blocks, "block_size": pool.block_size, "tokens": positions,
+                "bytes": positions * per_token, "dtype": "int8" if cache.quantized else dtype,
+            },
+            "max_batch_size": self.capacity, "max_num_batched_tokens": self.max_num_batched_tokens,
+            "max_model_len": self.max_model_len, "prefix_caching": self.tables.caching,
+        }  # fmt: skip
 
     def release_idle_memory(self) -> None:
         """Hand the pool's pages back to the OS when no block holds anything: no sequence, and nothing in the
