@@ -33,6 +33,9 @@ class Metrics:
         self.request_success = Counter(
             f"{PREFIX}request_success", "Requests that finished", ["finish_reason"], registry=r
         )
+        self.http_responses = Counter(
+            f"{PREFIX}http_responses", "HTTP responses by route and status", ["route", "status"], registry=r
+        )
         self.requests_rejected = Counter(
             f"{PREFIX}requests_rejected", "Requests answered with an error", ["reason"], registry=r
         )
@@ -48,6 +51,9 @@ class Metrics:
         self.e2e_latency = Histogram(
             f"{PREFIX}e2e_request_latency_seconds", "Arrival to last token", buckets=_LATENCY_BUCKETS, registry=r
         )
+
+    def observe_response(self, path: str, status: int) -> None:
+        self.http_responses.labels(_route(path), str(status)).inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -143,3 +149,19 @@ class _RuntimeCollector(Collector):
             invariant = float(info["batch_invariant"])
             yield GaugeMetricFamily(f"{PREFIX}batch_invariant", "1 when a row's result never depends on its batch",
                                     value=invariant)  # fmt: skip
+
+
+#: The routes responses are counted by; a path with an id is counted under its route, any other path as "other".
+_ROUTES = (
+    "/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/embeddings", "/v1/models", "/tokenize",
+    "/detokenize", "/tokenizer_info", "/health", "/metrics",
+)  # fmt: skip
+
+
+def _route(path: str) -> str:
+    if path in _ROUTES:
+        return path
+    for prefix in ("/v1/responses/", "/v1/models/"):
+        if path.startswith(prefix):
+            return prefix + "{id}"
+    return "other"

@@ -26,8 +26,10 @@ class RequestIdMiddleware:
     Routes put token counts in ``scope["state"]["usage"]`` (prompt, completion, cached prompt) for the log line.
     """
 
-    def __init__(self, app: ASGIApp) -> None:
+    def __init__(self, app: ASGIApp, on_response: Callable[[str, int], None] = lambda path, status: None) -> None:
+        """``on_response(path, status)`` is told of every response (metrics)."""
         self.app = app
+        self._on_response = on_response
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -48,6 +50,7 @@ class RequestIdMiddleware:
         try:
             await self.app(scope, receive, send_with_id)
         finally:
+            self._on_response(scope["path"], status)
             prompt, completion, cached = scope["state"].get("usage", (0, 0, 0))
             replica = scope["state"].get("replica")
             access_log.info(

@@ -45,7 +45,7 @@ def create_app(model: Model, config: ServerConfig | None = None, backend: Backen
 def _middleware(state: ServerState, config: ServerConfig) -> list[Middleware]:
     """Request ids outermost; then CORS and the API key where configured; innermost the body-size limit, so that a
     client without the API key is refused before its body is read."""
-    middleware = [Middleware(RequestIdMiddleware)]
+    middleware = [Middleware(RequestIdMiddleware, on_response=state.metrics.observe_response)]
     if config.cors_origins:
         origins = list(config.cors_origins)
         middleware.append(Middleware(CORSMiddleware, allow_origins=origins, allow_methods=["*"], allow_headers=["*"]))
