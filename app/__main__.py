@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import importlib.util
 import logging
+import sys
 
 from app.cli import clustered, engine_config, parse_args, server_config
 from app.serve import serve
@@ -16,6 +18,9 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if clustered(args):
+        if importlib.util.find_spec("ray") is None:
+            sys.exit("--replicas, --min-replicas and --ray-address run on Ray Serve, which is not installed: "
+                     "pip install 'smolserve[cluster]' (ray[serve]).")  # fmt: skip
         from cluster.launch import run
 
         run(args)

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import subprocess
 import sys
 import time
@@ -31,6 +30,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 from bench_serving import median_run, run_level  # noqa: E402
 from llama import start_llama  # noqa: E402
+from record import write_results  # noqa: E402
 
 from compat.conftest import MODEL, start_server, stop_server  # noqa: E402
 
@@ -93,7 +93,7 @@ def main() -> None:
     parser.add_argument("server_args", nargs="*", help="flags for python -m app (after --)")
     args = parser.parse_args()
     results = {name: run_target(spec, args) for name, spec in targets(args)}
-    args.json.write_text(json.dumps(results, indent=1))
+    write_results(args.json, "neighbours", results)
     columns = [f"{k} busy neighbour{'s' if k > 1 else ''}" if k else "quiet tok/s" for k in args.neighbours]
     print(f"| server | streams | {' | '.join(columns)} | ITL p50 / p99 (ms), in the same order |")
     print("|---|---|" + "---|" * (len(columns) + 1))

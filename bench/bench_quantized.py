@@ -32,6 +32,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 from bench_serving import RssSampler, median_run, run_level  # noqa: E402
 from llama import start_llama  # noqa: E402
+from record import write_results  # noqa: E402
 
 from compat.conftest import start_server, stop_server  # noqa: E402
 
@@ -123,7 +124,7 @@ def steps(batches: list[int], count: int = 40) -> None:
             engine.reset()
 
 
-def http(levels: list[int], repeats: int, llama_server: str | None) -> None:
+def http(levels: list[int], repeats: int, llama_server: str | None, out: Path | None = None) -> None:
     targets: list[tuple[str, list[str] | str]] = [
         ("smolserve none", ["--quantization", "none"]),
         ("smolserve auto (default: native)", []),
@@ -132,6 +133,7 @@ def http(levels: list[int], repeats: int, llama_server: str | None) -> None:
         targets.append(("llama.cpp", llama_server))
     print("| server | streams | tok/s | TTFT p50 (s) | ITL p50 / p99 (ms) | RSS idle / peak (MiB) |")
     print("|---|---|---|---|---|---|")
+    rows: list[dict[str, Any]] = []
     for name, spec in targets:
         if isinstance(spec, str):
             proc, base = start_llama(spec, max(levels))
@@ -144,11 +146,16 @@ def http(levels: list[int], repeats: int, llama_server: str | None) -> None:
                 with RssSampler(proc.pid) as rss:
                     r = median_run([asyncio.run(run_level(base, n, 64)) for _ in range(repeats)])
                 peak = rss.peak_kib / 1024
+                rows.append(
+                    {"server": name, "streams": n, **{k: r[k] for k in ("tok_s", "ttft_p50", "itl_p50", "itl_p99")}}
+                )
                 print(f"| {name} | {n} | {r['tok_s']:.1f} | {r['ttft_p50']:.2f} | "
                       f"{r['itl_p50'] * 1000:.1f} / {r['itl_p99'] * 1000:.1f} | {idle:.0f} / {peak:.0f} |",
                       flush=True)  # fmt: skip
         finally:
             stop_server(proc)
+    if out is not None:
+        write_results(out, "serving", rows)
 
 
 def settled_run(base: str) -> float:
@@ -177,7 +184,7 @@ def alternate(rounds: int, llama_server: str) -> None:
         stop_server(llama)
 
 
-def long_prompts(lengths: list[int], rounds: int, llama_server: str | None) -> None:
+def long_prompts(lengths: list[int], rounds: int, llama_server: str | None, out: Path | None = None) -> None:
     """Time to a one-token answer for prompts of ``lengths`` tokens on an idle server (prefill), both servers up
     and measured in turn. Every request is a new window of a text (its first token differs), so neither server's
     prefix cache holds any of it."""
@@ -208,6 +215,7 @@ def long_prompts(lengths: list[int], rounds: int, llama_server: str | None) -> N
 
         for _, base in servers.values():
             answer_ms(base, 64)  # warm-up
+        rows: list[dict[str, Any]] = []
         print("| prompt tokens | " + " | ".join(f"{name} (ms)" for name in servers) + " |")
         print("|---" * (len(servers) + 1) + "|")
         for length in lengths:
@@ -217,6 +225,9 @@ def long_prompts(lengths: list[int], rounds: int, llama_server: str | None) -> N
                     times[name].append(answer_ms(base, length))
             print(f"| {length} | " + " | ".join(f"{statistics.median(t):.0f}" for t in times.values()) + " |",
                   flush=True)  # fmt: skip
+            rows += [{"prompt_tokens": length, "server": name, "ms": statistics.median(t)} for name, t in times.items()]
+        if out is not None:
+            write_results(out, "long_prompts", rows)
     finally:
         for proc, _ in servers.values():
             stop_server(proc)
@@ -233,15 +244,16 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32, 64])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--llama-server", default=None, help="path of llama.cpp's llama-server, to compare against")
+    parser.add_argument("--json", type=Path, default=None, help="--http, --long-prompts: the rows as JSON (plot.py)")
     args = parser.parse_args()
     if args.http:
-        http(args.concurrency, args.repeats, args.llama_server)
+        http(args.concurrency, args.repeats, args.llama_server, args.json)
         return
     if args.alternate:
         alternate(args.alternate, args.llama_server)
         return
     if args.long_prompts:
-        long_prompts(args.long_prompts, args.repeats, args.llama_server)
+        long_prompts(args.long_prompts, args.repeats, args.llama_server, args.json)
         return
     if not args.steps:
         quality(args.ppl_tokens)

@@ -34,3 +34,25 @@ def test_nothing_under_engine_core_imports_torch() -> None:
         "assert not heavy, heavy\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_cluster_flags_without_ray_are_a_clear_error_naming_the_extra() -> None:
+    code = (
+        "import importlib.util as util\n"
+        "real = util.find_spec\n"
+        "util.find_spec = lambda name, *rest: None if name == 'ray' else real(name, *rest)\n"
+        "from app.__main__ import main\n"
+        "main(['--model', 'fake', '--replicas', '2'])\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 1
+    assert "pip install 'smolserve[cluster]'" in result.stderr and "--replicas" in result.stderr
+
+
+def test_ray_is_an_extra_not_a_core_dependency() -> None:
+    import tomllib
+    from pathlib import Path
+
+    project = tomllib.loads((Path(__file__).resolve().parent.parent / "pyproject.toml").read_text())["project"]
+    assert not any(dep.startswith("ray") for dep in project["dependencies"])
+    assert any(dep.startswith("ray[serve]") for dep in project["optional-dependencies"]["cluster"])
