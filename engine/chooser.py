@@ -53,14 +53,17 @@ def build(config: EngineConfig) -> ServedModel:
 
 def _build_hf(config: EngineConfig, engine_thread: ThreadPoolExecutor) -> ServedModel:
     from engine.core.heap import trim_heap
-    from engine.runtime import loader
+    from engine.runtime import gguf_model, loader
     from engine.runtime.batch_engine import HFEngine
 
     governor = thread_team(config)
-    loaded = loader.load(config.model, config.dtype)
+    loaded = loader.load(config.model, config.dtype, blocks=serves_blocks(config))
     quantized = quantized_weights(loaded, config.quantization)
     mode = batch_mode(loaded, quantized, config)
     log.info("%s", mode.describe())
+    if loaded.blocks and mode.dense_from_rows is not None:
+        log.info("dense copy of the blocks in memory: steps from %d rows run dense", mode.dense_from_rows)
+        gguf_model.densify(loaded.model, loaded.blocks)
     max_model_len = min(config.max_model_len or loaded.max_position_embeddings, loaded.max_position_embeddings)
     hf_engine = HFEngine(
         loaded.model,
@@ -94,6 +97,8 @@ def quantized_weights(loaded: LoadedModel, quantization: str) -> dict[str, Quant
 
     if quantization == "none":
         return None
+    if loaded.blocks is not None:  # read as blocks: a llama GGUF on the CPU, the native kernels built
+        return loaded.blocks or None if quantization == "auto" else loaded.blocks
     model = loaded.model
     servable = LlamaRunner.supports(model) and model.device.type == "cpu" and kernels.native_ops() is not None
     config = model.config
@@ -111,6 +116,13 @@ def quantized_weights(loaded: LoadedModel, quantization: str) -> dict[str, Quant
     if loaded.gguf is None:
         raise ValueError("--quantization native serves a GGUF model's own blocks; this model is not a GGUF")
     return gguf_weights.read(loaded.gguf, config.num_attention_heads, config.num_key_value_heads)
+
+
+def serves_blocks(config: EngineConfig) -> bool:
+    """Whether a llama GGUF is read as its blocks (no dense conversion): the quantized path, on the CPU."""
+    from engine.runtime import kernels
+
+    return config.quantization in ("auto", "native") and kernels.native_ops() is not None
 
 
 def thread_team(config: EngineConfig) -> ThreadGovernor | None:
@@ -146,12 +158,15 @@ def team_size(config: EngineConfig) -> int:
 def batch_mode(loaded: LoadedModel, quantized: dict[str, QuantizedWeight] | None, config: EngineConfig) -> BatchMode:
     """``--batch-invariant`` resolved: the probe's times of both matmul paths on this CPU (for the lean llama
     runner on the CPU; other models have no choice to make)."""
+    from engine.runtime import gguf_model
     from engine.runtime.model_runner import LlamaRunner
-    from engine.runtime.path_probe import probe
+    from engine.runtime.path_probe import PROBED, probe
 
     model = loaded.model
     if not (LlamaRunner.supports(model) and model.device.type == "cpu"):
         return choose(config.batch_invariant, None, config.max_batch_size)
+    if loaded.blocks:  # the probe times the dense path on the first layer's and the output layer's values
+        gguf_model.densify(model, loaded.blocks, [n for n in loaded.blocks if n.startswith(PROBED)])
     times = probe(model, quantized, config.max_batch_size)
     log.info("%s", times.describe())
     return choose(config.batch_invariant, times, config.max_batch_size)

@@ -235,7 +235,7 @@ def test_real_model_serves_from_its_gguf_blocks() -> None:
 def test_native_quantization_needs_a_gguf(tiny_llama_dir: str) -> None:
     from types import SimpleNamespace
 
-    loaded = SimpleNamespace(gguf=None, model=AutoModelForCausalLM.from_pretrained(tiny_llama_dir))
+    loaded = SimpleNamespace(gguf=None, blocks=None, model=AutoModelForCausalLM.from_pretrained(tiny_llama_dir))
     with pytest.raises(ValueError, match="not a GGUF"):
         chooser.quantized_weights(loaded, "native")
     assert chooser.quantized_weights(loaded, "auto") is None  # auto: the dense path, no error
@@ -249,12 +249,12 @@ def test_int8_quantizes_a_llama_s_linear_layers_and_refuses_other_architectures(
 
     from engine.runtime.quantized_weights import SUPPORTED
 
-    loaded = SimpleNamespace(gguf=None, model=AutoModelForCausalLM.from_pretrained(tiny_llama_dir))
+    loaded = SimpleNamespace(gguf=None, blocks=None, model=AutoModelForCausalLM.from_pretrained(tiny_llama_dir))
     weights = chooser.quantized_weights(loaded, "int8")
     layers = loaded.model.config.num_hidden_layers
     assert len(weights) == layers * 7 + 1 and "lm_head.weight" in weights  # 7 projections a layer, the output
     assert {w.qtype for w in weights.values()} == {SUPPORTED["Q8_0"]}
-    gpt2 = SimpleNamespace(gguf=None, model=AutoModelForCausalLM.from_pretrained(tiny_gpt2_dir))
+    gpt2 = SimpleNamespace(gguf=None, blocks=None, model=AutoModelForCausalLM.from_pretrained(tiny_gpt2_dir))
     with pytest.raises(ValueError, match="llama-architecture"):
         chooser.quantized_weights(gpt2, "int8")
     assert chooser.quantized_weights(gpt2, "auto") is None

@@ -177,6 +177,8 @@ class HFEngine(InferenceEngine):
         weights = f"dense {dtype}"
         if blocks:
             weights = f"GGUF blocks {'/'.join(blocks)} (native kernels), activations {dtype}"
+            if self._runner.dense_from_rows is not None:
+                weights += f"; a dense {dtype} copy for steps from {self._runner.dense_from_rows} rows"
         cache, pool = self.cache, self.pool
         positions = pool.num_blocks * pool.block_size
         per_token = BlockKVCache.bytes_per_token(

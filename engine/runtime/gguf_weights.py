@@ -10,11 +10,15 @@ transformers does when it dequantizes the file, so a quantized matrix and the de
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from engine.runtime.quantized_weights import SUPPORTED, QuantizedWeight
+
+if TYPE_CHECKING:
+    from gguf import GGUFReader
 
 _LAYER_NAMES = {
     "attn_q": "self_attn.q_proj",
@@ -27,20 +31,22 @@ _LAYER_NAMES = {
 }
 
 
-def read(path: Path, num_heads: int, num_kv_heads: int) -> dict[str, QuantizedWeight]:
-    """The quantized matrices of the llama GGUF at ``path`` that the native matmul reads, by transformers' name.
-    The tied output projection is the token embedding's matrix (``lm_head.weight``) unless the file has its own."""
+def read(path: Path | GGUFReader, num_heads: int, num_kv_heads: int) -> dict[str, QuantizedWeight]:
+    """The quantized matrices of the llama GGUF at ``path`` (or open in a reader: opening one reads the whole
+    vocabulary, ~1 s) that the native matmul reads, by transformers' name. The tied output projection is the
+    token embedding's matrix (``lm_head.weight``) unless the file has its own."""
     from gguf import GGUFReader
 
+    reader = path if isinstance(path, GGUFReader) else GGUFReader(path)
     weights: dict[str, QuantizedWeight] = {}
-    for tensor in GGUFReader(path).tensors:
+    for tensor in reader.tensors:
         qtype = SUPPORTED.get(tensor.tensor_type.name)
-        name = _hf_name(tensor.name)
+        name = hf_name(tensor.name)
         if qtype is None or name is None:
             continue
         rows = np.asarray(tensor.data)
         if ".attn_q." in tensor.name or ".attn_k." in tensor.name:
-            rows = _unpermute(rows, num_heads if ".attn_q." in tensor.name else num_kv_heads)
+            rows = unpermute_rows(rows, num_heads if ".attn_q." in tensor.name else num_kv_heads)
         in_features = int(tensor.shape[0])  # GGUF lists dimensions innermost first
         weights[name] = QuantizedWeight(torch.from_numpy(np.array(rows, copy=True, order="C")), qtype, in_features)
     if "lm_head.weight" not in weights and "model.embed_tokens.weight" in weights:
@@ -48,7 +54,7 @@ def read(path: Path, num_heads: int, num_kv_heads: int) -> dict[str, QuantizedWe
     return weights
 
 
-def _hf_name(name: str) -> str | None:
+def hf_name(name: str) -> str | None:
     if name == "token_embd.weight":
         return "model.embed_tokens.weight"
     if name == "output.weight":
@@ -59,7 +65,7 @@ def _hf_name(name: str) -> str | None:
     return None
 
 
-def _unpermute(rows: np.ndarray, heads: int) -> np.ndarray:
+def unpermute_rows(rows: np.ndarray, heads: int) -> np.ndarray:
     """transformers' reverse of llama.cpp's RoPE permutation of the query/key rows (on whole rows of blocks)."""
     dim = rows.shape[0] // heads // 2
     return rows.reshape(heads, dim, 2, *rows.shape[1:]).swapaxes(2, 1).reshape(rows.shape)

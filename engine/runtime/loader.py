@@ -1,8 +1,10 @@
 """Find and load a model named on the command line. Imports torch and transformers.
 
-A GGUF file is dequantized by transformers (slow: ~30 s for SmolLM2-135M), so the result is saved once as
-safetensors under the cache directory (``$SMOLSERVE_CACHE_DIR``, default ``~/.cache/smolserve``), keyed by the
-file's content hash; later starts load that in about a second.
+A llama GGUF served from its own blocks (``blocks=True``: the native kernels' path) is read as it is
+(``engine/runtime/gguf_model.py``); only its config and tokenizer, which transformers takes ~5 s to read from the
+file, are saved once under the cache directory (``$SMOLSERVE_CACHE_DIR``, default ``~/.cache/smolserve``), keyed by
+the file's content hash. Every other GGUF path needs dense weights: transformers dequantizes the file (slow: ~12-30 s
+for SmolLM2-135M), and the result is saved once there as safetensors; later starts load that in about a second.
 """
 
 from __future__ import annotations
@@ -14,14 +16,25 @@ import os
 import shutil
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    GenerationConfig,
+    PretrainedConfig,
+    PreTrainedModel,
+)
 
 from engine.core.config import DEFAULT_GGUF, DEFAULT_MODEL
+from engine.runtime import gguf_model
+from engine.runtime.quantized_weights import QuantizedWeight
 
 log = logging.getLogger(__name__)
 
@@ -35,13 +48,23 @@ class LoadedModel:
     max_position_embeddings: int
     #: The GGUF file the model was converted from, when it was one (its quantized blocks can be served as they are).
     gguf: Path | None = None
+    #: Loaded from the GGUF's blocks (``blocks=True``): its quantized matrices by transformers' name; the model's
+    #: parameters they stand for hold no values until ``gguf_model.densify``.
+    blocks: dict[str, QuantizedWeight] | None = None
 
 
-def load(spec: str, dtype: str = "float32") -> LoadedModel:
+def load(spec: str, dtype: str = "float32", blocks: bool = False) -> LoadedModel:
     """Load ``spec``: the default model's name, a ``.gguf`` file, a local HF model directory or a cached hub id.
 
     ``dtype`` is ``float32``, ``bfloat16`` or ``auto``: whichever runs a decode-sized matmul faster here.
+    ``blocks``: a llama GGUF is read as its blocks on the CPU, without a dense copy (see ``LoadedModel.blocks``).
     """
+    gguf = _gguf(spec)
+    if blocks and gguf is not None and not torch.cuda.is_available():
+        described = _described(gguf)
+        config = AutoConfig.from_pretrained(described)
+        if config.model_type == "llama":  # what the lean runner and the native kernels serve
+            return _load_blocks(spec if spec == DEFAULT_MODEL else gguf.stem, gguf, described, config, dtype)
     started = time.perf_counter()
     name, source = _resolve(spec)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -60,6 +83,52 @@ def load(spec: str, dtype: str = "float32") -> LoadedModel:
         time.perf_counter() - started,
     )
     return loaded
+
+
+def _load_blocks(name: str, gguf: Path, described: Path, config: PretrainedConfig, dtype: str) -> LoadedModel:
+    started = time.perf_counter()
+    torch_dtype = _pick_dtype(torch.device("cpu")) if dtype == "auto" else getattr(torch, dtype)
+    log.info("loading model %s from %s as its own blocks, other tensors %s", name, gguf, torch_dtype)
+    tokenizer = AutoTokenizer.from_pretrained(described)
+    model, quantized = gguf_model.build(gguf, config, torch_dtype)
+    model.generation_config = GenerationConfig.from_pretrained(described)
+    loaded = LoadedModel(
+        name, model, tokenizer, _eos_token_ids(model, tokenizer), _max_positions(model), gguf, quantized
+    )
+    log.info(
+        "loaded %s (%d matrices in blocks, no dense copy) in %.1f s",
+        name, len({id(w) for w in quantized.values()}), time.perf_counter() - started,
+    )  # fmt: skip
+    return loaded
+
+
+def _described(gguf: Path) -> Path:
+    """A directory with the config, generation config and tokenizer of ``gguf``, saved once in the cache."""
+    target = cache_dir() / f"{gguf.stem}-{_file_hash(gguf)[:16]}-config"
+    if (target / "config.json").exists():
+        return target
+    with _fresh(target) as work:
+        config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        config.save_pretrained(work)
+        GenerationConfig.from_model_config(config).save_pretrained(work)
+        AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(work)
+    return target
+
+
+@contextmanager
+def _fresh(target: Path) -> Iterator[Path]:
+    """A work directory that becomes ``target`` when the block ends (a concurrent start's copy may win)."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(dir=target.parent, prefix=".converting-"))
+    try:
+        yield work
+        try:
+            work.rename(target)
+        except OSError:
+            if not (target / "config.json").exists():  # not a concurrent conversion that won the race
+                raise
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
 
 
 def _pick_dtype(device: torch.device) -> torch.dtype:
@@ -130,10 +199,8 @@ def _converted(gguf: Path) -> Path:
     target = cache_dir() / f"{gguf.stem}-{_file_hash(gguf)[:16]}"
     if (target / "config.json").exists():
         return target
-    log.info("converting %s to safetensors in %s (once; this takes a while)", gguf, target)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    work = Path(tempfile.mkdtemp(dir=target.parent, prefix=".converting-"))
-    try:
+    log.info("converting %s to dense safetensors in %s (once; this takes a while)", gguf, target)
+    with _fresh(target) as work:
         tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
         model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
         # The weights are dequantized now; drop the GGUF quantizer so the model saves as plain safetensors.
@@ -141,13 +208,6 @@ def _converted(gguf: Path) -> Path:
         model.hf_quantizer = None
         model.save_pretrained(work)
         tokenizer.save_pretrained(work)
-        try:
-            work.rename(target)
-        except OSError:
-            if not (target / "config.json").exists():  # not a concurrent conversion that won the race
-                raise
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
     return target
 
 

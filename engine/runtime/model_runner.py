@@ -29,6 +29,9 @@ log = logging.getLogger(__name__)
 
 
 class ModelRunner(Protocol):
+    #: The fewest rows a step multiplies on a dense copy of quantized weights (None: never).
+    dense_from_rows: int | None
+
     def forward(
         self, token_ids: torch.Tensor, positions: torch.Tensor, batch: StepBatch, rows: torch.Tensor | None
     ) -> torch.Tensor:
@@ -55,6 +58,8 @@ def make_runner(
 
 
 class HFRunner:
+    dense_from_rows = None
+
     def __init__(self, model: PreTrainedModel) -> None:
         model.set_attn_implementation(ATTENTION_NAME)
         self._decoder = model.get_decoder()
@@ -278,6 +283,11 @@ class LlamaRunner:
             normed = normed[rows]  # none at all when the step's prompt chunks all go on: [0, vocab] logits
         head = self._dense_head if self._dense_head is not None and self.runs_dense(normed.shape[0]) else self.lm_head
         return linear(normed, head, self.tile).float()
+
+    @property
+    def dense_from_rows(self) -> int | None:
+        """The fewest rows a step multiplies on the dense copy of quantized weights (None: never)."""
+        return self._dense_from_rows
 
     def runs_dense(self, rows: int) -> bool:
         """Whether a product of ``rows`` rows takes the dense copy of quantized weights (``dense_from_rows``)."""

@@ -19,6 +19,8 @@ from engine.runtime.quantized_weights import PackedParts, PackedWeight, Quantize
 Weight = torch.Tensor | PackedWeight | PackedParts
 
 ROWS = (1, 4, 8, 16, 32, 64, 128, 256)
+#: The weights the probe multiplies, by the start of their names: their dense values must be there.
+PROBED = ("model.layers.0.", "lm_head.")
 
 
 def probe(

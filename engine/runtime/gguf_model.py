@@ -1,0 +1,83 @@
+"""A llama GGUF served from its own blocks, without converting it: the transformers model is built from its config
+on uninitialized memory, the file's unquantized tensors (norms, any matrix in a type the native matmul does not
+read) are copied in, and the quantized matrices are kept as blocks for the native matmul. Their dense values are
+made only where a path needs them (``densify``: the start-up probe's layer, the dense twin of ``--batch-invariant
+off``), from the blocks by the native dequantizer, in memory.
+
+The other paths (``--quantization none`` or ``int8``, no native kernels, an architecture the lean runner does not
+run) load the dense copy that ``engine/runtime/loader.py`` converts once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import torch
+from gguf import GGUFReader
+from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
+
+from engine.runtime.gguf_weights import hf_name, read, unpermute_rows
+from engine.runtime.quantized_weights import QuantizedWeight
+
+_NORMS = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm"}
+
+
+def build(
+    path: Path, config: PretrainedConfig, dtype: torch.dtype
+) -> tuple[PreTrainedModel, dict[str, QuantizedWeight]]:
+    """The model of the llama GGUF at ``path`` on the CPU, and its matrices in blocks by transformers' name. The
+    model's parameters that those matrices stand for hold no values until ``densify``."""
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    model.to_empty(device="cpu")  # allocated, never written: the pages stay unmapped until something writes them
+    model.model.rotary_emb = type(model.model.rotary_emb)(config=model.config)  # its buffers are computed, not read
+    model.tie_weights()
+    reader = GGUFReader(path)
+    quantized = read(reader, config.num_attention_heads, config.num_key_value_heads)
+    parameters = dict(model.named_parameters(remove_duplicate=False))
+    for name, values in _dense_tensors(reader, config, set(quantized)):
+        parameters[name].data.copy_(values.to(dtype))
+    model.eval()
+    return model, quantized
+
+
+def densify(model: PreTrainedModel, quantized: dict[str, QuantizedWeight], names: list[str] | None = None) -> None:
+    """Write the dense values of the matrices ``names`` (all the quantized ones when None) into ``model``, as the
+    native dequantizer computes them from the blocks (GGUF's own ``d * q (+ m)``)."""
+    parameters = dict(model.named_parameters(remove_duplicate=False))
+    done: set[int] = set()  # a tied output layer is the embedding's matrix: dequantized once
+    for name in quantized if names is None else names:
+        weight = quantized[name]
+        if id(weight) in done:
+            continue
+        done.add(id(weight))
+        rows = torch.arange(weight.out_features)
+        with torch.inference_mode():
+            parameters[name].data.copy_(weight.pack().rows(rows, parameters[name].dtype))
+
+
+def _dense_tensors(reader: GGUFReader, config: PretrainedConfig, skip: set[str]) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(name, values)`` for every tensor of the file that is not in ``skip``, dequantized by gguf's reader."""
+    from gguf.quants import dequantize
+
+    for tensor in reader.tensors:
+        name = _name(tensor.name)
+        if name is None or name in skip:
+            continue
+        shape = tuple(int(d) for d in reversed(tensor.shape))  # GGUF lists dimensions innermost first
+        values = np.asarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32).reshape(shape)
+        if ".attn_q." in tensor.name or ".attn_k." in tensor.name:
+            heads = config.num_attention_heads if ".attn_q." in tensor.name else config.num_key_value_heads
+            values = unpermute_rows(values, heads)
+        yield name, torch.from_numpy(np.array(values, copy=True, order="C"))
+
+
+def _name(gguf_name: str) -> str | None:
+    if gguf_name == "output_norm.weight":
+        return "model.norm.weight"
+    parts = gguf_name.split(".")
+    if len(parts) == 4 and parts[0] == "blk" and parts[2] in _NORMS:
+        return f"model.layers.{parts[1]}.{_NORMS[parts[2]]}.weight"
+    return hf_name(gguf_name)
