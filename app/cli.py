@@ -88,6 +88,14 @@ def _engine_flags(parser: argparse.ArgumentParser, defaults: EngineConfig) -> No
         "each step; auto: on unless that costs 5%% or more of the throughput at --max-batch-size (measured here)",
     )
     parser.add_argument(
+        "--speculative",
+        choices=["auto", "ngram", "none"],
+        default=defaults.speculative,
+        help="speculative decoding from prompt lookup (drafts from the prompt and the text so far; greedy output "
+        "stays bitwise the same while batch invariance holds): ngram always, auto while a step's rows are few "
+        "enough that extra rows cost little (measured here), none never",
+    )
+    parser.add_argument(
         "--no-prefix-caching",
         dest="prefix_caching",
         action="store_false",
@@ -201,6 +209,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         max_num_batched_tokens=args.max_num_batched_tokens,
         threads=args.threads,
         batch_invariant=args.batch_invariant,
+        speculative=args.speculative,
         embedding_model=args.embedding_model,
     )
 

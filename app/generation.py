@@ -60,6 +60,11 @@ class Generation:
         return sum(choice.cached_tokens for choice in self.choices[:: self.options.best_of])
 
     @property
+    def num_accepted_tokens(self) -> int:
+        """Drafted tokens the model accepted, over every sequence (speculative decoding; the access log)."""
+        return sum(choice.accepted_tokens for choice in self.choices)
+
+    @property
     def num_completion_tokens(self) -> int:
         return sum(len(c.token_ids) for c in self.choices)
 
@@ -157,6 +162,7 @@ class Generation:
             choice.prompt_logprobs = delta.prompt_logprobs
         if delta.cached_tokens is not None:
             choice.cached_tokens = delta.cached_tokens
+        choice.accepted_tokens += delta.accepted
         if choice.prompt_only:
             choice.finish_reason = "length"
             return

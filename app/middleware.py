@@ -23,7 +23,8 @@ PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize")
 class RequestIdMiddleware:
     """Echoes ``X-Request-Id`` (or makes one up) and logs one line per request when its response ends.
 
-    Routes put token counts in ``scope["state"]["usage"]`` (prompt, completion, cached prompt) for the log line.
+    Routes put token counts in ``scope["state"]["usage"]`` (prompt, completion, cached prompt, drafted tokens
+    accepted by speculative decoding) for the log line.
     """
 
     def __init__(self, app: ASGIApp, on_response: Callable[[str, int], None] = lambda path, status: None) -> None:
@@ -51,10 +52,11 @@ class RequestIdMiddleware:
             await self.app(scope, receive, send_with_id)
         finally:
             self._on_response(scope["path"], status)
-            prompt, completion, cached = scope["state"].get("usage", (0, 0, 0))
+            prompt, completion, cached, accepted = scope["state"].get("usage", (0, 0, 0, 0))
             replica = scope["state"].get("replica")
             access_log.info(
-                '%s "%s %s" %d prompt_tokens=%d cached_prompt_tokens=%d completion_tokens=%d latency=%.3fs%s',
+                '%s "%s %s" %d prompt_tokens=%d cached_prompt_tokens=%d completion_tokens=%d accepted_tokens=%d '
+                "latency=%.3fs%s",
                 request_id,
                 scope["method"],
                 scope["path"],
@@ -62,6 +64,7 @@ class RequestIdMiddleware:
                 prompt,
                 cached,
                 completion,
+                accepted,
                 time.perf_counter() - started,
                 f" replica={replica}" if replica else "",
             )

@@ -387,7 +387,7 @@ class ServerState:
         except QueueFullError as exc:
             raise APIError(429, str(exc), code="queue_full", headers={"Retry-After": "1"}) from None
         self.metrics.prompt_tokens.inc(generation.num_prompt_tokens)
-        request.state.usage = (generation.num_prompt_tokens, 0, 0)
+        request.state.usage = (generation.num_prompt_tokens, 0, 0, 0)
         request.state.replica = generation.replicas
         if generation.options.stream:
             events = _logged(request, generation, generation.events())
@@ -415,8 +415,11 @@ async def _logged(request: Request, generation: Generation, events: AsyncIterato
         request.state.usage = _usage_for_log(generation)
 
 
-def _usage_for_log(generation: Generation) -> tuple[int, int, int]:
-    return generation.num_prompt_tokens, generation.num_completion_tokens, generation.num_cached_tokens
+def _usage_for_log(generation: Generation) -> tuple[int, int, int, int]:
+    return (
+        generation.num_prompt_tokens, generation.num_completion_tokens, generation.num_cached_tokens,
+        generation.num_accepted_tokens,
+    )  # fmt: skip
 
 
 def _drop_oldest(messages: list[Message]) -> list[Message]:

@@ -21,7 +21,7 @@ def server_facts(state: ServerState, engine: dict[str, Any]) -> dict[str, Any]:
         models[-1].update(dimensions=encoder.dimensions, pooling=list(spec.pooling) if spec else None,
                           normalize=spec.normalize if spec else None, dtype="float32")  # fmt: skip
     models[0].update({key: engine[key] for key in ("weights",) if key in engine})
-    return {"models": models, "engine": engine, "speculative": "none (not built)"}
+    return {"models": models, "engine": engine, "speculative": engine.get("speculative", "none")}
 
 
 def startup_summary(state: ServerState, engine: dict[str, Any], address: str) -> str:

@@ -8,8 +8,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from engine.core import cpu
-from engine.core.batch_mode import BatchMode, choose
+from engine.core import cpu, speculation
+from engine.core.batch_mode import PathTimes, choose
 from engine.core.config import EngineConfig
 from engine.core.encoder import Encoder, FakeEncoder
 from engine.core.fake_engine import FakeEngine
@@ -59,8 +59,11 @@ def _build_hf(config: EngineConfig, engine_thread: ThreadPoolExecutor) -> Served
     governor = thread_team(config)
     loaded = loader.load(config.model, config.dtype, blocks=serves_blocks(config))
     quantized = quantized_weights(loaded, config.quantization)
-    mode = batch_mode(loaded, quantized, config)
+    times = probe_paths(loaded, quantized, config)
+    mode = choose(config.batch_invariant, times, config.max_batch_size)
     log.info("%s", mode.describe())
+    drafts = speculation.choose(config.speculative, times, mode.invariant, config.max_num_batched_tokens)
+    log.info("speculative decoding: %s", "none" if drafts is None else drafts.describe())
     if loaded.blocks and mode.dense_from_rows is not None:
         log.info("dense copy of the blocks in memory: steps from %d rows run dense", mode.dense_from_rows)
         gguf_model.densify(loaded.model, loaded.blocks)
@@ -77,6 +80,7 @@ def _build_hf(config: EngineConfig, engine_thread: ThreadPoolExecutor) -> Served
         quantized=quantized,
         batch_mode=mode,
         governor=governor,
+        draft_rows=drafts,
     )
     tokenizer = HFTokenizer(loaded.tokenizer, loaded.eos_token_ids)
     served = ServedModel(loaded.name, hf_engine, tokenizer, engine_thread, build_encoder(config.embedding_model))
@@ -155,21 +159,23 @@ def team_size(config: EngineConfig) -> int:
     return min(budget, int(env)) if env.isdigit() and int(env) > 0 else budget
 
 
-def batch_mode(loaded: LoadedModel, quantized: dict[str, QuantizedWeight] | None, config: EngineConfig) -> BatchMode:
-    """``--batch-invariant`` resolved: the probe's times of both matmul paths on this CPU (for the lean llama
-    runner on the CPU; other models have no choice to make)."""
+def probe_paths(
+    loaded: LoadedModel, quantized: dict[str, QuantizedWeight] | None, config: EngineConfig
+) -> PathTimes | None:
+    """The probe's times of both matmul paths on this CPU, by rows, for ``--batch-invariant`` and
+    ``--speculative`` (for the lean llama runner on the CPU; None for other models: no choice to make)."""
     from engine.runtime import gguf_model
     from engine.runtime.model_runner import LlamaRunner
     from engine.runtime.path_probe import PROBED, probe
 
     model = loaded.model
     if not (LlamaRunner.supports(model) and model.device.type == "cpu"):
-        return choose(config.batch_invariant, None, config.max_batch_size)
+        return None
     if loaded.blocks:  # the probe times the dense path on the first layer's and the output layer's values
         gguf_model.densify(model, loaded.blocks, [n for n in loaded.blocks if n.startswith(PROBED)])
     times = probe(model, quantized, config.max_batch_size)
     log.info("%s", times.describe())
-    return choose(config.batch_invariant, times, config.max_batch_size)
+    return times
 
 
 def build_encoder(spec: str) -> Encoder | None:

@@ -40,6 +40,7 @@ class Choice:
     finish_reason: FinishReason | None = None
     prompt_logprobs: list[TokenLogprob | None] | None = None  # echo with logprobs
     cached_tokens: int = 0  # of its prompt, from the engine's prefix cache
+    accepted_tokens: int = 0  # drafted tokens the model accepted (speculative decoding)
     prompt_only: bool = False  # max_tokens 0: the sequence runs only to score the prompt
     stream: Stream | None = None  # None when there is nothing to run (echo alone)
     offsets: TextOffsets = field(default_factory=TextOffsets)  # text_offset across a stream's deltas

@@ -71,6 +71,14 @@ class BlockLedger:
             seq.blocks.append(block)
         return True
 
+    def truncate(self, seq: SeqBlocks, positions: int) -> None:
+        """Give back the blocks past the first ``positions`` positions (a rejected draft's; never hashed)."""
+        keep = self.blocks_for(positions)
+        if len(seq.blocks) > keep:
+            assert len(seq.hashes) <= keep, "a hashed block is never past the computed positions"
+            self.pool.release(seq.blocks[keep:])
+            del seq.blocks[keep:]
+
     def take_prefix(self, seq: SeqBlocks, tokens: Sequence[int], limit: int, copy: Callable[[int, int], None]) -> int:
         """Start the (empty) table with the longest cached prefix of ``tokens[:limit]``: whole cached blocks,
         then, where the next cached block shares only its first tokens, a copy of it (``copy(src, dst)``

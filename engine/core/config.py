@@ -51,6 +51,9 @@ class EngineConfig:
     #: ``on``: one numeric path for every row count (a row's result never depends on its batchmates); ``off``: the
     #: fastest path for each step; ``auto``: ``on`` unless that costs 5% or more at ``max_batch_size`` rows.
     batch_invariant: str = "auto"
+    #: Speculative decoding from prompt lookup (``engine/core/speculation.py``): ``ngram`` always, ``auto`` while a
+    #: step's rows stay few enough that extra ones cost little (measured at start-up), ``none`` never.
+    speculative: str = "auto"
     #: The sentence-embedding model served beside it: ``default`` (the bundled all-MiniLM-L6-v2; a fake encoder
     #: for ``--model fake``), a sentence-transformers folder or HF directory, or ``none``.
     embedding_model: str = "default"

@@ -10,6 +10,7 @@ from engine.core.blocks import BlockLedger
 from engine.core.config import BLOCK_SIZE
 from engine.core.planner import Plan, Planner
 from engine.core.seam import InferenceEngine
+from engine.core.speculation import DraftBudget
 from engine.core.tokenizer import ByteTokenizer
 from engine.core.types import Constraint, GenerationRequest, MemoryStats, StepOutput, TokenLogprob
 
@@ -25,7 +26,9 @@ class FakeEngine(InferenceEngine):
     reported as the real engine reports them. Its step budget and pool hold every slot's longest sequence, so a
     prompt prefills in one step and nothing is preempted. ``eos_after`` makes every sequence emit the
     end-of-sequence token as its n-th token; ``fail_on_step`` makes the n-th step raise, to test the scheduler's
-    recovery; ``step_delay`` makes each step take that long, like a real forward.
+    recovery; ``step_delay`` makes each step take that long, like a real forward. ``speculative``: sequences draft
+    from their text (``engine/core/drafter.py``) and the alphabet accepts what it would have written, so that a
+    step may give a sequence several tokens, as the real engine's speculative decoding does.
     """
 
     def __init__(
@@ -34,6 +37,7 @@ class FakeEngine(InferenceEngine):
         max_model_len: int = 256,
         eos_after: int | None = None,
         step_delay: float = 0.0,
+        speculative: bool = False,
     ) -> None:
         self.capacity = capacity
         self.max_model_len = max_model_len
@@ -49,6 +53,7 @@ class FakeEngine(InferenceEngine):
             max_model_len=max_model_len,
             max_num_batched_tokens=capacity * max_model_len,
             eos_token_ids=frozenset({ByteTokenizer.EOS}),
+            draft_rows=DraftBudget("ngram", max_model_len) if speculative else None,
         )
 
     def num_active(self) -> int:
@@ -64,7 +69,7 @@ class FakeEngine(InferenceEngine):
         pool = self.planner.pool
         return MemoryStats(
             pool.num_blocks, pool.num_in_use, pool.num_cached, pool.num_free, pool.queried_tokens, pool.hit_tokens,
-            self.planner.num_preemptions,
+            self.planner.num_preemptions, self.planner.num_drafted, self.planner.num_accepted,
         )  # fmt: skip
 
     def step(self) -> list[StepOutput]:
@@ -77,7 +82,7 @@ class FakeEngine(InferenceEngine):
         if self.step_delay:
             time.sleep(self.step_delay)
         outputs = self.planner.commit(plan, self._tokens(plan))
-        self.num_tokens += len(outputs)
+        self.num_tokens += sum(len(out.token_ids) for out in outputs)
         return outputs
 
     def runtime_info(self) -> dict[str, Any]:
@@ -88,6 +93,7 @@ class FakeEngine(InferenceEngine):
                          "tokens": pool.num_blocks * pool.block_size, "bytes": 0, "dtype": "none"},
             "max_batch_size": self.capacity, "max_num_batched_tokens": self.planner.max_num_batched_tokens,
             "max_model_len": self.max_model_len, "prefix_caching": True,
+            "speculative": "none" if (drafts := self.planner.draft_rows) is None else drafts.describe(),
         }  # fmt: skip
 
     def describe_step(self) -> str:
@@ -99,16 +105,25 @@ class FakeEngine(InferenceEngine):
     def reset(self) -> None:
         self.planner.reset()
 
-    def _tokens(self, plan: Plan) -> list[tuple[int, TokenLogprob | None]]:
-        """The next letter of each sampled sequence (or EOS as its ``eos_after``-th), as its grammar allows."""
-        tokens: list[tuple[int, TokenLogprob | None]] = []
+    def _tokens(self, plan: Plan) -> list[list[tuple[int, TokenLogprob | None]]]:
+        """The next letter of each sampled sequence (or EOS as its ``eos_after``-th), as its grammar allows; for
+        a verifying one, its draft's letters while they are the ones it would write, then the next."""
+        tokens: list[list[tuple[int, TokenLogprob | None]]] = []
         for seq in plan.sampled:
-            n = len(seq.output_ids) + 1
-            token = ByteTokenizer.EOS if n == self.eos_after else _ALPHABET[(n - 1) % len(_ALPHABET)]
-            if seq.request.constraint is not None:
-                token = _allowed_token(seq.request.constraint, token)
-            tokens.append((token, None))
+            picked = []
+            for i in range(len(seq.draft) + 1):
+                token = self._letter(len(seq.output_ids) + i + 1)
+                if seq.request.constraint is not None:
+                    token = _allowed_token(seq.request.constraint, token)
+                picked.append((token, None))
+                if i == len(seq.draft) or token != seq.draft[i]:
+                    break
+            tokens.append(picked)
         return tokens
+
+    def _letter(self, n: int) -> int:
+        """A sequence's ``n``-th token."""
+        return ByteTokenizer.EOS if n == self.eos_after else _ALPHABET[(n - 1) % len(_ALPHABET)]
 
 
 def _allowed_token(constraint: Constraint, wanted: int) -> int:

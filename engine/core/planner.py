@@ -14,6 +14,15 @@ the prefill queue. Readmitted, it recomputes its prompt and the tokens it produc
 they are still there); the last row of that recompute yields its next token, and its stream goes on with no
 token repeated or lost. Its sampling state (seeded generator, grammar, penalties) is its own and goes on too.
 
+Speculation (``--speculative``, ``engine/core/drafter.py``). A decoding sequence may carry a draft: tokens its
+text suggests will follow. It then runs as a verification chunk: its pending token and the draft, ``1 + k`` rows
+at consecutive positions, every row's logits kept. The runtime accepts the longest prefix of the draft the model
+agrees with, plus the model's own next token (``commit`` takes them all); the positions of rejected tokens are
+rolled back: the sequence's computed length stops at what was accepted, blocks past it go back to the pool, and
+only accepted tokens are ever hashed into the prefix cache. A draft never preempts anything: it is cut to the
+blocks the pool can give. Rows with a grammar, and sequences before ``min_tokens`` or with prompt logprobs still
+to score, get no drafts.
+
 Prefix caching. A newcomer first takes the longest cached prefix of its prompt and prefills only the rest; at
 least its last prompt token is always computed, for the logits of its first token. Requests for prompt logprobs
 bypass the cache: every prompt row is computed and scored.
@@ -31,7 +40,9 @@ from typing import Any
 
 from engine.core.block_pool import BlockPool
 from engine.core.blocks import BlockLedger, SeqBlocks
+from engine.core.drafter import DraftLength, NgramDrafter
 from engine.core.seam import finish_reason, validate_request
+from engine.core.speculation import DraftBudget
 from engine.core.types import GenerationRequest, StepOutput, TokenLogprob
 
 #: Prompt rows a step always has room for, however many sequences decode.
@@ -65,6 +76,10 @@ class Seq:
     #: The runtime's sampling state for a seeded request (a generator), kept across preemptions.
     generator: Any = None
     prompt_logprobs: list[TokenLogprob | None] | None = None  # filled chunk by chunk when asked for
+    #: This step's draft (speculative decoding): tokens to verify after its pending one.
+    draft: list[int] = field(default_factory=list)
+    drafter: NgramDrafter = field(default_factory=NgramDrafter)
+    draft_length: DraftLength = field(default_factory=DraftLength)
 
     @property
     def prompt_len(self) -> int:
@@ -77,6 +92,11 @@ class Seq:
     def tokens(self, end: int) -> list[int]:
         return [*self.request.prompt_ids, *self.output_ids][:end]
 
+    def row_token(self, position: int) -> int:
+        """The token a row at ``position`` reads: its own, or past them (a verification chunk) its draft's."""
+        known = self.prompt_len + len(self.output_ids)
+        return self.token_at(position) if position < known else self.draft[position - known]
+
     @property
     def scores_prompt(self) -> bool:
         """Its prompt rows are scored: prompt logprobs were asked for and its first token is not out yet."""
@@ -85,35 +105,55 @@ class Seq:
 
 @dataclass(slots=True)
 class Plan:
-    """Who runs in one step: every decoding sequence, then chunks of prefilling ones."""
+    """Who runs in one step: decoding sequences (one row each), verification chunks of decoding sequences with a
+    draft, then chunks of prefilling ones."""
 
     decoding: list[Seq]
     chunks: list[tuple[Seq, PrefillChunk]]
     #: Sequences whose prefill ends in this step, with their chunk: its last row yields their next token.
     completing: list[tuple[Seq, PrefillChunk]]
+    #: Decoding sequences with a draft: their pending token and their draft, every row's logits kept.
+    verifying: list[tuple[Seq, PrefillChunk]] = field(default_factory=list)
 
     @property
     def empty(self) -> bool:
-        return not self.decoding and not self.chunks
+        return not self.decoding and not self.chunks and not self.verifying
 
     @property
     def sampled(self) -> list[Seq]:
-        """The sequences that get a token this step, in the order of the logits' rows."""
-        return self.decoding + [seq for seq, _ in self.completing]
+        """The sequences that get tokens this step, in the order of the logits' rows (a verifying one has a row
+        per token of its chunk: ``sampled_rows``)."""
+        return self.decoding + [seq for seq, _ in self.verifying] + [seq for seq, _ in self.completing]
+
+    @property
+    def sampled_rows(self) -> list[int]:
+        """The logits' rows of each of ``sampled``."""
+        return [1] * len(self.decoding) + [c.length for _, c in self.verifying] + [1] * len(self.completing)
+
+    @property
+    def all_chunks(self) -> list[tuple[Seq, PrefillChunk]]:
+        """Every chunk in row order: verification chunks, then prompt chunks."""
+        return self.verifying + self.chunks
 
     @property
     def num_rows(self) -> int:
-        return len(self.decoding) + sum(chunk.length for _, chunk in self.chunks)
+        return len(self.decoding) + sum(chunk.length for _, chunk in self.all_chunks)
+
+    @property
+    def num_drafted(self) -> int:
+        return sum(len(seq.draft) for seq, _ in self.verifying)
 
     def describe(self) -> str:
         decoding = [f"seq {s.seq_id}: prompt {s.prompt_len}, position {s.num_computed}" for s in self.decoding]
+        decoding += [f"seq {s.seq_id}: position {s.num_computed}, draft of {len(s.draft)}" for s, _ in self.verifying]
         chunks = [
             f"seq {s.seq_id}: prompt {s.prompt_len}, rows {c.row}..{c.row + c.length - 1} = positions "
             f"{c.start}..{c.start + c.length - 1}{' (completes)' if c.start + c.length == s.target else ''}"
             for s, c in self.chunks
         ]
         return (
-            f"{self.num_rows} rows ({len(self.decoding)} decoding, {len(self.chunks)} prompt chunks); "
+            f"{self.num_rows} rows ({len(self.decoding) + len(self.verifying)} decoding, "
+            f"{f'{self.num_drafted} drafted, ' if self.verifying else ''}{len(self.chunks)} prompt chunks); "
             f"decoding [{'; '.join(decoding)}]; chunks [{'; '.join(chunks)}]"
         )
 
@@ -130,14 +170,21 @@ class Planner:
         max_num_batched_tokens: int,
         eos_token_ids: frozenset[int],
         copy_block: Callable[[int, int], None] = lambda src, dst: None,
+        draft_rows: DraftBudget | None = None,
     ) -> None:
-        """``copy_block(src, dst)`` copies one block's K/V, for a cached prefix shared only in part."""
+        """``copy_block(src, dst)`` copies one block's K/V, for a cached prefix shared only in part.
+        ``draft_rows(decoding)``: how many rows a step with that many decoding sequences may spend on drafts
+        (speculative decoding; None: none)."""
         self.ledger = ledger
         self.capacity = capacity
         self.max_model_len = max_model_len
         self.max_num_batched_tokens = max_num_batched_tokens
         self.eos_token_ids = eos_token_ids
         self._copy_block = copy_block
+        self.draft_rows = draft_rows
+        #: Tokens drafted and accepted, since the start (speculative decoding's counters).
+        self.num_drafted = 0
+        self.num_accepted = 0
         # Blocks kept free at admission, for the decoding sequences that will cross into a new block.
         self._headroom = 1 + ledger.pool.num_blocks // 100
         self.seqs: dict[int, Seq] = {}
@@ -209,13 +256,41 @@ class Planner:
         # head of the queue, is newer than those behind it) is back in the queue with no blocks: not this step.
         planned = [(seq, length) for seq, length in planned if seq.seq_id not in self._preempted_in_plan]
         decoding = [seq for seq in decoding if seq.seq_id not in self._preempted_in_plan]
+        self._draft(decoding)
+        drafted = [seq for seq in decoding if seq.draft]
+        decoding = [seq for seq in decoding if not seq.draft]
         row = len(decoding)
+        verifying: list[tuple[Seq, PrefillChunk]] = []
+        for seq in drafted:
+            verifying.append((seq, PrefillChunk(row, seq.num_computed, 1 + len(seq.draft))))
+            row += 1 + len(seq.draft)
         chunks: list[tuple[Seq, PrefillChunk]] = []
         for seq, length in planned:
             chunks.append((seq, PrefillChunk(row, seq.num_computed, length)))
             row += length
         completing = [(seq, chunk) for seq, chunk in chunks if chunk.start + chunk.length == seq.target]
-        return Plan(decoding, chunks, completing)
+        return Plan(decoding, chunks, completing, verifying)
+
+    def _draft(self, decoding: list[Seq]) -> None:
+        """Each decoding sequence's draft for this step, oldest first while the step's draft rows last; cut to
+        the blocks the pool gives without preempting anyone, and to the positions ``max_model_len`` and
+        ``max_tokens`` leave."""
+        budget = self.draft_rows(len(decoding)) if self.draft_rows is not None and decoding else 0
+        for seq in decoding:
+            seq.draft = []
+            request = seq.request
+            if budget <= 0 or request.constraint is not None or len(seq.output_ids) < request.min_tokens:
+                continue
+            room = min(
+                budget, request.max_new_tokens - len(seq.output_ids) - 1, self.max_model_len - seq.num_computed - 1
+            )
+            want = min(seq.draft_length.next(), room)
+            if want <= 0:
+                continue
+            self.ledger.grow(seq.blocks, seq.num_computed + 1 + want)  # as far as the pool goes
+            want = min(want, len(seq.blocks.blocks) * self.ledger.block_size - seq.num_computed - 1)
+            seq.draft = seq.drafter.propose(seq.tokens(seq.prompt_len + len(seq.output_ids)), want)
+            budget -= len(seq.draft)
 
     def _plan_prefill(self, budget: int) -> list[tuple[Seq, int]]:
         """Prefilling sequences in order, each with the positions it computes this step, within ``budget``."""
@@ -279,21 +354,21 @@ class Planner:
 
     # -- commit ---------------------------------------------------------------------------------------
 
-    def commit(self, plan: Plan, next_tokens: list[tuple[int, TokenLogprob | None]]) -> list[StepOutput]:
-        """The step ran: its positions are computed, and ``next_tokens`` (one per ``plan.sampled``) are appended.
-        Finished sequences leave, their blocks back in the pool."""
+    def commit(self, plan: Plan, next_tokens: list[list[tuple[int, TokenLogprob | None]]]) -> list[StepOutput]:
+        """The step ran: its positions are computed, and ``next_tokens`` (for each of ``plan.sampled``: one
+        token, or a verifying sequence's accepted draft tokens and the model's next) are appended. Finished
+        sequences leave, their blocks back in the pool."""
         ledger = self.ledger
         outputs: list[StepOutput] = []
-        for seq, token in zip(plan.decoding, next_tokens, strict=False):
-            seq.num_computed += 1
-            ledger.commit_full(seq.blocks, seq.num_computed, seq.token_at)
-            outputs.append(self._append(seq, token))
+        decoding = plan.decoding + [seq for seq, _ in plan.verifying]
+        for seq, tokens in zip(decoding, next_tokens, strict=False):
+            outputs.append(self._decoded(seq, tokens))
         for seq, chunk in plan.chunks:
             seq.num_computed += chunk.length
             ledger.commit_full(seq.blocks, seq.num_computed, seq.token_at)
-        for (seq, _), token in zip(plan.completing, next_tokens[len(plan.decoding) :], strict=True):
+        for (seq, _), tokens in zip(plan.completing, next_tokens[len(decoding) :], strict=True):
             first = not seq.output_ids
-            out = self._append(seq, token)
+            out = self._append(seq, tokens[0])
             if first:
                 out.prompt_logprobs = seq.prompt_logprobs
                 out.cached_tokens = seq.cached_tokens
@@ -306,6 +381,30 @@ class Planner:
                 self._decoding.remove(seq)
                 ledger.close(seq.blocks)
         return outputs
+
+    def _decoded(self, seq: Seq, tokens: list[tuple[int, TokenLogprob | None]]) -> StepOutput:
+        """A decoding sequence's step: its pending token and the accepted part of its draft are computed now (the
+        rest of its draft's positions are rolled back); ``tokens`` are appended up to the first that ends it."""
+        drafted, accepted = len(seq.draft), len(tokens) - 1
+        if drafted:
+            seq.draft_length.record(drafted, accepted)
+            self.num_drafted += drafted
+            self.num_accepted += accepted
+        seq.draft = []
+        out = self._append(seq, tokens[0])
+        for token in tokens[1:]:
+            if out.finish_reason is not None:
+                break
+            more = self._append(seq, token)
+            out.token_ids += more.token_ids
+            out.logprobs = None if out.logprobs is None or more.logprobs is None else out.logprobs + more.logprobs
+            out.finish_reason = more.finish_reason
+        # Each token appended was computed from the one before it: the pending token, then accepted draft tokens.
+        seq.num_computed += len(out.token_ids)
+        self.ledger.commit_full(seq.blocks, seq.num_computed, seq.token_at)
+        self.ledger.truncate(seq.blocks, seq.num_computed + 1)
+        out.drafted, out.accepted = drafted, accepted
+        return out
 
     def _append(self, seq: Seq, sampled: tuple[int, TokenLogprob | None]) -> StepOutput:
         token, logprob = sampled

@@ -97,6 +97,9 @@ class StepOutput:
     logprobs: list[TokenLogprob] | None = None
     #: With a sequence's first token, when the request asked for prompt logprobs: one per prompt token.
     prompt_logprobs: list[TokenLogprob | None] | None = None
+    #: Speculative decoding: tokens drafted for this step, and how many of them the model accepted.
+    drafted: int = 0
+    accepted: int = 0
     #: With a sequence's first token: how many of its prompt tokens came from the prefix cache.
     cached_tokens: int | None = None
 
@@ -113,3 +116,6 @@ class MemoryStats:
     prefix_queried_tokens: int
     prefix_hit_tokens: int
     preemptions: int
+    #: Speculative decoding: tokens drafted, and those the model accepted (counters).
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0

@@ -18,13 +18,15 @@ from engine.core.block_pool import BlockPool
 from engine.core.config import BLOCK_SIZE
 from engine.core.planner import Plan, Planner, PrefillChunk, Seq
 from engine.core.seam import InferenceEngine
+from engine.core.speculation import DraftBudget
 from engine.core.thread_governor import ThreadGovernor
 from engine.core.types import GenerationRequest, MemoryStats, StepOutput, TokenLogprob
 from engine.runtime.block_tables import BlockTables
 from engine.runtime.kv_cache import BlockKVCache, StepBatch
 from engine.runtime.model_runner import make_runner
 from engine.runtime.quantized_weights import SUPPORTED, QuantizedWeight
-from engine.runtime.sampler import Row, select_tokens, token_logprobs
+from engine.runtime.sampler import Row, token_logprobs
+from engine.runtime.speculative import accept
 
 
 class HFEngine(InferenceEngine):
@@ -45,11 +47,13 @@ class HFEngine(InferenceEngine):
         quantized: dict[str, QuantizedWeight] | None = None,
         batch_mode: BatchMode = INVARIANT,
         governor: ThreadGovernor | None = None,
+        draft_rows: DraftBudget | None = None,
     ) -> None:
         """``quantized``: weight matrices to multiply in their GGUF blocks (``engine/runtime/gguf_weights.py``);
         ``batch_mode``: one numeric path for every row count, or the fastest for each step
         (``engine/core/batch_mode.py``); ``governor``: resizes the thread team between steps as other processes take
-        or leave CPUs."""
+        or leave CPUs; ``draft_rows(decoding)``: the rows a step with that many decoding sequences may spend on
+        drafts (speculative decoding, ``engine/core/speculation.py``; None: no drafts)."""
         config = model.config
         self._runner = make_runner(model, max_model_len, quantized, batch_mode.invariant, batch_mode.dense_from_rows)
         self.batch_mode = batch_mode
@@ -80,6 +84,7 @@ class HFEngine(InferenceEngine):
             max_num_batched_tokens=max_num_batched_tokens,
             eos_token_ids=eos_token_ids,
             copy_block=self.cache.copy_block,
+            draft_rows=draft_rows,
         )
         self._plan_now: Plan | None = None  # the step being run, for describe_step
         self._facts = self._describe(quantized, model)
@@ -115,14 +120,11 @@ class HFEngine(InferenceEngine):
             return []
         # A step may hold prompt chunks alone, none of them complete (a prompt longer than the step's budget
         # on an idle engine): then no row is sampled, and the step only fills KV.
-        sampled = plan.sampled
         scored = [(seq, chunk) for seq, chunk in plan.chunks if seq.scores_prompt]
         logits = self._forward(plan, scored)
-        next_tokens: list[tuple[int, TokenLogprob | None]] = []
-        if sampled:
-            tokens, logprobs = select_tokens(logits[: len(sampled)], [self._row(seq) for seq in sampled])
-            next_tokens = list(zip(tokens.tolist(), logprobs, strict=True))
-        self._score_prompts(scored, logits[len(sampled) :])
+        num_sampled = sum(plan.sampled_rows)
+        next_tokens = self._select(plan, logits[:num_sampled])
+        self._score_prompts(scored, logits[num_sampled:])
         outputs = self.planner.commit(plan, next_tokens)
         if self.governor is not None:
             self.governor.after_step()
@@ -153,7 +155,7 @@ class HFEngine(InferenceEngine):
         pool = self.pool
         return MemoryStats(
             pool.num_blocks, pool.num_in_use, pool.num_cached, pool.num_free, pool.queried_tokens, pool.hit_tokens,
-            self.num_preemptions,
+            self.num_preemptions, self.planner.num_drafted, self.planner.num_accepted,
         )  # fmt: skip
 
     def runtime_info(self) -> dict[str, Any]:
@@ -163,6 +165,7 @@ class HFEngine(InferenceEngine):
             "batch_invariant_mode": mode.requested,
             "dense_from_rows": mode.dense_from_rows,
             "invariance_cost": None if mode.cost is None else round(mode.cost, 3),
+            "speculative": "none" if (drafts := self.planner.draft_rows) is None else drafts.describe(),
         }
         if self.governor is not None:
             governor = self.governor
@@ -209,9 +212,9 @@ class HFEngine(InferenceEngine):
         positions = [seq.num_computed for seq in plan.decoding]
         table_rows = [seq.blocks.row for seq in plan.decoding]
         slots = [self.tables.slot(seq.blocks, seq.num_computed) for seq in plan.decoding]
-        for seq, chunk in plan.chunks:
+        for seq, chunk in plan.all_chunks:
             end = chunk.start + chunk.length
-            token_ids.extend(seq.token_at(p) for p in range(chunk.start, end))
+            token_ids.extend(seq.row_token(p) for p in range(chunk.start, end))
             positions.extend(range(chunk.start, end))
             table_rows.extend([seq.blocks.row] * chunk.length)
             slots.extend(self.tables.slots(seq.blocks, chunk.start, end))
@@ -223,11 +226,12 @@ class HFEngine(InferenceEngine):
             torch.tensor(slots, dtype=torch.long, device=device),
             self.tables.rows(table_rows, max(positions) + 1),
             position_tensor + 1,
-            [chunk for _, chunk in plan.chunks],
+            [chunk for _, chunk in plan.all_chunks],
         )
         rows = None
         if plan.chunks:
             rows = list(range(len(plan.decoding)))
+            rows += [row for _, chunk in plan.verifying for row in range(chunk.row, chunk.row + chunk.length)]
             rows += [chunk.row + chunk.length - 1 for _, chunk in plan.completing]
             rows += [row for _, chunk in scored for row in range(chunk.row, chunk.row + chunk.length)]
         with torch.inference_mode():
@@ -237,6 +241,13 @@ class HFEngine(InferenceEngine):
                 batch,
                 None if rows is None else torch.tensor(rows, dtype=torch.long, device=device),
             )
+
+    def _select(self, plan: Plan, logits: torch.Tensor) -> list[list[tuple[int, TokenLogprob | None]]]:
+        """Each sampled sequence's tokens: one; or for a verifying one, its draft's accepted tokens and the
+        model's next (``engine/runtime/speculative.py``)."""
+        sampled, counts = plan.sampled, plan.sampled_rows
+        rows = [self._row(seq, i) for seq, count in zip(sampled, counts, strict=True) for i in range(count)]
+        return accept(logits, rows, [(seq.draft, count) for seq, count in zip(sampled, counts, strict=True)])
 
     def _score_prompts(self, scored: list[tuple[Seq, PrefillChunk]], logits: torch.Tensor) -> None:
         """Each prompt position's logits score the next prompt token."""
@@ -249,12 +260,14 @@ class HFEngine(InferenceEngine):
             seq.prompt_logprobs += token_logprobs(logits[offset : offset + len(positions)], targets, num_top)
             offset += chunk.length
 
-    def _row(self, seq: Seq) -> Row:
+    def _row(self, seq: Seq, offset: int = 0) -> Row:
+        """What the sampler needs for ``seq``'s row; ``offset`` > 0: the row after ``offset`` of its draft's tokens
+        (a verification chunk's), as it would be were they generated."""
         request = seq.request
+        output = seq.output_ids if not offset else [*seq.output_ids, *seq.draft[:offset]]
         banned: frozenset[int] = frozenset()
-        if len(seq.output_ids) < request.min_tokens:
+        if len(output) < request.min_tokens:
             banned = request.stop_token_ids | (frozenset() if request.ignore_eos else self.eos_token_ids)
         return Row(
-            request.sampling, seq.generator, request.prompt_ids, seq.output_ids, banned, request.logprobs,
-            request.constraint,
-        )  # fmt: skip
+            request.sampling, seq.generator, request.prompt_ids, output, banned, request.logprobs, request.constraint
+        )

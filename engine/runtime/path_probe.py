@@ -18,7 +18,8 @@ from engine.runtime.quantized_weights import PackedParts, PackedWeight, Quantize
 
 Weight = torch.Tensor | PackedWeight | PackedParts
 
-ROWS = (1, 4, 8, 16, 32, 64, 128, 256)
+#: Row counts timed: few rows closely, for speculative decoding's row budget (``engine/core/speculation.py``).
+ROWS = (1, 2, 4, 6, 8, 16, 32, 64, 128, 256)
 #: The weights the probe multiplies, by the start of their names: their dense values must be there.
 PROBED = ("model.layers.0.", "lm_head.")
 

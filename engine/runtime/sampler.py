@@ -50,6 +50,42 @@ def select_tokens(logits: torch.Tensor, rows: list[Row]) -> tuple[torch.Tensor, 
     return tokens, _logprobs(raw, tokens, rows)
 
 
+def verify_draft(logits: torch.Tensor, rows: list[Row], draft: list[int]) -> list[tuple[int, TokenLogprob | None]]:
+    """One sampled sequence's verification rows (``engine/runtime/speculative.py``): ``logits`` ``[k + 1, vocab]``,
+    ``rows`` its rows, ``draft`` its ``k`` drafted tokens. Returns the accepted tokens and the one drawn after."""
+    probs = _distribution(_adjust(logits, rows), rows)
+    emitted: list[int] = []
+    for i, token in enumerate(draft):
+        if _uniform(rows[i]) < float(probs[i, token]):
+            emitted.append(token)
+            continue
+        residual = probs[i].clone()
+        residual[token] = 0.0
+        emitted.append(int(_draw(residual[None], [rows[i]])[0]))
+        break
+    else:
+        emitted.append(int(_draw(probs[len(draft)][None], [rows[len(draft)]])[0]))
+    count = len(emitted)
+    logprobs = _logprobs(logits[:count], torch.tensor(emitted, device=logits.device), rows[:count])
+    return list(zip(emitted, logprobs, strict=True))
+
+
+def _distribution(logits: torch.Tensor, rows: list[Row]) -> torch.Tensor:
+    """The distribution each sampled row draws from, ``[rows, vocab]``: temperature, top-k, top-p, min-p."""
+    logits = logits / torch.tensor([row.params.temperature for row in rows], device=logits.device)[:, None]
+    if any(row.params.top_k > 0 for row in rows):
+        logits = _top_k(logits, [row.params.top_k for row in rows])
+    if any(row.params.top_p < 1.0 for row in rows):
+        logits = _top_p_sorted(logits, torch.tensor([row.params.top_p for row in rows], device=logits.device))
+    probs = _min_p(logits.softmax(dim=-1), rows)
+    return probs / probs.sum(dim=-1, keepdim=True)
+
+
+def _uniform(row: Row) -> float:
+    """One uniform number in [0, 1), from the row's own generator where it has one."""
+    return float(torch.rand(1, generator=row.generator)[0]) if row.generator is not None else float(torch.rand(1)[0])
+
+
 def _constrain(logits: torch.Tensor, rows: list[Row]) -> torch.Tensor:
     """Disallowed tokens of constrained rows to -inf (rows without a constraint pay nothing)."""
     constrained = [(i, row.constraint) for i, row in enumerate(rows) if row.constraint is not None]
@@ -158,7 +194,7 @@ def _draw(probs: torch.Tensor, rows: list[Row]) -> torch.Tensor:
     uniform = torch.rand(len(rows))
     for i, row in enumerate(rows):
         if row.generator is not None:
-            uniform[i] = torch.rand(1, generator=row.generator)[0]
+            uniform[i] = _uniform(row)
     cumulative = probs.cumsum(dim=-1)
     target = uniform.to(probs.device)[:, None] * cumulative[:, -1:]
     chosen = torch.searchsorted(cumulative, target, right=True)[:, 0].clamp_(max=probs.shape[-1] - 1)

@@ -1,0 +1,221 @@
+"""Speculative decoding without the model: prompt-lookup drafts, draft lengths, the auto budget, the planner's
+verification and rollback (on the fake engine), rejection sampling's distribution, and what a client sees."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from engine.core.batch_mode import PathTimes
+from engine.core.drafter import MAX_DRAFT, MAX_NGRAM, MIN_NGRAM, DraftLength, NgramDrafter
+from engine.core.fake_engine import FakeEngine
+from engine.core.speculation import AUTO_MAX_SLOWDOWN, DraftBudget, auto_rows, choose
+from engine.core.types import GenerationRequest
+
+# -- drafts -------------------------------------------------------------------------------------------------
+
+
+def test_a_draft_is_what_followed_the_latest_earlier_occurrence_of_the_suffix() -> None:
+    tokens = [1, 2, 3, 4, 9, 1, 2, 3, 5, 7, 1, 2, 3]
+    assert NgramDrafter().propose(tokens, 3) == [5, 7, 1]  # "1 2 3" last seen before the end at 5..7
+    assert NgramDrafter().propose(tokens, 1) == [5]
+    assert NgramDrafter().propose([1, 2, 3, 4, 5], 4) == []  # "4 5" never occurred before
+    assert NgramDrafter().propose(tokens, 0) == []
+
+
+def test_a_longer_suffix_wins_over_a_more_recent_shorter_one() -> None:
+    tokens = [7, 8, 9, 1, 5, 5, 8, 9, 2, 7, 8, 9]
+    # "7 8 9" occurred at the start (then 1); "8 9" more recently (then 2): the longer match is the better guess.
+    assert NgramDrafter().propose(tokens, 2) == [1, 5]
+
+
+def occurrences(tokens: list[int], draft: list[int]) -> bool:
+    """Whether some earlier occurrence of a suffix of ``tokens`` (of MIN_NGRAM..MAX_NGRAM tokens) is followed
+    by ``draft``."""
+    end = len(tokens)
+    for n in range(MIN_NGRAM, MAX_NGRAM + 1):
+        suffix = tokens[end - n :]
+        for stop in range(n, end):
+            if tokens[stop - n : stop] == suffix and tokens[stop : stop + len(draft)] == draft:
+                return True
+    return False
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(0, 4), min_size=0, max_size=60), st.integers(0, MAX_DRAFT), st.integers(1, 20))
+def test_drafts_are_continuations_of_an_earlier_occurrence_and_the_index_grows_with_the_text(
+    tokens: list[int], limit: int, grow_by: int
+) -> None:
+    """Property: a draft is never longer than asked, always copies what followed an earlier occurrence of the
+    text's suffix, is empty only when no suffix of MIN_NGRAM tokens occurred before, and a drafter that saw
+    the text grow in pieces drafts as one that sees it whole."""
+    draft = NgramDrafter().propose(tokens, limit)
+    assert len(draft) <= limit
+    if draft:
+        assert occurrences(tokens, draft)
+    elif limit and len(tokens) > MIN_NGRAM:
+        suffix = tokens[-MIN_NGRAM:]
+        assert all(tokens[s - MIN_NGRAM : s] != suffix for s in range(MIN_NGRAM, len(tokens)))
+    growing = NgramDrafter()
+    for end in range(0, len(tokens), grow_by):
+        growing.propose(tokens[:end], limit)
+    assert growing.propose(tokens, limit) == draft
+
+
+def test_draft_length_grows_while_accepted_shrinks_when_cut_and_rests_after_misses() -> None:
+    length = DraftLength()
+    first = length.next()
+    length.record(first, first)
+    assert length.next() == first + 2
+    length.record(first + 2, 1)
+    assert length.next() == 2
+    for _ in range(3):
+        length.record(length.next(), 0)
+    assert [length.next() for _ in range(8)] == [0] * 8  # resting
+    assert length.next() == 1
+    assert (length.drafted, length.accepted) == (first + first + 2 + 2 + 1 + 1, first + 1)
+
+
+# -- when -------------------------------------------------------------------------------------------------
+
+
+def times(invariant: tuple[float, ...], dense: tuple[float, ...] | None = None) -> PathTimes:
+    rows = (1, 2, 4, 6, 8, 16)[: len(invariant)]
+    return PathTimes(rows, invariant, dense or invariant, True)
+
+
+def test_auto_drafts_while_a_step_costs_little_more_than_one_row() -> None:
+    measured = times((6.0, 6.3, 7.0, 9.5, 13.7, 23.4))
+    assert auto_rows(measured, invariant=True) == 4  # 7.0 <= 1.3 x 6.0 < 9.5
+    budget = choose("auto", measured, True, 256)
+    assert isinstance(budget, DraftBudget) and budget(1) == 3 and budget(4) == 0 and budget(9) == 0
+    # With invariance off a step takes the faster path: here dense from 6 rows.
+    assert auto_rows(times((6.0, 6.3, 7.0, 9.5, 13.7), (20.0, 20.0, 20.0, 7.5, 7.7)), invariant=False) == 8
+    assert AUTO_MAX_SLOWDOWN > 1
+
+
+def test_auto_turns_off_where_no_extra_row_is_cheap_and_the_other_modes_do_as_told() -> None:
+    assert choose("auto", times((6.0, 9.0, 14.0)), True, 256) is None
+    assert choose("auto", None, True, 256) is None  # no probe: transformers' own model, nothing measured
+    assert choose("none", times((6.0, 6.1)), True, 256) is None
+    ngram = choose("ngram", None, True, 256)
+    assert ngram is not None and ngram(100) == 156
+    with pytest.raises(ValueError, match="--speculative"):
+        choose("eagle", None, True, 256)
+
+
+# -- the planner, on the fake engine ------------------------------------------------------------------------
+
+
+def run(engine: FakeEngine, requests: list[GenerationRequest]) -> tuple[dict[int, list[int]], int]:
+    """Each request's tokens (all admitted at once) and the steps it took; every step checks the blocks."""
+    ids = engine.admit(requests)
+    produced: dict[int, list[int]] = {seq_id: [] for seq_id in ids}
+    steps = 0
+    while engine.num_active():
+        for out in engine.step():
+            produced[out.seq_id].extend(out.token_ids)
+        steps += 1
+        planner = engine.planner
+        for seq in planner.seqs.values():  # a rejected draft's blocks went back: none past the next position
+            assert len(seq.blocks.blocks) <= planner.ledger.blocks_for(seq.num_computed + 1)
+            assert len(seq.blocks.hashes) * planner.ledger.block_size <= seq.num_computed
+    assert engine.planner.pool.num_in_use == 0
+    return [produced[i] for i in ids], steps
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    st.lists(st.tuples(st.integers(1, 60), st.integers(1, 90)), min_size=1, max_size=5),
+    st.one_of(st.none(), st.integers(2, 70)),
+)
+def test_speculation_gives_the_same_tokens_in_fewer_steps_and_leaks_no_block(
+    shapes: list[tuple[int, int]], eos_after: int | None
+) -> None:
+    requests = [
+        GenerationRequest(tuple(97 + i % 26 for i in range(prompt)), max_tokens) for prompt, max_tokens in shapes
+    ]
+    plain, plain_steps = run(FakeEngine(eos_after=eos_after), requests)
+    fast = FakeEngine(eos_after=eos_after, speculative=True)
+    drafted, drafted_steps = run(fast, requests)
+    assert drafted == plain
+    assert drafted_steps <= plain_steps
+    stats = fast.memory_stats()
+    assert 0 <= stats.accepted_tokens <= stats.drafted_tokens
+    if max(len(t) for t in plain) > 40:  # the alphabet repeats after 26 letters: drafts of it are accepted
+        assert stats.accepted_tokens > 0 and drafted_steps < plain_steps
+
+
+def test_drafts_stop_short_of_max_tokens_and_skip_grammar_rows_and_min_tokens() -> None:
+    engine = FakeEngine(speculative=True)
+    prompt = tuple(b"abcdefghijklmnopqrstuvwxyz" * 2)
+    (tokens,), _ = run(engine, [GenerationRequest(prompt, 30)])
+    assert len(tokens) == 30
+    engine = FakeEngine(speculative=True)
+    run(engine, [GenerationRequest(prompt, 30, min_tokens=30)])
+    assert engine.memory_stats().drafted_tokens == 0  # before min_tokens no draft: EOS is banned row by row
+
+
+# -- what a client sees ----------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def speculative_client():
+    from app_helpers import fake_client
+
+    with fake_client(FakeEngine(speculative=True, max_model_len=512)) as client:
+        yield client
+
+
+@pytest.fixture
+def plain_client():
+    from app_helpers import fake_client
+
+    with fake_client(FakeEngine(max_model_len=512)) as client:
+        yield client
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_stop_string_inside_a_multi_token_step_ends_the_text_and_the_count_there(
+    speculative_client, plain_client, stream: bool
+) -> None:
+    """Several tokens arrive in one step; the stop string falls among them: text, finish reason and
+    completion_tokens are what they are without speculation."""
+    from app_helpers import sse_chunks
+
+    body = {"model": "fake", "prompt": "abcdefghijklmnopqrstuvwxyz" * 2, "max_tokens": 60, "stop": ["jk"],
+            "stream": stream, **({"stream_options": {"include_usage": True}} if stream else {})}  # fmt: skip
+    answers = []
+    for client in (speculative_client, plain_client):
+        if stream:
+            chunks = sse_chunks(client, body)
+            text = "".join(c["choices"][0]["text"] for c in chunks if c["choices"])
+            answers.append((text, [c for c in chunks if c["choices"]][-1]["choices"][0]["finish_reason"],
+                            chunks[-1]["usage"]))  # fmt: skip
+        else:
+            response = client.post("/v1/completions", json=body)
+            assert response.status_code == 200
+            choice = response.json()["choices"][0]
+            answers.append((choice["text"], choice["finish_reason"], response.json()["usage"]))
+    assert answers[0] == answers[1]
+    text, finish, usage = answers[0]
+    assert text == "abcdefghi" and finish == "stop" and usage["completion_tokens"] == 11
+
+
+def test_the_access_log_and_metrics_count_accepted_tokens(speculative_client, caplog: pytest.LogCaptureFixture) -> None:
+    body = {"model": "fake", "prompt": "abcdefghijklmnopqrstuvwxyz" * 2, "max_tokens": 50}
+    with caplog.at_level(logging.INFO, logger="smolserve.access"):
+        response = speculative_client.post("/v1/completions", json=body)
+    choice = response.json()["choices"][0]
+    assert response.json()["usage"]["completion_tokens"] == 50
+    assert choice["text"] == ("abcdefghijklmnopqrstuvwxyz" * 2)[:50]
+    logged = [r.getMessage() for r in caplog.records if "/v1/completions" in r.getMessage()]
+    accepted = int(logged[-1].split("accepted_tokens=")[1].split()[0])
+    assert accepted > 20  # most of the alphabet after its first round came from drafts
+    metrics = speculative_client.get("/metrics").text
+    drafted = [line for line in metrics.splitlines() if line.startswith("smolserve:spec_decode_num_draft_tokens")]
+    taken = [line for line in metrics.splitlines() if line.startswith("smolserve:spec_decode_num_accepted_tokens")]
+    assert float(taken[0].split()[-1]) == accepted <= float(drafted[0].split()[-1])
