@@ -14,21 +14,24 @@ from compat.conftest import free_port, wait_until_healthy  # noqa: E402
 from engine.core.config import DEFAULT_GGUF  # noqa: E402
 
 
-def start_llama(binary: str, slots: int, context: int = 256, threads: int = 2) -> tuple[subprocess.Popen[bytes], str]:
+def start_llama(
+    binary: str, slots: int, context: int = 256, threads: int = 2, extra: list[str] | tuple[str, ...] = ()
+) -> tuple[subprocess.Popen[bytes], str]:
     """llama.cpp's server on the default GGUF, ``threads`` threads, ``slots`` sequences of ``context`` positions
-    each. Where its weight repacking crashes at start (Intel AMX machines), again with ``--no-repack``."""
+    each, and ``extra`` flags. Where its weight repacking crashes at start (Intel AMX machines), again with
+    ``--no-repack``."""
     package, filename = DEFAULT_GGUF
     gguf = next((ROOT / ".venv").glob(f"lib/python*/site-packages/{package}/{filename}"))
-    for extra in ([], ["--no-repack"]):
+    for repack in ([], ["--no-repack"]):
         port = free_port()
         cmd = [binary, "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port), "-np", str(slots),
-               "-c", str(slots * context), "-t", str(threads), "-cb", *extra]  # fmt: skip
+               "-c", str(slots * context), "-t", str(threads), "-cb", *extra, *repack]  # fmt: skip
         proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         base = f"http://127.0.0.1:{port}"
         try:
             wait_until_healthy(proc, base, 300)
         except RuntimeError:
-            if extra:
+            if repack:
                 raise
             continue
         return proc, base

@@ -219,7 +219,8 @@ def test_access_log_has_one_line_with_token_counts(client: TestClient, caplog: p
     lines = [r.getMessage() for r in caplog.records if r.name == "smolserve.access"]
     assert len(lines) == 1
     assert lines[0].startswith(
-        'r1 "POST /v1/completions" 200 prompt_tokens=3 cached_prompt_tokens=0 completion_tokens=4 accepted_tokens=0 latency='
+        'r1 "POST /v1/completions" 200 prompt_tokens=3 cached_prompt_tokens=0 completion_tokens=4 accepted_tokens=0 '
+        "latency="
     )
 
 

@@ -69,7 +69,8 @@ class FakeEngine(InferenceEngine):
         pool = self.planner.pool
         return MemoryStats(
             pool.num_blocks, pool.num_in_use, pool.num_cached, pool.num_free, pool.queried_tokens, pool.hit_tokens,
-            self.planner.num_preemptions, self.planner.num_drafted, self.planner.num_accepted,
+            self.planner.num_preemptions, self.planner.num_drafts,
+            self.planner.num_drafted, self.planner.num_accepted,
         )  # fmt: skip
 
     def step(self) -> list[StepOutput]:

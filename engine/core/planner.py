@@ -183,6 +183,7 @@ class Planner:
         self._copy_block = copy_block
         self.draft_rows = draft_rows
         #: Tokens drafted and accepted, since the start (speculative decoding's counters).
+        self.num_drafts = 0
         self.num_drafted = 0
         self.num_accepted = 0
         # Blocks kept free at admission, for the decoding sequences that will cross into a new block.
@@ -388,6 +389,7 @@ class Planner:
         drafted, accepted = len(seq.draft), len(tokens) - 1
         if drafted:
             seq.draft_length.record(drafted, accepted)
+            self.num_drafts += 1
             self.num_drafted += drafted
             self.num_accepted += accepted
         seq.draft = []

@@ -116,6 +116,7 @@ class MemoryStats:
     prefix_queried_tokens: int
     prefix_hit_tokens: int
     preemptions: int
-    #: Speculative decoding: tokens drafted, and those the model accepted (counters).
+    #: Speculative decoding: drafts verified, tokens drafted, and those the model accepted (counters).
+    drafts: int = 0
     drafted_tokens: int = 0
     accepted_tokens: int = 0

@@ -155,7 +155,8 @@ class HFEngine(InferenceEngine):
         pool = self.pool
         return MemoryStats(
             pool.num_blocks, pool.num_in_use, pool.num_cached, pool.num_free, pool.queried_tokens, pool.hit_tokens,
-            self.num_preemptions, self.planner.num_drafted, self.planner.num_accepted,
+            self.num_preemptions, self.planner.num_drafts,
+            self.planner.num_drafted, self.planner.num_accepted,
         )  # fmt: skip
 
     def runtime_info(self) -> dict[str, Any]:
