@@ -41,7 +41,11 @@ class ServedModel:
 
 def build(config: EngineConfig) -> ServedModel:
     if config.model == "fake":
-        engine = FakeEngine(capacity=config.max_batch_size, max_model_len=config.max_model_len or 2048)
+        engine = FakeEngine(
+            capacity=config.max_batch_size,
+            max_model_len=config.max_model_len or 2048,
+            speculative=config.speculative == "ngram",  # auto: nothing measured, no drafts
+        )
         encoder = FakeEncoder() if config.embedding_model == "default" else build_encoder(config.embedding_model)
         return ServedModel("fake", engine, ByteTokenizer(), encoder=encoder)
     # Every torch call of a HF engine, from loading to the last step, runs on one thread: each thread that

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from engine.core.batch_mode import PathTimes
 from engine.core.drafter import MAX_DRAFT, MAX_NGRAM, MIN_NGRAM, DraftLength, NgramDrafter
 from engine.core.fake_engine import FakeEngine
-from engine.core.speculation import AUTO_MAX_SLOWDOWN, DraftBudget, auto_rows, choose
+from engine.core.speculation import DraftBudget, choose, step_cost
 from engine.core.types import GenerationRequest
 
 # -- drafts -------------------------------------------------------------------------------------------------
@@ -83,28 +83,58 @@ def test_draft_length_grows_while_accepted_shrinks_when_cut_and_rests_after_miss
 
 
 def times(invariant: tuple[float, ...], dense: tuple[float, ...] | None = None) -> PathTimes:
-    rows = (1, 2, 4, 6, 8, 16)[: len(invariant)]
+    rows = (1, 2, 4, 6, 8, 16, 32, 64)[: len(invariant)]
     return PathTimes(rows, invariant, dense or invariant, True)
 
 
-def test_auto_drafts_while_a_step_costs_little_more_than_one_row() -> None:
-    measured = times((6.0, 6.3, 7.0, 9.5, 13.7, 23.4))
-    assert auto_rows(measured, invariant=True) == 4  # 7.0 <= 1.3 x 6.0 < 9.5
-    budget = choose("auto", measured, True, 256)
-    assert isinstance(budget, DraftBudget) and budget(1) == 3 and budget(4) == 0 and budget(9) == 0
-    # With invariance off a step takes the faster path: here dense from 6 rows.
-    assert auto_rows(times((6.0, 6.3, 7.0, 9.5, 13.7), (20.0, 20.0, 20.0, 7.5, 7.7)), invariant=False) == 8
-    assert AUTO_MAX_SLOWDOWN > 1
+#: The probe on a Sapphire Rapids machine (ms): the quantized kernel, and oneDNN's dense bfloat16 path.
+QUANTIZED = (6.2, 6.6, 7.1, 9.5, 13.7, 23.4, 41.7, 79.0)
+DENSE = (16.4, 16.0, 14.5, 16.0, 18.8, 30.1, 25.0, 32.8)
 
 
-def test_auto_turns_off_where_no_extra_row_is_cheap_and_the_other_modes_do_as_told() -> None:
-    assert choose("auto", times((6.0, 9.0, 14.0)), True, 256) is None
+def test_the_step_cost_interpolates_the_probe_and_extends_it() -> None:
+    cost = step_cost(times(QUANTIZED), invariant=True)
+    assert cost(1) == 6.2 and cost(3) == pytest.approx(6.85) and cost(12) == pytest.approx(18.55)
+    assert cost(128) == pytest.approx(79.0 + (79.0 - 41.7) / 32 * 64)
+    off = step_cost(times(QUANTIZED, DENSE), invariant=False)  # the faster path at each size
+    assert off(64) == 32.8 and off(4) == 7.1
+
+
+def test_auto_drafts_by_expected_speed() -> None:
+    budget = choose("auto", times(QUANTIZED), True, 256)
+    assert isinstance(budget, DraftBudget)
+    # One stream: the likelier its tokens, the longer its draft; a sequence that has not drafted yet (0.5) some.
+    assert budget.allocate(1, [(8, 0.95)]) > budget.allocate(1, [(8, 0.75)]) >= budget.allocate(1, [(8, 0.5)])
+    assert budget.allocate(1, [(8, 0.5)])[0] >= 1
+    assert budget.allocate(1, [(2, 0.99)]) == [2]  # never more than the proposal holds
+    # Eight streams on the quantized kernel: each row costs nearly a token's share: only likely drafts go.
+    assert sum(budget.allocate(8, [(8, 0.35)] * 8)) == 0
+    likely = budget.allocate(8, [(8, 0.95)] * 4 + [(8, 0.3)] * 4)
+    assert sum(likely[:4]) > 0 and sum(likely[4:]) == 0
+    # With invariance off, large steps take the dense path, where rows are cheap: drafts pay at 32 streams.
+    off = choose("auto", times(QUANTIZED, DENSE), False, 256)
+    assert off is not None and sum(off.allocate(32, [(8, 0.8)] * 32)) > sum(budget.allocate(32, [(8, 0.8)] * 32))
+    assert sum(off.allocate(250, [(8, 0.99)] * 10)) <= 6  # within the step's token budget
+
+
+def test_ngram_drafts_what_each_sequence_offers_within_the_step_and_the_other_modes_do_as_told() -> None:
+    ngram = choose("ngram", None, True, 20)
+    assert ngram is not None and ngram.allocate(10, [(4, 0.1), (4, 0.9), (4, 0.5)]) == [4, 4, 2]
     assert choose("auto", None, True, 256) is None  # no probe: transformers' own model, nothing measured
-    assert choose("none", times((6.0, 6.1)), True, 256) is None
-    ngram = choose("ngram", None, True, 256)
-    assert ngram is not None and ngram(100) == 156
+    assert choose("none", times(QUANTIZED), True, 256) is None
     with pytest.raises(ValueError, match="--speculative"):
         choose("eagle", None, True, 256)
+
+
+def test_a_sequence_s_acceptance_rate_follows_its_recent_drafts() -> None:
+    length = DraftLength()
+    assert length.rate == 0.5
+    for _ in range(6):
+        length.record(4, 4)
+    assert length.rate > 0.9
+    for _ in range(12):
+        length.record(4, 0)
+    assert length.rate < 0.3
 
 
 # -- the planner, on the fake engine ------------------------------------------------------------------------

@@ -26,7 +26,18 @@ def test_the_summary_names_what_runs() -> None:
     assert lines[0] == "smolserve ready on http://127.0.0.1:9"
     assert lines[1].startswith("  generate model chat, alias: none (the fake engine")
     assert lines[2].startswith("  embed model fake-embedding: float32, 8 dimensions")
-    assert "KV cache:" in summary and "up to 4 sequences" in summary and "speculative decoding:" in summary
+    assert "KV cache:" in summary and "up to 4 sequences" in summary and "speculative decoding: none" in summary
+
+
+def test_the_summary_and_health_name_the_speculative_mode() -> None:
+    from starlette.testclient import TestClient
+
+    served = chooser.build(EngineConfig(model="fake", speculative="ngram"))
+    app = create_app(served, ServerConfig())
+    summary = startup_summary(server_state(app), served.engine.runtime_info(), "http://127.0.0.1:9")
+    assert "speculative decoding: ngram (prompt lookup" in summary
+    with TestClient(app) as client:
+        assert client.get("/health").json()["speculative"].startswith("ngram (prompt lookup")
 
 
 def test_python_m_app_prints_it_once_the_models_are_ready() -> None:

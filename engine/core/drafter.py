@@ -26,6 +26,8 @@ FIRST_DRAFT = 4
 #: Drafts rejected at their first token in a row before a sequence rests, and the steps it rests.
 MISSES_BEFORE_REST = 3
 REST_STEPS = 8
+#: How much of its record a sequence's acceptance rate keeps at each draft.
+RATE_DECAY = 0.8
 
 
 @dataclass(slots=True)
@@ -64,9 +66,18 @@ class DraftLength:
     length: int = FIRST_DRAFT
     misses: int = 0
     resting: int = 0
-    #: Totals for this sequence (the access log's accepted tokens).
+    #: Totals for this sequence.
     drafted: int = 0
     accepted: int = 0
+    #: Drafted tokens accepted and rejected, recent ones weighing most (``rate``).
+    _hits: float = 0.0
+    _misses: float = 0.0
+
+    @property
+    def rate(self) -> float:
+        """How likely its next drafted token is to be accepted, given the previous one was: its recent record,
+        from an even prior (a sequence that has not drafted yet: 0.5)."""
+        return (self._hits + 1) / (self._hits + self._misses + 2)
 
     def next(self) -> int:
         """The draft length for this step (0 while resting)."""
@@ -79,6 +90,8 @@ class DraftLength:
         """A draft of ``drafted`` tokens had its first ``accepted`` accepted."""
         self.drafted += drafted
         self.accepted += accepted
+        self._hits = RATE_DECAY * self._hits + accepted
+        self._misses = RATE_DECAY * self._misses + (accepted < drafted)
         if accepted == drafted:
             self.length = min(MAX_DRAFT, self.length + 2)
         else:

@@ -173,8 +173,8 @@ class Planner:
         draft_rows: DraftBudget | None = None,
     ) -> None:
         """``copy_block(src, dst)`` copies one block's K/V, for a cached prefix shared only in part.
-        ``draft_rows(decoding)``: how many rows a step with that many decoding sequences may spend on drafts
-        (speculative decoding; None: none)."""
+        ``draft_rows``: how many tokens each decoding sequence drafts (speculative decoding,
+        ``engine/core/speculation.py``; None: none)."""
         self.ledger = ledger
         self.capacity = capacity
         self.max_model_len = max_model_len
@@ -273,25 +273,29 @@ class Planner:
         return Plan(decoding, chunks, completing, verifying)
 
     def _draft(self, decoding: list[Seq]) -> None:
-        """Each decoding sequence's draft for this step, oldest first while the step's draft rows last; cut to
-        the blocks the pool gives without preempting anyone, and to the positions ``max_model_len`` and
-        ``max_tokens`` leave."""
-        budget = self.draft_rows(len(decoding)) if self.draft_rows is not None and decoding else 0
+        """Each decoding sequence's draft for this step: what its text proposes, as long as its draft length, the
+        positions ``max_model_len`` and ``max_tokens`` leave, and the step's budget allow
+        (``DraftBudget.allocate``); cut to the blocks the pool gives without preempting anyone."""
+        proposals: list[tuple[Seq, list[int]]] = []
         for seq in decoding:
             seq.draft = []
             request = seq.request
-            if budget <= 0 or request.constraint is not None or len(seq.output_ids) < request.min_tokens:
+            if self.draft_rows is None or request.constraint is not None or len(seq.output_ids) < request.min_tokens:
                 continue
-            room = min(
-                budget, request.max_new_tokens - len(seq.output_ids) - 1, self.max_model_len - seq.num_computed - 1
-            )
+            room = min(request.max_new_tokens - len(seq.output_ids), self.max_model_len - seq.num_computed) - 1
             want = min(seq.draft_length.next(), room)
-            if want <= 0:
-                continue
-            self.ledger.grow(seq.blocks, seq.num_computed + 1 + want)  # as far as the pool goes
-            want = min(want, len(seq.blocks.blocks) * self.ledger.block_size - seq.num_computed - 1)
-            seq.draft = seq.drafter.propose(seq.tokens(seq.prompt_len + len(seq.output_ids)), want)
-            budget -= len(seq.draft)
+            proposal = seq.drafter.propose(seq.tokens(seq.prompt_len + len(seq.output_ids)), want)
+            if proposal:
+                proposals.append((seq, proposal))
+        if not proposals:
+            return
+        assert self.draft_rows is not None
+        offers = [(len(proposal), seq.draft_length.rate) for seq, proposal in proposals]
+        for (seq, proposal), length in zip(proposals, self.draft_rows.allocate(len(decoding), offers), strict=True):
+            if length:
+                self.ledger.grow(seq.blocks, seq.num_computed + 1 + length)  # as far as the pool goes
+                held = len(seq.blocks.blocks) * self.ledger.block_size - seq.num_computed - 1
+                seq.draft = proposal[: min(length, held)]
 
     def _plan_prefill(self, budget: int) -> list[tuple[Seq, int]]:
         """Prefilling sequences in order, each with the positions it computes this step, within ``budget``."""

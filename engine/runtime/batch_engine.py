@@ -52,8 +52,8 @@ class HFEngine(InferenceEngine):
         """``quantized``: weight matrices to multiply in their GGUF blocks (``engine/runtime/gguf_weights.py``);
         ``batch_mode``: one numeric path for every row count, or the fastest for each step
         (``engine/core/batch_mode.py``); ``governor``: resizes the thread team between steps as other processes take
-        or leave CPUs; ``draft_rows(decoding)``: the rows a step with that many decoding sequences may spend on
-        drafts (speculative decoding, ``engine/core/speculation.py``; None: no drafts)."""
+        or leave CPUs; ``draft_rows``: how many tokens each decoding sequence drafts
+        (speculative decoding, ``engine/core/speculation.py``; None: no drafts)."""
         config = model.config
         self._runner = make_runner(model, max_model_len, quantized, batch_mode.invariant, batch_mode.dense_from_rows)
         self.batch_mode = batch_mode
