@@ -1,5 +1,5 @@
 """The CPU a process really has (affinity mask, cgroup v1 and v2 quotas, read from fixture directories) and the
-meter of other processes' use of it (fixture /proc files)."""
+meter of other processes' use of it (fixture /proc files), and whether it computes in bfloat16 (``--dtype auto``)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.core.cpu import NeighbourMeter, cgroup_quota, cpu_budget
+from engine.core.cpu import NeighbourMeter, cgroup_quota, cpu_budget, native_bf16
 
 
 def write(path: Path, text: str) -> None:
@@ -92,3 +92,24 @@ def test_the_meter_reads_this_machine() -> None:
     sum(range(2_000_000))  # some time passes, some of it this process's
     others = meter.sample()
     assert others is not None and others >= 0
+
+
+# The first lines of /proc/cpuinfo on the CPU classes this project meets (flags shortened to the ones that matter).
+ZEN3 = "processor\t: 0\nmodel name\t: AMD EPYC 7B13\nflags\t\t: fpu sse2 avx avx2 fma f16c\n"
+ZEN4 = "processor\t: 0\nmodel name\t: AMD EPYC 9B14\nflags\t\t: avx2 fma avx512f avx512bw avx512_vnni avx512_bf16\n"
+SPR = "processor\t: 0\nmodel name\t: Intel(R) Xeon(R)\nflags\t\t: avx2 avx512f avx512_bf16 amx_bf16 amx_tile\n"
+GRAVITON3 = "processor\t: 0\nBogoMIPS\t: 2100.00\nFeatures\t: fp asimd sve bf16 i8mm\n"
+
+
+@pytest.mark.parametrize(
+    ("cpuinfo", "native"), [(ZEN3, False), (ZEN4, True), (SPR, True), (GRAVITON3, True), ("", False)]
+)
+def test_bfloat16_is_native_by_the_cpus_flags(cpuinfo: str, native: bool) -> None:
+    """``--dtype auto`` picks bfloat16 by this, the same in every process on a machine (a timed choice flipped with
+    the load beside it, and a cluster's replicas answered unlike one process)."""
+    assert native_bf16(cpuinfo) is native
+
+
+def test_this_machine_answers_from_its_own_flags() -> None:
+    flags = Path("/proc/cpuinfo").read_text()
+    assert native_bf16() is native_bf16(flags)

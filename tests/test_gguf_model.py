@@ -88,3 +88,14 @@ def test_densified_it_is_the_converted_model_bit_for_bit(from_blocks, real_model
     text = "Grüße, 世界! 🎉 def f(x):\n\treturn x"
     assert loaded.tokenizer(text)["input_ids"] == real_model.tokenizer(text)["input_ids"]
     assert Path(loaded.model.name_or_path) != Path(real_model.model.name_or_path)
+
+
+@pytest.mark.parametrize(("native", "dtype"), [(True, torch.bfloat16), (False, torch.float32)])
+def test_dtype_auto_follows_the_cpus_flags_not_a_timing(
+    monkeypatch: pytest.MonkeyPatch, native: bool, dtype: torch.dtype
+) -> None:
+    from engine.core import cpu
+    from engine.runtime import loader
+
+    monkeypatch.setattr(cpu, "native_bf16", lambda: native)
+    assert loader._pick_dtype(torch.device("cpu")) == dtype

@@ -7,6 +7,10 @@ throttled for a quarter of every period stalls the first with it.
 
 ``NeighbourMeter``: over a window, how many of this process's CPUs other processes kept busy (the CPUs' busy
 time in ``/proc/stat``, less this process's own CPU time): what the thread governor adapts to.
+
+``native_bf16``: whether the CPU computes in bfloat16 itself (AVX512-BF16, AMX-BF16, Arm's BF16), read from
+``/proc/cpuinfo``: what ``--dtype auto`` picks by. A feature, not a timing: every process on one machine (a
+cluster's replicas, a restarted server) picks the same dtype and gives the same answers.
 """
 
 from __future__ import annotations
@@ -68,6 +72,25 @@ def _v1_quota(directory: Path) -> float | None:
     if not quota or not period or int(quota) <= 0:
         return None
     return int(quota) / int(period)
+
+
+#: The ``/proc/cpuinfo`` flags of a CPU that multiplies bfloat16 natively (x86: ``flags``; Arm: ``Features``).
+BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16", "bf16"})
+
+
+def cpu_flags(cpuinfo: str) -> frozenset[str]:
+    """The first processor's feature flags in ``/proc/cpuinfo``'s text."""
+    for line in cpuinfo.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() in ("flags", "Features"):
+            return frozenset(value.split())
+    return frozenset()
+
+
+def native_bf16(cpuinfo: str | None = None) -> bool:
+    """Whether this CPU (or the one ``cpuinfo`` describes) has bfloat16 arithmetic in hardware."""
+    text = _read(PROC / "cpuinfo") if cpuinfo is None else cpuinfo
+    return bool(cpu_flags(text) & BF16_FLAGS)
 
 
 def _read(path: Path) -> str:

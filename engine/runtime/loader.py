@@ -32,6 +32,7 @@ from transformers import (
     PreTrainedModel,
 )
 
+from engine.core import cpu
 from engine.core.config import DEFAULT_GGUF, DEFAULT_MODEL
 from engine.runtime import gguf_model
 from engine.runtime.quantized_weights import QuantizedWeight
@@ -132,34 +133,18 @@ def _fresh(target: Path) -> Iterator[Path]:
 
 
 def _pick_dtype(device: torch.device) -> torch.dtype:
-    """bfloat16 where its matmuls are faster (GPUs, CPUs with native bf16 such as AVX512-BF16 or AMX).
+    """bfloat16 on GPUs and on CPUs that compute it natively (AVX512-BF16, AMX, Arm BF16), else float32.
 
-    Decode steps are small matmuls bound by reading the weights, so half-width weights usually win; on CPUs
-    that emulate bf16 they run ~3x slower than float32. So measure instead of guessing.
+    Decode steps are bound by reading the weights, so half-width tensors win where the CPU multiplies them
+    natively; where it emulates bf16 (AVX2-only CPUs) they run ~3x slower than float32. The choice is made by the
+    CPU's flags, not by timing: a timed choice flipped with the load beside the process (a cluster's replicas
+    starting together, 1 thread against 2 on AVX-512 without AMX), and the dtype changes the answers.
     """
     if device.type != "cpu":
         return torch.bfloat16
-    timings = _matmul_seconds((torch.float32, torch.bfloat16))
-    choice = min(timings, key=timings.__getitem__)
-    log.info(
-        "dtype auto: %s (decode-sized matmul: %s)", choice, {str(k): f"{v * 1e6:.0f} us" for k, v in timings.items()}
-    )
+    choice = torch.bfloat16 if cpu.native_bf16() else torch.float32
+    log.info("dtype auto: %s (bfloat16 %s in this CPU's flags)", choice, "is" if choice == torch.bfloat16 else "is not")
     return choice
-
-
-def _matmul_seconds(dtypes: tuple[torch.dtype, ...], repeats: int = 20) -> dict[torch.dtype, float]:
-    """Each dtype's fastest decode-sized matmul, the dtypes in turn: the best of many calls, so that a process
-    starting beside this one (a cluster's other replica, a neighbour) cannot make the slower dtype look faster."""
-    operands = {dtype: (torch.randn(32, 1024, dtype=dtype), torch.randn(4096, 1024, dtype=dtype)) for dtype in dtypes}
-    best = dict.fromkeys(dtypes, float("inf"))
-    for x, w in operands.values():
-        torch.nn.functional.linear(x, w)
-    for _ in range(repeats):
-        for dtype, (x, w) in operands.items():
-            started = time.perf_counter()
-            torch.nn.functional.linear(x, w)
-            best[dtype] = min(best[dtype], time.perf_counter() - started)
-    return best
 
 
 def cache_dir() -> Path:
