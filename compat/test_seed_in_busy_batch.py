@@ -1,6 +1,6 @@
-"""A seeded request gives the same text alone and inside a busy batch, in the default dtype: its generator is its
-own, and the probabilities it draws from do not depend on the batch, where batch invariance is on (README: "Greedy
-output that does not depend on the batch")."""
+"""A seeded request gives the same text alone and inside a busy batch, in the default dtype: its random numbers are
+keyed by token index, and the probabilities it draws from do not depend on the batch, where batch invariance is on
+(README: "Greedy output that does not depend on the batch")."""
 
 from __future__ import annotations
 

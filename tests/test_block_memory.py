@@ -132,7 +132,7 @@ def test_a_preempted_sequence_resumes_its_stream_exactly(tiny_pair) -> None:
     assert_pool_settled(engine)
 
 
-def test_a_seeded_sequence_goes_on_drawing_from_its_own_generator(tiny_pair) -> None:
+def test_a_preempted_seeded_sequence_draws_what_it_draws_unpreempted(tiny_pair) -> None:
     """Sampled with a seed, a preempted sequence produces what it produces unpreempted."""
     model, _ = tiny_pair
     sampling = SamplingParams(temperature=1.0, seed=1234)

@@ -71,13 +71,13 @@ def tokens_of(logits: torch.Tensor, rows: list[Row]) -> list[int]:
 
 def test_top_k_top_p_and_min_p_restrict_the_choice() -> None:
     logits = torch.tensor([[5.0, 4.0, 3.0, -1.0, -2.0]] * 3)
-    rows = [
-        Row(SamplingParams(temperature=5.0, top_k=2), torch.Generator().manual_seed(0)),
-        Row(SamplingParams(temperature=1.0, top_p=0.5), torch.Generator().manual_seed(1)),  # token 0 holds ~0.66
-        Row(SamplingParams(temperature=2.0, min_p=0.5), torch.Generator().manual_seed(2)),  # 0 and 1 survive
-    ]
-    seen = [set() for _ in rows]
-    for _ in range(300):
+    seen = [set() for _ in range(3)]
+    for n in range(300):  # seeded rows at their n-th token: each draws its own number
+        rows = [
+            Row(SamplingParams(temperature=5.0, top_k=2), 0, output_ids=[0] * n),
+            Row(SamplingParams(temperature=1.0, top_p=0.5), 1, output_ids=[0] * n),  # token 0 holds ~0.66
+            Row(SamplingParams(temperature=2.0, min_p=0.5), 2, output_ids=[0] * n),  # 0 and 1 survive
+        ]
         for chosen, token in zip(seen, tokens_of(logits, rows), strict=True):
             chosen.add(token)
     assert seen == [{0, 1}, {0}, {0, 1}]
@@ -89,6 +89,23 @@ def test_draws_follow_the_distribution() -> None:
     torch.manual_seed(0)
     logits = torch.tensor([[2.0, 1.0, 0.0, -1.0, 1.5]]).expand(20000, -1).contiguous()
     tokens = torch.tensor(tokens_of(logits, [Row(SamplingParams(temperature=1.0))] * 20000))
+    shares = torch.bincount(tokens, minlength=5).float() / 20000
+    assert (shares - logits[0].softmax(-1)).abs().max() < 0.015
+
+
+def test_a_seeded_rows_token_depends_on_its_seed_and_index_alone() -> None:
+    """Where the row stands in the batch, and what its batchmates draw, change nothing; its seed and the index of
+    the token it draws change its number; the numbers are uniform (seeded draws follow the distribution)."""
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0, 1.5]])
+    mine = Row(SamplingParams(temperature=1.0), 7, output_ids=[1, 2, 3])
+    others = [Row(SamplingParams(temperature=1.0)), Row(SamplingParams(temperature=1.0), 8, output_ids=[1])]
+    alone = tokens_of(logits, [mine])[0]
+    assert tokens_of(logits.expand(3, -1).contiguous(), [*others, mine])[2] == alone
+    assert sampler.keyed_uniform(7, 3) == sampler.keyed_uniform(7, 3) != sampler.keyed_uniform(7, 4)
+    assert sampler.keyed_uniform(7, 3) != sampler.keyed_uniform(8, 3)
+    assert sampler.keyed_uniform(-1, 0) == sampler.keyed_uniform(2**64 - 1, 0)  # the API's seeds, taken mod 2**64
+    rows = [Row(SamplingParams(temperature=1.0), 5, output_ids=[0] * n) for n in range(20000)]
+    tokens = torch.tensor(tokens_of(logits.expand(20000, -1).contiguous(), rows))
     shares = torch.bincount(tokens, minlength=5).float() / 20000
     assert (shares - logits[0].softmax(-1)).abs().max() < 0.015
 

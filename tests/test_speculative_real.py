@@ -1,7 +1,7 @@
 """Speculative decoding on the real model: greedy tokens and logprobs bitwise those of decoding without drafts
 (``--speculative ngram`` against ``none``), alone and in busy staggered batches, with stop tokens, ``n`` > 1,
 preemption in a small KV pool, prefix-cache hits and grammar rows; no block leaked after rejected drafts; seeded
-sampling reproducible run to run.
+sampling's tokens and logprobs those of decoding without drafts, alone and beside other requests.
 
 Bitwise equality holds while a row's logits do not depend on the rows beside it: the invariant path, which
 engines built directly run (``batch_mode.INVARIANT``) and which ``--batch-invariant on`` (or ``auto`` where it
@@ -145,12 +145,23 @@ def test_a_prefix_cache_hit_and_a_grammar_row_change_nothing(blocks_model) -> No
     assert outputs[0][0] == outputs[0][2]
 
 
-def test_seeded_sampling_with_drafts_is_reproducible_run_to_run(blocks_model) -> None:
-    ids = chat_ids(blocks_model, f"{TASKS[0]}\n\n{PARAGRAPHS[2]}")
-    sampling = SamplingParams(temperature=0.7, top_p=0.95, seed=11)
+def test_seeded_sampling_with_drafts_gives_the_text_without_them(blocks_model) -> None:
+    """A seeded request's draws are keyed by each token's index, so verifying a draft draws what decoding one token
+    at a time draws: the same text and logprobs, alone and among unseeded sampled and greedy requests."""
+    grounded = chat_ids(blocks_model, f"{TASKS[0]}\n\n{PARAGRAPHS[2]}")
+    seeded = [
+        GenerationRequest(grounded, 64, sampling=SamplingParams(temperature=0.7, top_p=0.95, seed=11), logprobs=1),
+        GenerationRequest(grounded, 48, sampling=SamplingParams(temperature=1.0, top_k=20, seed=-5), logprobs=0),
+    ]
+    others = [
+        (2, GenerationRequest(chat_ids(blocks_model, FREE[0]), 40, sampling=SamplingParams(temperature=1.0))),
+        (3, GenerationRequest(chat_ids(blocks_model, FREE[1]), 40)),
+    ]
     runs = []
-    for _ in range(2):
-        served = engine(blocks_model, True)
-        runs.append(run_outputs(served, [(0, GenerationRequest(ids, 64, sampling=sampling, logprobs=1))]))
-        assert served.planner.num_drafted > 0
-    assert runs[0] == runs[1]
+    for speculative, batchmates in ((False, []), (True, []), (True, others)):
+        served = engine(blocks_model, speculative)
+        produced = run_outputs(served, [(0, seeded[0]), (1, seeded[1]), *batchmates])
+        runs.append([produced[0], produced[1]])
+        assert (served.planner.num_drafted > 0) is speculative
+    assert runs[1] == runs[0]
+    assert runs[2] == runs[0]

@@ -12,7 +12,8 @@ Preemption. When a decoding sequence needs a block and the pool has none, the mo
 is preempted: its blocks are released (its full ones stay in the prefix cache) and it goes back to the head of
 the prefill queue. Readmitted, it recomputes its prompt and the tokens it produced (from the prefix cache where
 they are still there); the last row of that recompute yields its next token, and its stream goes on with no
-token repeated or lost. Its sampling state (seeded generator, grammar, penalties) is its own and goes on too.
+token repeated or lost. Its sampling state goes on too (grammar, penalties; a seeded row's randomness is keyed by
+the token's index).
 
 Speculation (``--speculative``, ``engine/core/drafter.py``). A decoding sequence may carry a draft: tokens its
 text suggests will follow. It then runs as a verification chunk: its pending token and the draft, ``1 + k`` rows
@@ -36,7 +37,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 
 from engine.core.block_pool import BlockPool
 from engine.core.blocks import BlockLedger, SeqBlocks
@@ -73,8 +73,6 @@ class Seq:
     matched: bool = False
     #: Prompt tokens the prefix cache gave it at its first admission (reported in usage).
     cached_tokens: int = 0
-    #: The runtime's sampling state for a seeded request (a generator), kept across preemptions.
-    generator: Any = None
     prompt_logprobs: list[TokenLogprob | None] | None = None  # filled chunk by chunk when asked for
     #: This step's draft (speculative decoding): tokens to verify after its pending one.
     draft: list[int] = field(default_factory=list)

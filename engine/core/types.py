@@ -17,7 +17,7 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = 0  # 0 means off
     min_p: float = 0.0
-    seed: int | None = None  # a seeded sequence draws from its own generator, whatever its batchmates do
+    seed: int | None = None  # a seeded sequence's draws are keyed by token index, whatever its batchmates do
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0  # vLLM's: over prompt and output tokens

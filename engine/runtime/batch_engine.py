@@ -106,11 +106,7 @@ class HFEngine(InferenceEngine):
         return self.planner.can_admit(request)
 
     def admit(self, requests: list[GenerationRequest]) -> list[int]:
-        seqs = self.planner.admit(requests)
-        for seq in seqs:
-            if seq.request.sampling.seed is not None:
-                seq.generator = torch.Generator(self._device).manual_seed(seq.request.sampling.seed)
-        return [seq.seq_id for seq in seqs]
+        return [seq.seq_id for seq in self.planner.admit(requests)]
 
     def step(self) -> list[StepOutput]:
         if self.governor is not None:
@@ -269,6 +265,5 @@ class HFEngine(InferenceEngine):
         banned: frozenset[int] = frozenset()
         if len(output) < request.min_tokens:
             banned = request.stop_token_ids | (frozenset() if request.ignore_eos else self.eos_token_ids)
-        return Row(
-            request.sampling, seq.generator, request.prompt_ids, output, banned, request.logprobs, request.constraint
-        )
+        sampling = request.sampling
+        return Row(sampling, sampling.seed, request.prompt_ids, output, banned, request.logprobs, request.constraint)

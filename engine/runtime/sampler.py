@@ -3,15 +3,18 @@
 Order, as in vLLM: a structured-output row's grammar masks what it may not generate; suppressed tokens (EOS
 before ``min_tokens``), ``logit_bias`` and penalties adjust the logits; greedy rows take the argmax; sampled
 rows apply temperature, top-k, top-p and min-p and draw. The draw inverts the row's cumulative distribution at one
-uniform number, so a row's randomness is one number a step: a seeded row draws it from its own generator, which
-advances the same way whether the sequence runs alone or in a busy batch. (An exponential race, one random number
-per vocabulary entry, cost ~1 ms a row a step over SmolLM2's 49,152 tokens; a full sort for top-p ~4 ms: top-p
-now looks at the 256 most likely tokens first, which hold the nucleus unless the distribution is flat.)
+uniform number, so a row's randomness is one number a token. A seeded row's number for its ``n``-th output token is
+a hash of its seed and ``n`` (``keyed_uniform``): the same whether it runs alone or in a busy batch, after a
+preemption, or as a row verifying a speculative draft, so a seeded request's text is the same in all of them.
+(An exponential race, one random number per vocabulary entry, cost ~1 ms a row a step over SmolLM2's 49,152
+tokens; a full sort for top-p ~4 ms: top-p now looks at the 256 most likely tokens first, which hold the nucleus
+unless the distribution is flat.)
 Logprobs are those of the model's raw distribution.
 """
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 
 import numpy as np
@@ -25,7 +28,7 @@ class Row:
     """What the sampler needs to know about one sequence."""
 
     params: SamplingParams
-    generator: torch.Generator | None = None
+    seed: int | None = None  # a seeded row's uniform numbers are ``keyed_uniform(seed, len(output_ids))``
     prompt_ids: tuple[int, ...] = ()
     output_ids: tuple[int, ...] | list[int] = ()
     banned: frozenset[int] = frozenset()  # tokens that may not be chosen this step
@@ -50,40 +53,10 @@ def select_tokens(logits: torch.Tensor, rows: list[Row]) -> tuple[torch.Tensor, 
     return tokens, _logprobs(raw, tokens, rows)
 
 
-def verify_draft(logits: torch.Tensor, rows: list[Row], draft: list[int]) -> list[tuple[int, TokenLogprob | None]]:
-    """One sampled sequence's verification rows (``engine/runtime/speculative.py``): ``logits`` ``[k + 1, vocab]``,
-    ``rows`` its rows, ``draft`` its ``k`` drafted tokens. Returns the accepted tokens and the one drawn after."""
-    probs = _distribution(_adjust(logits, rows), rows)
-    emitted: list[int] = []
-    for i, token in enumerate(draft):
-        if _uniform(rows[i]) < float(probs[i, token]):
-            emitted.append(token)
-            continue
-        residual = probs[i].clone()
-        residual[token] = 0.0
-        emitted.append(int(_draw(residual[None], [rows[i]])[0]))
-        break
-    else:
-        emitted.append(int(_draw(probs[len(draft)][None], [rows[len(draft)]])[0]))
-    count = len(emitted)
-    logprobs = _logprobs(logits[:count], torch.tensor(emitted, device=logits.device), rows[:count])
-    return list(zip(emitted, logprobs, strict=True))
-
-
-def _distribution(logits: torch.Tensor, rows: list[Row]) -> torch.Tensor:
-    """The distribution each sampled row draws from, ``[rows, vocab]``: temperature, top-k, top-p, min-p."""
-    logits = logits / torch.tensor([row.params.temperature for row in rows], device=logits.device)[:, None]
-    if any(row.params.top_k > 0 for row in rows):
-        logits = _top_k(logits, [row.params.top_k for row in rows])
-    if any(row.params.top_p < 1.0 for row in rows):
-        logits = _top_p_sorted(logits, torch.tensor([row.params.top_p for row in rows], device=logits.device))
-    probs = _min_p(logits.softmax(dim=-1), rows)
-    return probs / probs.sum(dim=-1, keepdim=True)
-
-
-def _uniform(row: Row) -> float:
-    """One uniform number in [0, 1), from the row's own generator where it has one."""
-    return float(torch.rand(1, generator=row.generator)[0]) if row.generator is not None else float(torch.rand(1)[0])
+def keyed_uniform(seed: int, index: int) -> float:
+    """A uniform number in [0, 1) for a seeded sequence's ``index``-th output token: 53 bits of a hash of both."""
+    key = (seed % 2**64).to_bytes(8, "little") + index.to_bytes(8, "little")
+    return (int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little") >> 11) / 2**53
 
 
 def _constrain(logits: torch.Tensor, rows: list[Row]) -> torch.Tensor:
@@ -190,11 +163,11 @@ def _min_p(probs: torch.Tensor, rows: list[Row]) -> torch.Tensor:
 
 def _draw(probs: torch.Tensor, rows: list[Row]) -> torch.Tensor:
     """One index per row of ``probs`` (any non-negative weights): the first whose cumulative weight passes ``u``
-    times the row's total, ``u`` uniform in [0, 1), from the row's own generator where it has one."""
+    times the row's total, ``u`` uniform in [0, 1): a seeded row's ``keyed_uniform``, another's a fresh one."""
     uniform = torch.rand(len(rows))
     for i, row in enumerate(rows):
-        if row.generator is not None:
-            uniform[i] = _uniform(row)
+        if row.seed is not None:
+            uniform[i] = keyed_uniform(row.seed, len(row.output_ids))
     cumulative = probs.cumsum(dim=-1)
     target = uniform.to(probs.device)[:, None] * cumulative[:, -1:]
     chosen = torch.searchsorted(cumulative, target, right=True)[:, 0].clamp_(max=probs.shape[-1] - 1)
