@@ -174,32 +174,51 @@ def main() -> None:
     print("| server | prompts | streams | tok/s | vs none | acceptance | accepted per draft | same text |")
     print("|---|---|---|---|---|---|---|---|", flush=True)
     for name, flags in servers(args.llama):
-        proc, base = start(name, flags, args.llama, max(args.streams))
-        try:
-            for kind in args.kinds:
-                for streams in args.streams:
-                    before = counters(base) if flags is not None else {}
-                    rate, answers, llama_drafts = asyncio.run(level(base, kind, streams, args.tokens))
-                    after = counters(base) if flags is not None else {}
-                    accepted, per_draft = acceptance(before, after, llama_drafts)
-                    family = name.split()[0]
-                    base_rate = next((r["tok_s"] for r in rows if r["server"] == f"{family} none"
-                                      and r["kind"] == kind and r["streams"] == streams), rate)  # fmt: skip
-                    same = ""
-                    if name == "smolserve none" and streams == 1:
-                        reference.update(answers)
-                    elif family == "smolserve" and streams == 1:
-                        same = f"{sum(reference.get(k) == v for k, v in answers.items())}/{len(answers)}"
-                    row = {"server": name, "kind": kind, "streams": streams, "tok_s": round(rate, 1),
-                           "ratio": round(rate / base_rate, 3), "acceptance": round(accepted, 3),
-                           "accepted_per_draft": round(per_draft, 2), "same_text": same}  # fmt: skip
-                    rows.append(row)
-                    print(f"| {name} | {kind} | {streams} | {rate:.1f} | {rate / base_rate:.2f}x | {accepted:.0%} | "
-                          f"{per_draft:.2f} | {same} |", flush=True)  # fmt: skip
-        finally:
-            stop_server(proc)
-    if args.json:
-        write_results(args.json, "speculative", rows)
+        for kind in args.kinds:
+            for streams in args.streams:
+                rows.append(measure(name, flags, args, kind, streams, rows, reference))
+                if args.json:  # after every row: a server that dies later leaves what was measured
+                    write_results(args.json, "speculative", rows)
+        stop(name)
+
+
+SERVING: dict[str, tuple[Any, str]] = {}  # the server now up, by its configuration's name
+
+
+def measure(name: str, flags: list[str] | None, args: argparse.Namespace, kind: str, streams: int,
+            rows: list[dict[str, Any]], reference: dict[str, str]) -> dict[str, Any]:  # fmt: skip
+    """One configuration at one prompt kind and stream count (its server started when not up); a server that
+    fails (llama.cpp's has crashed under n-gram drafts) gives a row that says so, and is started afresh next."""
+    if name not in SERVING:
+        SERVING[name] = start(name, flags, args.llama, max(args.streams))
+    base = SERVING[name][1]
+    try:
+        before = counters(base) if flags is not None else {}
+        rate, answers, llama_drafts = asyncio.run(level(base, kind, streams, args.tokens))
+        after = counters(base) if flags is not None else {}
+    except httpx.HTTPError as exc:
+        stop(name)
+        print(f"| {name} | {kind} | {streams} | failed: {exc!r} | | | | |", flush=True)
+        return {"server": name, "kind": kind, "streams": streams, "failed": repr(exc)}
+    accepted, per_draft = acceptance(before, after, llama_drafts)
+    family = name.split()[0]
+    base_rate = next((r["tok_s"] for r in rows if r["server"] == f"{family} none" and r["kind"] == kind
+                      and r["streams"] == streams and "tok_s" in r), rate)  # fmt: skip
+    same = ""
+    if name == "smolserve none" and streams == 1:
+        reference.update(answers)
+    elif family == "smolserve" and streams == 1:
+        same = f"{sum(reference.get(k) == v for k, v in answers.items())}/{len(answers)}"
+    print(f"| {name} | {kind} | {streams} | {rate:.1f} | {rate / base_rate:.2f}x | {accepted:.0%} | {per_draft:.2f} | "
+          f"{same} |", flush=True)  # fmt: skip
+    return {"server": name, "kind": kind, "streams": streams, "tok_s": round(rate, 1),
+            "ratio": round(rate / base_rate, 3), "acceptance": round(accepted, 3),
+            "accepted_per_draft": round(per_draft, 2), "same_text": same}  # fmt: skip
+
+
+def stop(name: str) -> None:
+    if name in SERVING:
+        stop_server(SERVING.pop(name)[0])
 
 
 if __name__ == "__main__":

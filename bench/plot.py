@@ -4,7 +4,8 @@
 
 Each file is one benchmark's run: ``bench_quantized.py --http --json`` (kind ``serving``: throughput and time to the
 first token by concurrency, each server a line), ``bench_quantized.py --long-prompts ... --json`` (``long_prompts``:
-time to a one-token answer by prompt length) or ``bench_neighbour.py --json`` (throughput beside busy neighbours as
+time to a one-token answer by prompt length), ``bench_speculative.py --json`` (``speculative``: speed against no
+drafts by prompt kind and streams) or ``bench_neighbour.py --json`` (throughput beside busy neighbours as
 a ratio of quiet). Every chart names the date, commit and CPU of its run.
 """
 
@@ -74,6 +75,24 @@ def neighbours(record: dict[str, Any], out: Path) -> list[Path]:
     return [_save(fig, ax, record, out / "neighbours.png")]
 
 
+def speculative(record: dict[str, Any], out: Path) -> list[Path]:
+    """``bench_speculative.py --json``: each configuration's tokens per second against its own server without
+    drafts, by prompt kind and concurrency (a level whose server failed: no bar)."""
+    levels = sorted({(row["kind"], row["streams"]) for row in record["rows"]}, key=lambda k: (k[0] != "grounded", k))
+    servers = [name for name in dict.fromkeys(row["server"] for row in record["rows"]) if not name.endswith(" none")]
+    fig, ax = plt.subplots(figsize=(8, 4.2))
+    width = 0.8 / max(len(servers), 1)
+    for index, server in enumerate(servers):
+        mine = [row for row in record["rows"] if row["server"] == server]
+        ratio = {(row["kind"], row["streams"]): row.get("ratio", 0) for row in mine}
+        ax.bar([k + index * width for k in range(len(levels))], [ratio.get(level, 0) for level in levels],
+               width=width, label=server)  # fmt: skip
+    ax.axhline(1.0, color="gray", linewidth=0.8)
+    ax.set_xticks([k + 0.4 - width / 2 for k in range(len(levels))], [f"{kind}, {n}" for kind, n in levels])
+    ax.set(ylabel="tokens per second / without drafts", title="Prompt-lookup speculative decoding by prompts, streams")
+    return [_save(fig, ax, record, out / "speculative.png")]
+
+
 def _save(fig: Any, ax: Any, record: dict[str, Any], path: Path) -> Path:
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
@@ -84,13 +103,15 @@ def _save(fig: Any, ax: Any, record: dict[str, Any], path: Path) -> Path:
     return path
 
 
+CHARTS = {"serving": serving, "long_prompts": long_prompts, "neighbours": neighbours, "speculative": speculative}
+
+
 def plot(files: list[Path], out: Path) -> list[Path]:
     out.mkdir(parents=True, exist_ok=True)
     written: list[Path] = []
     for file in files:
         record = json.loads(file.read_text())
-        kind = record["kind"]
-        written += {"serving": serving, "long_prompts": long_prompts, "neighbours": neighbours}[kind](record, out)
+        written += CHARTS[record["kind"]](record, out)
     return written
 
 

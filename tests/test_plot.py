@@ -24,12 +24,22 @@ def test_each_kind_of_run_becomes_its_charts(tmp_path: Path) -> None:
     busy = {**META, "kind": "neighbours", "rows": {
         "a": {str(k): {"1": {**RUN, "tok_s": 100.0 / (k + 1)}, "8": RUN} for k in range(3)}
     }}  # fmt: skip
+    drafts = {**META, "kind": "speculative", "rows": [
+        {"server": server, "kind": kind, "streams": n, "tok_s": 100.0, "ratio": 1.0 + ("auto" in server) / n}
+        for server in ("s none", "s auto", "l none", "l ngram") for kind in ("grounded", "free") for n in (1, 8)
+    ]}  # fmt: skip
     files = []
-    for name, record in (("serving", serving), ("prompts", prompts), ("busy", busy)):
+    for name, record in (("serving", serving), ("prompts", prompts), ("busy", busy), ("drafts", drafts)):
         path = tmp_path / f"{name}.json"
         path.write_text(json.dumps(record))
         files.append(path)
     written = plot(files, tmp_path / "charts")
-    assert sorted(p.name for p in written) == ["long_prompts.png", "neighbours.png", "throughput.png", "ttft.png"]
+    assert sorted(p.name for p in written) == [
+        "long_prompts.png",
+        "neighbours.png",
+        "speculative.png",
+        "throughput.png",
+        "ttft.png",
+    ]
     for path in written:
         assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 5000
