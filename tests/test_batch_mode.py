@@ -45,9 +45,23 @@ def test_a_dense_model_chooses_between_tiles_and_untiled_products() -> None:
 
 
 def test_the_crossover_is_where_dense_wins_from_then_on() -> None:
-    bumpy = PathTimes(ROWS, (1, 2, 3, 4, 5, 6), (0.5, 3, 2, 5, 4, 5), True)
+    bumpy = PathTimes(ROWS, (1, 2, 3, 4, 5, 6), (0.5, 3, 2, 5, 3, 4), True)
     assert crossover(bumpy) == 64  # dense won at 1 and 16 rows too, but not at every larger count
     assert crossover(AVX2) is None
+
+
+@pytest.mark.parametrize(
+    "at_16",
+    [0.0195 / 0.0155, 0.0198 / 0.0177, 0.0199 / 0.0186, 0.0216 / 0.0172, 0.0229 / 0.0246],
+    ids=["1.26x", "1.12x", "1.07x", "1.26x", "0.93x"],
+)
+def test_the_crossover_stays_put_where_the_paths_are_close(at_16: float) -> None:
+    """Sapphire Rapids' probes at 16 rows, five starts (quantized time / dense): near the break-even, where the
+    choice went by chance; with the margin every start takes dense from 32 rows, where it is clearly faster."""
+    rows = (1, 8, 16, 32, 64, 128)
+    quantized = (0.0065, 0.0122, 0.020, 0.040, 0.084, 0.154)
+    dense = (0.0162, 0.0175, 0.020 / at_16, 0.028, 0.0307, 0.0442)
+    assert crossover(PathTimes(rows, quantized, dense, True)) == 32
 
 
 def test_a_model_without_a_choice_cannot_be_made_invariant() -> None:

@@ -8,8 +8,8 @@ kernel from ~16 rows on (2x at 64), while on AVX2-only CPUs the quantized kernel
 dense tiles cost their padding and a pass over the weights per tile. So:
 
 - ``on``: one path (the quantized kernel for a model served from its blocks, else dense tiles), whatever it costs;
-- ``off``: each step takes the faster path for its rows (quantized below the crossover, dense from it; dense
-  products untiled), and a row's result may change with its batchmates;
+- ``off``: each step takes the faster path for its rows (quantized below the crossover, dense from it, where dense
+  is clearly faster; dense products untiled), and a row's result may change with its batchmates;
 - ``auto`` (the default): ``on`` when it costs under ``AUTO_MAX_COST`` of the matmuls' best throughput at
   ``--max-batch-size`` rows, else ``off``.
 """
@@ -20,6 +20,12 @@ from dataclasses import dataclass
 
 #: What ``auto`` may give up for invariance: the matmuls' time at the configured batch size, against the best.
 AUTO_MAX_COST = 0.05
+#: Dense products take over from a row count where they need at most this share of the quantized kernel's time.
+#: Near the break-even the probe's times swing from start to start (on Sapphire Rapids at 16 rows dense took
+#: 0.80-1.07 of the quantized time; at 32 rows 0.55-0.69), and the crossover decides which numerics a step of
+#: those rows gets: without a margin, restarts and a cluster's replicas chose 16 or 32 rows by chance and gave
+#: different greedy text for the same request.
+CROSSOVER_MARGIN = 0.75
 
 
 @dataclass(slots=True, frozen=True)
@@ -67,10 +73,11 @@ class BatchMode:
 
 
 def crossover(times: PathTimes) -> int | None:
-    """The fewest rows from which the dense path is faster at every larger measured row count; None if never."""
+    """The fewest rows from which the dense path is clearly faster (``CROSSOVER_MARGIN``) at every larger measured
+    row count; None if never."""
     start = None
     for rows, invariant, dense in zip(times.rows, times.invariant, times.dense, strict=True):
-        start = (start or rows) if dense < invariant else None
+        start = (start or rows) if dense <= CROSSOVER_MARGIN * invariant else None
     return start
 
 
