@@ -1,12 +1,16 @@
 """Prompt-lookup speculative decoding: ``--speculative ngram`` and ``auto`` against ``none``, and llama.cpp's n-gram
 speculation against its plain decoding, on grounded and free chat prompts.
 
-    .venv/bin/python bench/bench_speculative.py [--llama PATH] [--streams 1 8 32] [--tokens 128] [--json OUT]
+    .venv/bin/python bench/bench_speculative.py [--llama PATH] [--streams 1 8 32] [--tokens 128] [--rounds 3]
+        [--llama-rounds 1] [--json OUT]
 
 Grounded prompts: repeat, fix the grammar of, summarize, or extract from a paragraph of 60-200 words; free prompts:
-stories. Greedy, ``max_tokens`` 128 (a sequence may end earlier at its EOS). Each server in turn (one at a time:
-the machine has two cores), each prompt kind at each stream count: N clients send the kind's prompts round-robin,
-non-streaming, ``2 * max(N, 8)`` requests in all after a warm-up; output tokens per second over the run. For
+stories. Greedy, ``max_tokens`` 128 (a sequence may end earlier at its EOS). A family's servers (smolserve's
+three configurations, then llama.cpp's four) are all up at once, idle but for the one measured; at each prompt
+kind and stream count they are measured in turn, ``--rounds`` times round (the machine's speed swings by a fifth
+within minutes: alternating keeps each ratio side by side), and each configuration's median is reported. A
+measurement: N clients send the kind's prompts round-robin, non-streaming, ``2 * max(N, 8)`` requests in all
+after a warm-up; output tokens per second over the run. For
 smolserve, the acceptance rate (accepted / drafted tokens) and the mean tokens accepted per draft come from its
 ``/metrics`` counters; for llama.cpp, from each response's ``timings`` (``draft_n``, ``draft_n_accepted``). The
 last column checks that greedy outputs with drafts are those without (the same text for the same prompt).
@@ -123,18 +127,6 @@ def counters(base: str) -> dict[str, float]:
     return values
 
 
-def acceptance(before: dict[str, float], after: dict[str, float], llama: list[int]) -> tuple[float, float]:
-    """(accepted / drafted tokens, accepted tokens per draft); NaN where nothing was drafted."""
-    if llama != [0, 0] or not after:
-        drafted, accepted, drafts = llama[0], llama[1], float("nan")
-    else:
-        drafted = after["draft_tokens"] - before["draft_tokens"]
-        accepted = after["accepted_tokens"] - before["accepted_tokens"]
-        drafts = after["drafts"] - before["drafts"]
-    rate = accepted / drafted if drafted else float("nan")
-    return rate, (accepted / drafts if drafts else float("nan"))
-
-
 def servers(llama: str | None) -> list[tuple[str, list[str] | None]]:
     """Each configuration: smolserve's flags, or (None) llama.cpp's extra flags as the name says."""
     mine = [("smolserve none", ["--speculative", "none"]), ("smolserve ngram", ["--speculative", "ngram"]),
@@ -167,28 +159,76 @@ def main() -> None:
     parser.add_argument("--streams", type=int, nargs="+", default=[1, 8, 32])
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--kinds", nargs="+", default=["grounded", "free"])
+    parser.add_argument("--rounds", type=int, default=3, help="measurements of each smolserve level (median)")
+    parser.add_argument("--llama-rounds", type=int, default=1, help="... of each llama.cpp level")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     rows: list[dict[str, Any]] = []
     reference: dict[str, str] = {}
     print("| server | prompts | streams | tok/s | vs none | acceptance | accepted per draft | same text |")
     print("|---|---|---|---|---|---|---|---|", flush=True)
-    for name, flags in servers(args.llama):
-        for kind in args.kinds:
-            for streams in args.streams:
-                rows.append(measure(name, flags, args, kind, streams, rows, reference))
-                if args.json:  # after every row: a server that dies later leaves what was measured
-                    write_results(args.json, "speculative", rows)
-        stop(name)
+    configs = servers(args.llama)
+    for family, rounds in (("smolserve", args.rounds), ("llama.cpp", args.llama_rounds)):
+        mine = [(name, flags) for name, flags in configs if name.startswith(family)]
+        try:
+            for kind in args.kinds:
+                for streams in args.streams:
+                    rows += measure_level(mine, rounds, args, kind, streams, reference)
+                    if args.json:  # after every level: a server that dies later leaves what was measured
+                        write_results(args.json, "speculative", rows)
+        finally:
+            for name, _ in mine:
+                stop(name)
 
 
-SERVING: dict[str, tuple[Any, str]] = {}  # the server now up, by its configuration's name
+SERVING: dict[str, tuple[Any, str]] = {}  # the servers up, by their configuration's name
 
 
-def measure(name: str, flags: list[str] | None, args: argparse.Namespace, kind: str, streams: int,
-            rows: list[dict[str, Any]], reference: dict[str, str]) -> dict[str, Any]:  # fmt: skip
-    """One configuration at one prompt kind and stream count (its server started when not up); a server that
-    fails (llama.cpp's has crashed under n-gram drafts) gives a row that says so, and is started afresh next."""
+def measure_level(configs: list[tuple[str, list[str] | None]], rounds: int, args: argparse.Namespace, kind: str,
+                  streams: int, reference: dict[str, str]) -> list[dict[str, Any]]:  # fmt: skip
+    """Each configuration at one prompt kind and stream count, ``rounds`` times in turn; the median of each, its
+    acceptance over all rounds; rows in ``configs``' order (the first, without drafts, is the others' base)."""
+    samples: dict[str, list[tuple[float, dict[str, str], list[float]]]] = {name: [] for name, _ in configs}
+    for _ in range(rounds):
+        for name, flags in configs:
+            if (sample := measure(name, flags, args, kind, streams)) is not None:
+                samples[name].append(sample)
+    rows = []
+    for name, _ in configs:
+        if not samples[name]:
+            print(f"| {name} | {kind} | {streams} | failed | | | | |", flush=True)
+            rows.append({"server": name, "kind": kind, "streams": streams, "failed": True})
+            continue
+        row = summarize(name, kind, streams, samples[name], rows)
+        if name == "smolserve none" and streams == 1:
+            reference.update(samples[name][0][1])
+        elif name.startswith("smolserve") and streams == 1:
+            answers = samples[name][0][1]
+            row["same_text"] = f"{sum(reference.get(k) == v for k, v in answers.items())}/{len(answers)}"
+        rows.append(row)
+        rate = "-" if row["acceptance"] is None else f"{row['acceptance']:.0%}"
+        print(f"| {name} | {kind} | {streams} | {row['tok_s']:.1f} | {row['ratio']:.2f}x | {rate} | "
+              f"{row['accepted_per_draft'] or '-'} | {row['same_text']} |", flush=True)  # fmt: skip
+    return rows
+
+
+def summarize(name: str, kind: str, streams: int, samples: list[tuple[float, dict[str, str], list[float]]],
+              rows: list[dict[str, Any]]) -> dict[str, Any]:  # fmt: skip
+    """The median rate of the samples, against the level's configuration without drafts (the first of ``rows``);
+    the acceptance rate and accepted tokens per draft over all of them (None where nothing was drafted)."""
+    rates = sorted(rate for rate, _, _ in samples)
+    rate = rates[len(rates) // 2]
+    drafted, accepted, drafts = (sum(counts[i] for _, _, counts in samples) for i in range(3))
+    base = next((r["tok_s"] for r in rows if r["server"].endswith(" none") and "tok_s" in r), rate)
+    return {"server": name, "kind": kind, "streams": streams, "tok_s": round(rate, 1), "runs": rates,
+            "ratio": round(rate / base, 3), "acceptance": round(accepted / drafted, 3) if drafted else None,
+            "accepted_per_draft": round(accepted / drafts, 2) if drafts else None, "same_text": ""}  # fmt: skip
+
+
+def measure(name: str, flags: list[str] | None, args: argparse.Namespace, kind: str,
+            streams: int) -> tuple[float, dict[str, str], list[float]] | None:  # fmt: skip
+    """Tokens per second, each prompt's text and (drafted, accepted, drafts) of one measurement; None where the
+    server failed (llama.cpp's has crashed under n-gram drafts): it is started afresh for the next."""
     if name not in SERVING:
         SERVING[name] = start(name, flags, args.llama, max(args.streams))
     base = SERVING[name][1]
@@ -197,23 +237,12 @@ def measure(name: str, flags: list[str] | None, args: argparse.Namespace, kind: 
         rate, answers, llama_drafts = asyncio.run(level(base, kind, streams, args.tokens))
         after = counters(base) if flags is not None else {}
     except httpx.HTTPError as exc:
+        print(f"{name} failed at {kind}, {streams} streams: {exc!r}", file=sys.stderr, flush=True)
         stop(name)
-        print(f"| {name} | {kind} | {streams} | failed: {exc!r} | | | | |", flush=True)
-        return {"server": name, "kind": kind, "streams": streams, "failed": repr(exc)}
-    accepted, per_draft = acceptance(before, after, llama_drafts)
-    family = name.split()[0]
-    base_rate = next((r["tok_s"] for r in rows if r["server"] == f"{family} none" and r["kind"] == kind
-                      and r["streams"] == streams and "tok_s" in r), rate)  # fmt: skip
-    same = ""
-    if name == "smolserve none" and streams == 1:
-        reference.update(answers)
-    elif family == "smolserve" and streams == 1:
-        same = f"{sum(reference.get(k) == v for k, v in answers.items())}/{len(answers)}"
-    print(f"| {name} | {kind} | {streams} | {rate:.1f} | {rate / base_rate:.2f}x | {accepted:.0%} | {per_draft:.2f} | "
-          f"{same} |", flush=True)  # fmt: skip
-    return {"server": name, "kind": kind, "streams": streams, "tok_s": round(rate, 1),
-            "ratio": round(rate / base_rate, 3), "acceptance": round(accepted, 3),
-            "accepted_per_draft": round(per_draft, 2), "same_text": same}  # fmt: skip
+        return None
+    if flags is None:
+        return rate, answers, [llama_drafts[0], llama_drafts[1], 0]
+    return rate, answers, [after[key] - before[key] for key in ("draft_tokens", "accepted_tokens", "drafts")]
 
 
 def stop(name: str) -> None:
