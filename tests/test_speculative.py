@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from engine.core.batch_mode import PathTimes
 from engine.core.drafter import MAX_DRAFT, MAX_NGRAM, MIN_NGRAM, DraftLength, NgramDrafter
 from engine.core.fake_engine import FakeEngine
-from engine.core.speculation import DraftBudget, choose, step_cost
+from engine.core.speculation import DraftBudget, StepOverhead, choose, step_cost
 from engine.core.types import GenerationRequest
 
 # -- drafts -------------------------------------------------------------------------------------------------
@@ -104,37 +104,79 @@ def test_auto_drafts_by_expected_speed() -> None:
     budget = choose("auto", times(QUANTIZED), True, 256)
     assert isinstance(budget, DraftBudget)
     # One stream: the likelier its tokens, the longer its draft; a sequence that has not drafted yet (0.5) some.
-    assert budget.allocate(1, [(8, 0.95)]) > budget.allocate(1, [(8, 0.75)]) >= budget.allocate(1, [(8, 0.5)])
-    assert budget.allocate(1, [(8, 0.5)])[0] >= 1
-    assert budget.allocate(1, [(2, 0.99)]) == [2]  # never more than the proposal holds
+    assert budget.allocate(1, [(8, 0.95, 0.95)]) > budget.allocate(1, [(8, 0.75, 0.75)])
+    assert budget.allocate(1, [(8, 0.75, 0.75)]) >= budget.allocate(1, [(8, 0.5, 0.5)])
+    # A draft whose later tokens are likelier (a repeated passage) goes further than one as likely throughout.
+    assert budget.allocate(1, [(8, 0.7, 0.95)])[0] > budget.allocate(1, [(8, 0.7, 0.7)])[0]
+    assert budget.allocate(1, [(8, 0.5, 0.5)])[0] >= 1
+    assert budget.allocate(1, [(2, 0.99, 0.99)]) == [2]  # never more than the proposal holds
     # Eight streams on the quantized kernel: each row costs nearly a token's share: only likely drafts go.
-    assert sum(budget.allocate(8, [(8, 0.35)] * 8)) == 0
-    likely = budget.allocate(8, [(8, 0.95)] * 4 + [(8, 0.3)] * 4)
+    assert sum(budget.allocate(8, [(8, 0.35, 0.35)] * 8)) == 0
+    likely = budget.allocate(8, [(8, 0.95, 0.95)] * 4 + [(8, 0.3, 0.3)] * 4)
     assert sum(likely[:4]) > 0 and sum(likely[4:]) == 0
     # With invariance off, large steps take the dense path, where rows are cheap: drafts pay at 32 streams.
     off = choose("auto", times(QUANTIZED, DENSE), False, 256)
-    assert off is not None and sum(off.allocate(32, [(8, 0.8)] * 32)) > sum(budget.allocate(32, [(8, 0.8)] * 32))
-    assert sum(off.allocate(250, [(8, 0.99)] * 10)) <= 6  # within the step's token budget
+    likely32 = [(8, 0.8, 0.8)] * 32
+    assert off is not None and sum(off.allocate(32, likely32)) > sum(budget.allocate(32, likely32))
+    assert sum(off.allocate(250, [(8, 0.99, 0.99)] * 10)) <= 6  # within the step's token budget
+
+
+def test_the_overhead_beyond_the_matmuls_is_fitted_from_decoding_steps() -> None:
+    overhead = StepOverhead()
+    assert overhead(10) == 0.0  # nothing measured: the probe alone
+    for rows in [1, 4, 9, 2, 6, 3] * 10:
+        overhead.observe(rows, 2.0 + 0.5 * rows)
+    assert overhead(10) == pytest.approx(7.0) and overhead(40) == pytest.approx(22.0)
+    steady = StepOverhead()
+    for _ in range(20):
+        steady.observe(8, 3.0)  # the rows never varied: a fixed cost per step, whatever the rows
+    assert steady(8) == pytest.approx(3.0) and steady(30) == pytest.approx(3.0)
+
+
+def test_auto_drafts_by_what_steps_really_take() -> None:
+    """Rows that cost more than the probe says (attention, sampling: ~0.5 ms a row at 32 streams) stop drafts of
+    unlikely tokens that the probe's cheap dense rows invited; a fixed cost per step makes one stream's drafts
+    longer, as each step's share of it is spread over more tokens."""
+    measured = choose("auto", times(QUANTIZED, DENSE), False, 256)
+    assert measured is not None
+    unlikely = [(8, 0.4, 0.4)] * 32
+    assert sum(measured.allocate(32, unlikely)) > 0
+    for rows in [32, 40, 48, 36, 60, 44] * 10:
+        measured.observe(rows, measured.cost(rows) + 0.5 * rows)  # type: ignore[misc]
+    assert sum(measured.allocate(32, unlikely)) == 0
+    assert sum(measured.allocate(32, [(8, 0.97, 0.97)] * 32)) > 0  # near-certain drafts still pay
+    one = choose("auto", times(QUANTIZED), True, 256)
+    assert one is not None
+    before = one.allocate(1, [(8, 0.8, 0.8)])[0]
+    for rows in [1, 4, 3, 5, 2] * 10:
+        one.observe(rows, one.cost(rows) + 4.0)  # type: ignore[misc]
+    assert one.allocate(1, [(8, 0.8, 0.8)])[0] > before
 
 
 def test_ngram_drafts_what_each_sequence_offers_within_the_step_and_the_other_modes_do_as_told() -> None:
     ngram = choose("ngram", None, True, 20)
-    assert ngram is not None and ngram.allocate(10, [(4, 0.1), (4, 0.9), (4, 0.5)]) == [4, 4, 2]
+    assert ngram is not None and ngram.allocate(10, [(4, 0.1, 0.1), (4, 0.9, 0.9), (4, 0.5, 0.5)]) == [4, 4, 2]
     assert choose("auto", None, True, 256) is None  # no probe: transformers' own model, nothing measured
     assert choose("none", times(QUANTIZED), True, 256) is None
     with pytest.raises(ValueError, match="--speculative"):
         choose("eagle", None, True, 256)
 
 
-def test_a_sequence_s_acceptance_rate_follows_its_recent_drafts() -> None:
+def test_a_sequence_s_acceptance_rates_follow_its_recent_drafts() -> None:
     length = DraftLength()
-    assert length.rate == 0.5
+    assert length.rates == (0.5, 0.5)
     for _ in range(6):
         length.record(4, 4)
-    assert length.rate > 0.9
+    assert min(length.rates) > 0.8
     for _ in range(12):
         length.record(4, 0)
-    assert length.rate < 0.3
+    first, later = length.rates
+    assert first < 0.2 < 0.5 < later  # rejected at once: later tokens untried, their record fades to the prior
+    repeats = DraftLength()
+    for accepted in [0, 8, 0, 8, 8, 0, 8, 8]:  # a passage repeated: a draft is wrong at once or right to its end
+        repeats.record(8, accepted)
+    first, later = repeats.rates
+    assert 0.5 < first < 0.8 and later > 0.9
 
 
 # -- the planner, on the fake engine ------------------------------------------------------------------------

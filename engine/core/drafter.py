@@ -69,15 +69,18 @@ class DraftLength:
     #: Totals for this sequence.
     drafted: int = 0
     accepted: int = 0
-    #: Drafted tokens accepted and rejected, recent ones weighing most (``rate``).
-    _hits: float = 0.0
-    _misses: float = 0.0
+    #: Recent drafts (each weighing ``RATE_DECAY`` times the next): their first tokens accepted and tried, and their
+    #: later tokens accepted and tried (a later token is tried when the one before it was accepted).
+    _first: list[float] = field(default_factory=lambda: [0.0, 0.0])
+    _later: list[float] = field(default_factory=lambda: [0.0, 0.0])
 
     @property
-    def rate(self) -> float:
-        """How likely its next drafted token is to be accepted, given the previous one was: its recent record,
-        from an even prior (a sequence that has not drafted yet: 0.5)."""
-        return (self._hits + 1) / (self._hits + self._misses + 2)
+    def rates(self) -> tuple[float, float]:
+        """How likely its next draft's first token is to be accepted, and each later one given the one before it
+        was: its recent record, from even priors (a sequence that has not drafted yet: 0.5 and 0.5). The two
+        differ: a draft of a repeated passage, once its first token is right, is mostly right to its end."""
+        (first_hits, first_tries), (later_hits, later_tries) = self._first, self._later
+        return (first_hits + 1) / (first_tries + 2), (later_hits + 1) / (later_tries + 2)
 
     def next(self) -> int:
         """The draft length for this step (0 while resting)."""
@@ -90,8 +93,13 @@ class DraftLength:
         """A draft of ``drafted`` tokens had its first ``accepted`` accepted."""
         self.drafted += drafted
         self.accepted += accepted
-        self._hits = RATE_DECAY * self._hits + accepted
-        self._misses = RATE_DECAY * self._misses + (accepted < drafted)
+        later_tries = min(drafted, accepted + 1) - 1
+        for counts, hits, tries in (
+            (self._first, min(accepted, 1), 1),
+            (self._later, max(accepted - 1, 0), later_tries),
+        ):
+            counts[0] = RATE_DECAY * counts[0] + hits
+            counts[1] = RATE_DECAY * counts[1] + tries
         if accepted == drafted:
             self.length = min(MAX_DRAFT, self.length + 2)
         else:

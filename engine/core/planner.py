@@ -288,7 +288,7 @@ class Planner:
         if not proposals:
             return
         assert self.draft_rows is not None
-        offers = [(len(proposal), seq.draft_length.rate) for seq, proposal in proposals]
+        offers = [(len(proposal), *seq.draft_length.rates) for seq, proposal in proposals]
         for (seq, proposal), length in zip(proposals, self.draft_rows.allocate(len(decoding), offers), strict=True):
             if length:
                 self.ledger.grow(seq.blocks, seq.num_computed + 1 + length)  # as far as the pool goes

@@ -7,11 +7,14 @@ tiles fill, each row costs nearly a token's share of a step, and on CPUs whose d
 steps (AMX) rows are cheap again there.
 
 - ``ngram``: every decoding sequence drafts as long as its draft length allows, within the step's token budget;
-- ``auto`` (the default): a step's drafts are chosen by expected tokens per second. Each sequence's drafted
-  tokens are accepted at its own rate so far (``DraftLength.rate``), so the ``j``-th token of its draft adds
-  ``rate ** j`` expected tokens; a step of ``R`` rows costs ``T(R)``, the start-up probe's time for the matmuls
-  of ``R`` rows on the path such a step takes (``engine/runtime/path_probe.py``). Draft tokens are added most
-  likely first while they raise the step's expected tokens per second: ``(E + gain) / T(R + 1) > E / T(R)``.
+- ``auto`` (the default): a step's drafts are chosen by expected tokens per second. Each sequence's drafts are
+  accepted at its own rates so far (``DraftLength.rates``): a draft's first token at one, each later token (the
+  one before it accepted) at another, so the ``j``-th token of its draft adds ``first * later ** (j - 1)``
+  expected tokens; a step of ``R`` rows costs ``T(R) + F + c R``: ``T`` the start-up probe's time for
+  the matmuls of ``R`` rows on the path such a step takes (``engine/runtime/path_probe.py``), ``F + c R`` what
+  recent decoding steps took beyond it (attention, sampling, bookkeeping: ``StepOverhead``, fitted as they run).
+  Draft tokens are added most likely first while they raise the step's expected tokens per second:
+  ``(E + gain) / cost(R + 1) > E / cost(R)``.
   One stream on grounded text drafts several tokens; a busy batch drafts only where acceptance is high and rows
   are cheap; free text at a large batch does not draft;
 - ``none``: no drafts.
@@ -21,7 +24,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from engine.core.batch_mode import PathTimes
 
@@ -48,6 +51,31 @@ class StepCost:
         return s1 + (s1 - s0) / (r1 - r0) * (rows - r1)
 
 
+@dataclass(slots=True)
+class StepOverhead:
+    """What a step of ``R`` rows takes beyond the probe's matmuls, ``F + c R``: a least-squares line through recent
+    decoding steps' excess (each weighing ``DECAY`` times the next). Attention, sampling and bookkeeping grow with
+    the rows, which the probe leaves out: at 32 streams a step took ~45 ms where its matmuls took 28. While the
+    steps' rows barely vary the excess counts as fixed (``c`` = 0) until drafts vary them."""
+
+    DECAY = 0.97
+    weight: float = 0.0
+    _sums: list[float] = field(default_factory=lambda: [0.0] * 4)  # rows, excess, rows^2, rows * excess
+
+    def observe(self, rows: int, excess: float) -> None:
+        self.weight = self.DECAY * self.weight + 1
+        for i, value in enumerate((rows, excess, rows * rows, rows * excess)):
+            self._sums[i] = self.DECAY * self._sums[i] + value
+
+    def __call__(self, rows: int) -> float:
+        if self.weight == 0:
+            return 0.0
+        mean_rows, mean_excess, mean_square, mean_product = (total / self.weight for total in self._sums)
+        spread = mean_square - mean_rows**2
+        slope = max(0.0, (mean_product - mean_rows * mean_excess) / spread) if spread > 0.25 else 0.0
+        return max(0.0, mean_excess + slope * (rows - mean_rows))
+
+
 @dataclass(slots=True, frozen=True)
 class DraftBudget:
     """How many tokens each decoding sequence of a step drafts."""
@@ -55,37 +83,48 @@ class DraftBudget:
     mode: str
     #: Most rows a step may carry, decode rows and drafts (the step's token budget).
     step_tokens: int
-    #: ``auto``: the step's cost by rows (None for ``ngram``: drafts as long as their sequences allow).
+    #: ``auto``: the step's matmuls' cost by rows (None for ``ngram``: drafts as long as their sequences allow).
     cost: StepCost | None = None
+    #: ``auto``: what steps take beyond those matmuls, as measured (``observe``).
+    overhead: StepOverhead = field(default_factory=StepOverhead)
 
-    def allocate(self, decoding: int, offers: list[tuple[int, float]]) -> list[int]:
-        """The draft length for each offer ``(tokens available, acceptance rate)`` in a step with ``decoding``
-        decode rows."""
+    def observe(self, rows: int, seconds: float) -> None:
+        """A decoding step (no prompt rows) of ``rows`` rows took ``seconds`` to compute and sample."""
+        if self.cost is not None:
+            self.overhead.observe(rows, seconds - self.cost(rows))
+
+    def step_seconds(self, rows: int) -> float:
+        """What a decoding step of ``rows`` rows is expected to take (``auto``)."""
+        assert self.cost is not None
+        return self.cost(rows) + self.overhead(rows)
+
+    def allocate(self, decoding: int, offers: list[tuple[int, float, float]]) -> list[int]:
+        """The draft length for each offer ``(tokens available, first token's acceptance rate, later tokens')``
+        in a step with ``decoding`` decode rows."""
         room = max(0, self.step_tokens - decoding)
         if self.cost is None:
             lengths = []
-            for available, _ in offers:
+            for available, _, _ in offers:
                 lengths.append(min(available, room))
                 room -= lengths[-1]
             return lengths
         return self._by_expected_speed(decoding, offers, room)
 
-    def _by_expected_speed(self, decoding: int, offers: list[tuple[int, float]], room: int) -> list[int]:
-        assert self.cost is not None
+    def _by_expected_speed(self, decoding: int, offers: list[tuple[int, float, float]], room: int) -> list[int]:
         lengths = [0] * len(offers)
-        heap = [(-rate, i) for i, (available, rate) in enumerate(offers) if available > 0 and rate > 0]
+        heap = [(-first, i) for i, (available, first, _) in enumerate(offers) if available > 0 and first > 0]
         heapq.heapify(heap)
         rows, expected = decoding, float(decoding)
         while heap and rows - decoding < room:
             negative_gain, i = heapq.heappop(heap)
             gain = -negative_gain
-            if (expected + gain) / self.cost(rows + 1) <= expected / self.cost(rows):
+            if (expected + gain) / self.step_seconds(rows + 1) <= expected / self.step_seconds(rows):
                 break  # the likeliest token left does not pay: none after it does
             lengths[i] += 1
             rows, expected = rows + 1, expected + gain
-            available, rate = offers[i]
+            available, _, later = offers[i]
             if lengths[i] < available:
-                heapq.heappush(heap, (-(gain * rate), i))
+                heapq.heappush(heap, (-(gain * later), i))
         return lengths
 
     def describe(self) -> str:

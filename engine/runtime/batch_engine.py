@@ -8,6 +8,7 @@ cache (``engine/runtime/kv_cache.py``, tables in ``engine/runtime/block_tables.p
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import torch
@@ -117,9 +118,12 @@ class HFEngine(InferenceEngine):
         # A step may hold prompt chunks alone, none of them complete (a prompt longer than the step's budget
         # on an idle engine): then no row is sampled, and the step only fills KV.
         scored = [(seq, chunk) for seq, chunk in plan.chunks if seq.scores_prompt]
+        started = time.perf_counter()
         logits = self._forward(plan, scored)
         num_sampled = sum(plan.sampled_rows)
         next_tokens = self._select(plan, logits[:num_sampled])
+        if (drafts := self.planner.draft_rows) is not None and not plan.chunks:  # decoding rows only
+            drafts.observe(plan.num_rows, time.perf_counter() - started)
         self._score_prompts(scored, logits[num_sampled:])
         outputs = self.planner.commit(plan, next_tokens)
         if self.governor is not None:
