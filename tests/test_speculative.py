@@ -10,9 +10,17 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from engine.core.batch_mode import PathTimes
-from engine.core.drafter import MAX_DRAFT, MAX_NGRAM, MIN_NGRAM, DraftLength, NgramDrafter
+from engine.core.drafter import (
+    MAX_DRAFT,
+    MAX_NGRAM,
+    MIN_NGRAM,
+    POPULATION_DECAY,
+    DraftLength,
+    DraftRecord,
+    NgramDrafter,
+)
 from engine.core.fake_engine import FakeEngine
-from engine.core.speculation import DraftBudget, StepOverhead, choose, step_cost
+from engine.core.speculation import DraftBudget, StepCost, StepOverhead, choose, step_cost
 from engine.core.types import GenerationRequest
 
 # -- drafts -------------------------------------------------------------------------------------------------
@@ -151,6 +159,26 @@ def test_auto_drafts_by_what_steps_really_take() -> None:
     for rows in [1, 4, 3, 5, 2] * 10:
         one.observe(rows, one.cost(rows) + 4.0)  # type: ignore[misc]
     assert one.allocate(1, [(8, 0.8, 0.8)])[0] > before
+
+
+def test_auto_looks_past_a_jump_in_the_step_s_cost() -> None:
+    """The kernel's row tiles make a step's cost rise in jumps: the 4th draft token (5 rows) alone costs more than it
+    brings, but with the three after it the step is faster; a draft that stops before the jump is kept short."""
+    jumpy = DraftBudget("auto", 256, StepCost((1, 4, 5, 8), (6.0, 7.0, 10.0, 11.0)))
+    assert jumpy.allocate(1, [(8, 0.95, 0.95)]) == [8]  # 7.0 expected tokens in 11.3: past the jump at 5 rows
+    assert jumpy.allocate(1, [(8, 0.6, 0.3)]) == [2]
+
+
+def test_a_new_sequence_starts_from_what_drafts_have_done_lately() -> None:
+    population = DraftRecord(POPULATION_DECAY)
+    veteran = DraftLength(population=population)
+    for _ in range(20):
+        veteran.record(8, 8)
+    newcomer = DraftLength(population=population)
+    assert min(newcomer.rates) > 0.8 > 0.5 == max(DraftLength().rates)
+    for _ in range(6):
+        newcomer.record(8, 0)  # its own record soon outweighs the prior
+    assert newcomer.rates[0] < 0.3
 
 
 def test_ngram_drafts_what_each_sequence_offers_within_the_step_and_the_other_modes_do_as_told() -> None:

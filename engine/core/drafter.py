@@ -26,8 +26,11 @@ FIRST_DRAFT = 4
 #: Drafts rejected at their first token in a row before a sequence rests, and the steps it rests.
 MISSES_BEFORE_REST = 3
 REST_STEPS = 8
-#: How much of its record a sequence's acceptance rate keeps at each draft.
+#: How much of its record a sequence's acceptance rates keep at each draft, and the population's.
 RATE_DECAY = 0.8
+POPULATION_DECAY = 0.98
+#: How many tries the population's rates count for in a sequence's.
+PRIOR_WEIGHT = 2.0
 
 
 @dataclass(slots=True)
@@ -60,6 +63,30 @@ class NgramDrafter:
 
 
 @dataclass(slots=True)
+class DraftRecord:
+    """Drafts' first tokens accepted and tried, and their later tokens accepted and tried (a later token is tried
+    when the one before it was accepted); each draft weighs ``decay`` times the next."""
+
+    decay: float
+    first: list[float] = field(default_factory=lambda: [0.0, 0.0])
+    later: list[float] = field(default_factory=lambda: [0.0, 0.0])
+
+    def add(self, drafted: int, accepted: int) -> None:
+        later = (max(accepted - 1, 0), min(drafted, accepted + 1) - 1)
+        for counts, (hits, tries) in ((self.first, (min(accepted, 1), 1)), (self.later, later)):
+            counts[0] = self.decay * counts[0] + hits
+            counts[1] = self.decay * counts[1] + tries
+
+    def rates(self, prior: tuple[float, float], weight: float) -> tuple[float, float]:
+        """Both acceptance rates, from ``prior`` counted as ``weight`` tries of each."""
+        (first_hits, first_tries), (later_hits, later_tries) = self.first, self.later
+        return (
+            (first_hits + weight * prior[0]) / (first_tries + weight),
+            (later_hits + weight * prior[1]) / (later_tries + weight),
+        )
+
+
+@dataclass(slots=True)
 class DraftLength:
     """How many tokens to draft for one sequence next, from how its drafts fared."""
 
@@ -69,18 +96,18 @@ class DraftLength:
     #: Totals for this sequence.
     drafted: int = 0
     accepted: int = 0
-    #: Recent drafts (each weighing ``RATE_DECAY`` times the next): their first tokens accepted and tried, and their
-    #: later tokens accepted and tried (a later token is tried when the one before it was accepted).
-    _first: list[float] = field(default_factory=lambda: [0.0, 0.0])
-    _later: list[float] = field(default_factory=lambda: [0.0, 0.0])
+    #: This sequence's recent drafts, and (shared by a planner's sequences) everyone's: the prior of its rates.
+    own: DraftRecord = field(default_factory=lambda: DraftRecord(RATE_DECAY))
+    population: DraftRecord | None = None
 
     @property
     def rates(self) -> tuple[float, float]:
         """How likely its next draft's first token is to be accepted, and each later one given the one before it
-        was: its recent record, from even priors (a sequence that has not drafted yet: 0.5 and 0.5). The two
-        differ: a draft of a repeated passage, once its first token is right, is mostly right to its end."""
-        (first_hits, first_tries), (later_hits, later_tries) = self._first, self._later
-        return (first_hits + 1) / (first_tries + 2), (later_hits + 1) / (later_tries + 2)
+        was: its recent record, from the population's rates (``PRIOR_WEIGHT`` drafts' worth; even rates where
+        there is none). The two differ: a draft of a repeated passage, once its first token is right, is mostly
+        right to its end; and a new sequence starts from what drafts have done lately, not from a guess."""
+        prior = (0.5, 0.5) if self.population is None else self.population.rates((0.5, 0.5), 2.0)
+        return self.own.rates(prior, PRIOR_WEIGHT)
 
     def next(self) -> int:
         """The draft length for this step (0 while resting)."""
@@ -93,13 +120,9 @@ class DraftLength:
         """A draft of ``drafted`` tokens had its first ``accepted`` accepted."""
         self.drafted += drafted
         self.accepted += accepted
-        later_tries = min(drafted, accepted + 1) - 1
-        for counts, hits, tries in (
-            (self._first, min(accepted, 1), 1),
-            (self._later, max(accepted - 1, 0), later_tries),
-        ):
-            counts[0] = RATE_DECAY * counts[0] + hits
-            counts[1] = RATE_DECAY * counts[1] + tries
+        for record in (self.own, self.population):
+            if record is not None:
+                record.add(drafted, accepted)
         if accepted == drafted:
             self.length = min(MAX_DRAFT, self.length + 2)
         else:

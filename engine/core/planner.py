@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 
 from engine.core.block_pool import BlockPool
 from engine.core.blocks import BlockLedger, SeqBlocks
-from engine.core.drafter import DraftLength, NgramDrafter
+from engine.core.drafter import POPULATION_DECAY, DraftLength, DraftRecord, NgramDrafter
 from engine.core.seam import finish_reason, validate_request
 from engine.core.speculation import DraftBudget
 from engine.core.types import GenerationRequest, StepOutput, TokenLogprob
@@ -180,6 +180,8 @@ class Planner:
         self.eos_token_ids = eos_token_ids
         self._copy_block = copy_block
         self.draft_rows = draft_rows
+        #: Every sequence's drafts, recent ones weighing most: a new sequence's prior acceptance rates.
+        self.drafts_record = DraftRecord(POPULATION_DECAY)
         #: Tokens drafted and accepted, since the start (speculative decoding's counters).
         self.num_drafts = 0
         self.num_drafted = 0
@@ -219,6 +221,7 @@ class Planner:
         seqs = []
         for offset, request in enumerate(requests):
             seq = Seq(self._next_seq_id + offset, request, self.ledger.open(), target=len(request.prompt_ids))
+            seq.draft_length.population = self.drafts_record
             if request.prompt_logprobs is not None:
                 seq.prompt_logprobs = [None]  # the first prompt token has nothing before it
                 seq.matched = True  # every prompt row is scored: nothing from the prefix cache

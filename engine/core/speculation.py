@@ -13,8 +13,8 @@ steps (AMX) rows are cheap again there.
   expected tokens; a step of ``R`` rows costs ``T(R) + F + c R``: ``T`` the start-up probe's time for
   the matmuls of ``R`` rows on the path such a step takes (``engine/runtime/path_probe.py``), ``F + c R`` what
   recent decoding steps took beyond it (attention, sampling, bookkeeping: ``StepOverhead``, fitted as they run).
-  Draft tokens are added most likely first while they raise the step's expected tokens per second:
-  ``(E + gain) / cost(R + 1) > E / cost(R)``.
+  Draft tokens are taken most likely first, and the step keeps as many of them as gives the highest expected
+  tokens per second, ``E / cost(R)``.
   One stream on grounded text drafts several tokens; a busy batch drafts only where acceptance is high and rows
   are cheap; free text at a large batch does not draft;
 - ``none``: no drafts.
@@ -29,6 +29,8 @@ from dataclasses import dataclass, field
 from engine.core.batch_mode import PathTimes
 
 MODES = ("auto", "ngram", "none")
+#: ``auto`` stops looking at longer drafts once a step's expected speed is this far below the best so far.
+GIVE_UP = 0.8
 
 
 @dataclass(slots=True, frozen=True)
@@ -111,20 +113,31 @@ class DraftBudget:
         return self._by_expected_speed(decoding, offers, room)
 
     def _by_expected_speed(self, decoding: int, offers: list[tuple[int, float, float]], room: int) -> list[int]:
-        lengths = [0] * len(offers)
+        """Draft tokens likeliest first; the step keeps as many of them as gives the most expected tokens per
+        second. (Not just while each one pays on its own: a step's cost rises in jumps where the kernel's row
+        tiles fill, and a token past a jump may not pay alone where the few after it make it pay.)"""
         heap = [(-first, i) for i, (available, first, _) in enumerate(offers) if available > 0 and first > 0]
         heapq.heapify(heap)
-        rows, expected = decoding, float(decoding)
-        while heap and rows - decoding < room:
+        order: list[int] = []
+        taken = [0] * len(offers)
+        expected = float(decoding)
+        best, best_speed = 0, expected / self.step_seconds(decoding)
+        while heap and len(order) < room:
             negative_gain, i = heapq.heappop(heap)
-            gain = -negative_gain
-            if (expected + gain) / self.step_seconds(rows + 1) <= expected / self.step_seconds(rows):
-                break  # the likeliest token left does not pay: none after it does
-            lengths[i] += 1
-            rows, expected = rows + 1, expected + gain
+            order.append(i)
+            taken[i] += 1
+            expected -= negative_gain
+            speed = expected / self.step_seconds(decoding + len(order))
+            if speed > best_speed:
+                best, best_speed = len(order), speed
+            elif speed < GIVE_UP * best_speed:
+                break  # the gains only shrink from here: no later count catches up
             available, _, later = offers[i]
-            if lengths[i] < available:
-                heapq.heappush(heap, (-(gain * later), i))
+            if taken[i] < available:
+                heapq.heappush(heap, (negative_gain * later, i))
+        lengths = [0] * len(offers)
+        for i in order[:best]:
+            lengths[i] += 1
         return lengths
 
     def describe(self) -> str:
