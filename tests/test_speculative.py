@@ -169,6 +169,14 @@ def test_auto_looks_past_a_jump_in_the_step_s_cost() -> None:
     assert jumpy.allocate(1, [(8, 0.6, 0.3)]) == [2]
 
 
+def test_auto_does_not_draft_at_the_break_even() -> None:
+    """A step of 32 rows whose one drafted token would raise its expected speed by 0.1%: within the estimates'
+    error, and lookups and commits cost outside them, so nothing is drafted; at one row the same drafts pay."""
+    linear = DraftBudget("auto", 256, StepCost((1, 100), (11.0, 110.0)))  # 10 per step, 1 per row
+    assert linear.allocate(32, [(1, 0.8, 0.8)]) == [0]
+    assert linear.allocate(1, [(8, 0.95, 0.95)]) == [8]
+
+
 def test_a_new_sequence_starts_from_what_drafts_have_done_lately() -> None:
     population = DraftRecord(POPULATION_DECAY)
     veteran = DraftLength(population=population)

@@ -31,6 +31,9 @@ from engine.core.batch_mode import PathTimes
 MODES = ("auto", "ngram", "none")
 #: ``auto`` stops looking at longer drafts once a step's expected speed is this far below the best so far.
 GIVE_UP = 0.8
+#: ``auto`` drafts only where the step's expected speed beats no drafts by this much: near the break-even the
+#: estimates' error decides, and work outside the step's forward (lookups, commits) is not in them.
+MIN_GAIN = 0.03
 
 
 @dataclass(slots=True, frozen=True)
@@ -91,7 +94,7 @@ class DraftBudget:
     overhead: StepOverhead = field(default_factory=StepOverhead)
 
     def observe(self, rows: int, seconds: float) -> None:
-        """A decoding step (no prompt rows) of ``rows`` rows took ``seconds`` to compute and sample."""
+        """A decoding step (no prompt rows) of ``rows`` rows took ``seconds``, from its plan to its commit."""
         if self.cost is not None:
             self.overhead.observe(rows, seconds - self.cost(rows))
 
@@ -122,6 +125,7 @@ class DraftBudget:
         taken = [0] * len(offers)
         expected = float(decoding)
         best, best_speed = 0, expected / self.step_seconds(decoding)
+        expected_without = best_speed
         while heap and len(order) < room:
             negative_gain, i = heapq.heappop(heap)
             order.append(i)
@@ -136,6 +140,8 @@ class DraftBudget:
             if taken[i] < available:
                 heapq.heappush(heap, (negative_gain * later, i))
         lengths = [0] * len(offers)
+        if best_speed < (1 + MIN_GAIN) * expected_without:
+            return lengths
         for i in order[:best]:
             lengths[i] += 1
         return lengths

@@ -112,20 +112,20 @@ class HFEngine(InferenceEngine):
     def step(self) -> list[StepOutput]:
         if self.governor is not None:
             self.governor.before_step()
+        started = time.perf_counter()
         plan = self._plan_now = self.planner.plan()
         if plan.empty:
             return []
         # A step may hold prompt chunks alone, none of them complete (a prompt longer than the step's budget
         # on an idle engine): then no row is sampled, and the step only fills KV.
         scored = [(seq, chunk) for seq, chunk in plan.chunks if seq.scores_prompt]
-        started = time.perf_counter()
         logits = self._forward(plan, scored)
         num_sampled = sum(plan.sampled_rows)
         next_tokens = self._select(plan, logits[:num_sampled])
-        if (drafts := self.planner.draft_rows) is not None and not plan.chunks:  # decoding rows only
-            drafts.observe(plan.num_rows, time.perf_counter() - started)
         self._score_prompts(scored, logits[num_sampled:])
         outputs = self.planner.commit(plan, next_tokens)
+        if (drafts := self.planner.draft_rows) is not None and not plan.chunks:  # decoding rows only
+            drafts.observe(plan.num_rows, time.perf_counter() - started)
         if self.governor is not None:
             self.governor.after_step()
         return outputs
