@@ -106,7 +106,7 @@ class DraftLength:
         was: its recent record, from the population's rates (``PRIOR_WEIGHT`` drafts' worth; even rates where
         there is none). The two differ: a draft of a repeated passage, once its first token is right, is mostly
         right to its end; and a new sequence starts from what drafts have done lately, not from a guess."""
-        prior = (0.5, 0.5) if self.population is None else self.population.rates((0.5, 0.5), 2.0)
+        prior = (0.5, 0.5) if self.population is None else self.population.rates((0.5, 0.5), PRIOR_WEIGHT)
         return self.own.rates(prior, PRIOR_WEIGHT)
 
     def next(self) -> int:

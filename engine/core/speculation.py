@@ -22,8 +22,8 @@ steps (AMX) rows are cheap again there.
 
 from __future__ import annotations
 
+import bisect
 import heapq
-import itertools
 from dataclasses import dataclass, field
 
 from engine.core.batch_mode import PathTimes
@@ -44,16 +44,15 @@ class StepCost:
     seconds: tuple[float, ...]
 
     def __call__(self, rows: int) -> float:
-        points = list(zip(self.rows, self.seconds, strict=True))
-        if len(points) == 1:
-            return points[0][1] * max(rows, 1) / points[0][0]
-        if rows <= points[0][0]:
-            return points[0][1]
-        for (r0, s0), (r1, s1) in itertools.pairwise(points):
-            if rows <= r1:
-                return s0 + (s1 - s0) * (rows - r0) / (r1 - r0)
-        (r0, s0), (r1, s1) = points[-2:]
-        return s1 + (s1 - s0) / (r1 - r0) * (rows - r1)
+        known, seconds = self.rows, self.seconds
+        if len(known) == 1:
+            return seconds[0] * max(rows, 1) / known[0]
+        if rows <= known[0]:
+            return seconds[0]
+        # The measured pair around ``rows``, or the last two (extended linearly past the largest).
+        right = min(bisect.bisect_left(known, rows), len(known) - 1)
+        r0, r1, s0, s1 = known[right - 1], known[right], seconds[right - 1], seconds[right]
+        return s0 + (s1 - s0) * (rows - r0) / (r1 - r0)
 
 
 @dataclass(slots=True)
@@ -66,19 +65,21 @@ class StepOverhead:
     DECAY = 0.97
     weight: float = 0.0
     _sums: list[float] = field(default_factory=lambda: [0.0] * 4)  # rows, excess, rows^2, rows * excess
+    #: The fitted line ``(F, c)``, made once after each observation (a step's allocation asks it many times).
+    _line: tuple[float, float] = (0.0, 0.0)
 
     def observe(self, rows: int, excess: float) -> None:
         self.weight = self.DECAY * self.weight + 1
         for i, value in enumerate((rows, excess, rows * rows, rows * excess)):
             self._sums[i] = self.DECAY * self._sums[i] + value
-
-    def __call__(self, rows: int) -> float:
-        if self.weight == 0:
-            return 0.0
         mean_rows, mean_excess, mean_square, mean_product = (total / self.weight for total in self._sums)
         spread = mean_square - mean_rows**2
         slope = max(0.0, (mean_product - mean_rows * mean_excess) / spread) if spread > 0.25 else 0.0
-        return max(0.0, mean_excess + slope * (rows - mean_rows))
+        self._line = (mean_excess - slope * mean_rows, slope)
+
+    def __call__(self, rows: int) -> float:
+        fixed, per_row = self._line
+        return max(0.0, fixed + per_row * rows)
 
 
 @dataclass(slots=True, frozen=True)
