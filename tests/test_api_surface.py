@@ -252,6 +252,7 @@ CHAT = {"messages": [{"role": "user", "content": "Reply in JSON."}]}
         ("/v1/chat/completions", {"tool_choice": "required"}, "tool_choice"),
         ("/v1/chat/completions", {"functions": [{"name": "f"}]}, "functions"),
         ("/v1/chat/completions", {"web_search_options": {}}, "web_search_options"),
+        ("/v1/chat/completions", {"prediction": {"type": "content", "content": "x"}}, "prediction"),
         ("/v1/completions", {"guided_json": {"type": "object"}}, "guided_json"),
         ("/v1/chat/completions", {"modalities": ["text", "audio"]}, "modalities"),
     ],

@@ -145,6 +145,9 @@ class StructuredOutput:
 # Fields that change what a client gets back and that this server does not implement yet: a 400 naming the field,
 # never a 200 whose output silently ignores it (a client asking for JSON must not believe it got JSON).
 _UNSUPPORTED = ("suffix", "functions", "function_call", "audio", "web_search_options")
+# Predicted Outputs: the text would be the same, but its usage details (accepted and rejected prediction tokens)
+# would be missing; prompt-lookup speculation drafts from the prompt, where such a prediction usually is, anyway.
+_UNSUPPORTED += ("prediction",)
 
 
 _UNSUPPORTED += ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "guided_decoding_backend")
