@@ -148,7 +148,7 @@ def test_refuses_what_it_cannot_read() -> None:
     with pytest.raises(RuntimeError, match="out_features"):
         ops().quant_linear(torch.zeros(1, 64), packed(weight, GGMLQuantizationType.Q4_1), q4_1, 9)
     with pytest.raises(RuntimeError, match="unsupported quantized type"):
-        ops().quant_pack(weight, 10)  # Q2_K
+        ops().quant_pack(weight, 16)  # IQ2_XXS
     with pytest.raises(RuntimeError, match="whole blocks"):
         ops().quant_pack(weight[:, :30].contiguous(), q4_1)
 

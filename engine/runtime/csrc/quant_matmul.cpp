@@ -1,26 +1,39 @@
-// Matmuls on a GGUF's quantized weights: Q4_0, Q4_1 and Q8_0 blocks of 32 weights, Q4_K and Q6_K ones of 256.
+// Matmuls on a GGUF's quantized weights, every common GGML type: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 and IQ4_NL blocks of
+// 32 weights; Q2_K, Q3_K, Q4_K, Q5_K, Q6_K and IQ4_XS ones of 256.
 //
-// GGML stores each weight row as a run of blocks along the input dimension:
+// GGML stores each weight row as a run of blocks along the input dimension (w: a weight, q: its quant):
 //   Q4_0: fp16 d, 16 bytes of 4-bit q (byte j: weight j in the low nibble, weight 16 + j in the high); w = (q - 8) d
 //   Q4_1: fp16 d, fp16 m, 16 bytes of 4-bit q as above;                                                 w = q d + m
+//   Q5_0: fp16 d, 32 high bits, 16 bytes of low nibbles as above;                                      w = (q - 16) d
+//   Q5_1: fp16 d, fp16 m, 32 high bits, low nibbles;                                                    w = q d + m
 //   Q8_0: fp16 d, 32 int8 q;                                                                            w = q d
+//   IQ4_NL: fp16 d, 4-bit indices into a table of 16 int8 values;                                  w = d table[q]
+//   Q2_K: 16 4-bit scales and mins, 2-bit q, fp16 d, dmin; 16 weights share sc, mn:           w = q (d sc) - dmin mn
+//   Q3_K: high-bit mask, 2-bit q, 16 6-bit scales, fp16 d; per 16 weights:           w = (q - 4 [bit unset]) d (sc - 32)
 //   Q4_K: fp16 d, fp16 dmin, 8 6-bit scales sc and mins mn, 4-bit q; sub-block s of 32:    w = q (d sc_s) - dmin mn_s
+//   Q5_K: as Q4_K with a fifth bit per weight
 //   Q6_K: 6-bit q in low and high bit planes, 16 int8 scales sc, fp16 d; weights i:         w = (q - 32) (d sc_{i/16})
-// Packing turns every type into 32-weight blocks: 4-bit ones with an offset (Q4_0, Q4_1, Q4_K) or signed 8-bit
-// ones (Q8_0, Q6_K); the K-quants' scales d sc are products, exact in float32 only, so they are packed as float32
-// (Q6_K: two per block, one per 16 weights), the others as the file's fp16.
+//   IQ4_XS: fp16 d, 8 6-bit scales, 4-bit indices into IQ4_NL's table; sub-block s:     w = d (sc_s - 32) table[q]
+// Packing turns every type into 32-weight blocks of one of three kinds: 4-bit or 5-bit quants with an offset
+// (Q4_0, Q4_1, Q4_K, Q2_K; Q5_0, Q5_1, Q5_K), or signed 8-bit ones (Q8_0, IQ4_NL, IQ4_XS, Q3_K, Q6_K: a table's
+// value or q minus its offset, exact in int8). The K-quants' scales d sc are products, exact in float32 only, so
+// they are packed as float32 (one per 16 weights where the type has that: Q2_K, Q3_K, Q6_K), the others as the
+// file's fp16 (Q4_0's m = -8 d and Q5_0's m = -16 d: powers of 2, exact).
 // `quant_pack` regroups them once at load, as llama.cpp's repacked formats do: the blocks of 8 output rows side
 // by side, so that one vector instruction works on 8 outputs and a block's scales are one vector load:
-//   Q4 group block (Q4_0, Q4_1; Q4_K with float32 scales): 8 d, 8 m (Q4_0: m = -8 d, exact in fp16), then 4 runs
+//   4-bit group block: 8 d, 8 m (each twice, for weights 0-15 then 16-31, where the type scales by 16), then 4 runs
 //     of 32 bytes, run k holding bytes 4k..4k+3 of each of the 8 rows in turn (byte j: weight j in the low nibble,
 //     weight 16 + j in the high);
-//   Q8 group block (Q8_0; Q6_K with 8 float32 scales of weights 0-15, then 8 of 16-31): 8 d, then 8 runs of 32
-//     bytes, run k holding weights 4k..4k+3 of each row in turn.
+//   5-bit group block: the 4-bit one, then 32 bytes of fifth bits: byte 4c + i holds, for output column c, bit 2k
+//     the fifth bit of weight 4k + i and bit 2k + 1 that of weight 16 + 4k + i (run k's low and high nibbles);
+//   8-bit group block: 8 d (twice where scaled by 16), then 8 runs of 32 bytes, run k holding weights 4k..4k+3 of
+//     each row in turn.
 // Each activation row is quantized per block of 32 to int8 with a scale a = max|x| / 127, and a block's dot
-// product is an integer one: sum(w x) = d a sum(q qx) (+ m a sum(qx) for Q4). On AVX2, a run's 4 weights of each
-// of 8 rows meet the row's 4 activations, broadcast, in one vpmaddubsw (unsigned 4-bit weights times signed
-// 8-bit activations; Q8 through the sign trick), and the block's 8 integer dot products end in one vector.
-// Up to 4 activation rows share each unpacked weight run. Elsewhere, plain loops over the same integers.
+// product is an integer one: sum(w x) = d a sum(q qx) (+ m a sum(qx) for the types with an offset). On AVX2, a
+// run's 4 weights of each of 8 rows meet the row's 4 activations, broadcast, in one vpmaddubsw (unsigned 4/5-bit
+// weights times signed 8-bit activations; 8-bit through the sign trick), and the block's 8 integer dot products end
+// in one vector. Up to 4 activation rows share each unpacked weight run. Elsewhere, plain loops over the same
+// integers.
 //
 // Every output is one fixed sequence of floating-point operations over its row's blocks, whatever the number of
 // rows in the call: a row's result does not depend on its batchmates (greedy decoding stays batch-invariant).
@@ -49,35 +62,62 @@ constexpr int64_t kBlock = 32;
 constexpr int64_t kCols = 8;   // output rows whose blocks are packed side by side
 constexpr int64_t kRowTile = 4;  // activation rows per pass over a group's weights
 constexpr int64_t kChunk = 64;  // activation rows per sweep over a thread's groups (their int8 stays in cache)
-enum QuantType : int64_t { kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8, kQ4_K = 12, kQ6_K = 14 };  // GGML's type numbers
+enum QuantType : int64_t {  // GGML's type numbers
+  kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8, kQ2_K = 10, kQ3_K = 11, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14,
+  kIQ4_NL = 20, kIQ4_XS = 23
+};
+// IQ4_NL's and IQ4_XS's non-linear 4-bit values (ggml's kvalues_iq4nl).
+constexpr int8_t kIQ4Values[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
 
 // Bytes of one GGML block of `type`, and the weights it holds.
 int64_t block_bytes(int64_t type) {
   switch (type) {
     case kQ4_0: return 18;
     case kQ4_1: return 20;
+    case kQ5_0: return 22;
+    case kQ5_1: return 24;
     case kQ8_0: return 34;
+    case kIQ4_NL: return 18;
+    case kQ2_K: return 84;
+    case kQ3_K: return 110;
     case kQ4_K: return 144;
+    case kQ5_K: return 176;
     case kQ6_K: return 210;
+    case kIQ4_XS: return 136;
     default:
-      TORCH_CHECK(false, "unsupported quantized type ", type, " (Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, Q4_K = 12, Q6_K = 14)");
+      TORCH_CHECK(false, "unsupported quantized type ", type, " (supported: Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, ",
+                  "Q8_0 = 8, Q2_K = 10, Q3_K = 11, Q4_K = 12, Q5_K = 13, Q6_K = 14, IQ4_NL = 20, IQ4_XS = 23)");
   }
 }
 
-int64_t block_weights(int64_t type) { return type == kQ4_K || type == kQ6_K ? 256 : kBlock; }
+int64_t block_weights(int64_t type) { return block_bytes(type) > 34 ? 256 : kBlock; }  // every K-quant is larger
 
-// How a type is packed: signed 8-bit quants (else 4-bit ones with an offset m); float32 scales (else fp16); a
-// scale per 16 weights (else per 32).
+// How a type is packed: `bits` 4 or 5 (unsigned quants with an offset m) or 8 (signed); float32 scales (else fp16);
+// a scale (and offset) per 16 weights (else per 32).
 struct Layout {
-  bool q8, f32, halves;
+  int bits;
+  bool f32, halves;
+  constexpr bool q8() const { return bits == 8; }
   constexpr int64_t scale_bytes() const { return (f32 ? 4 : 2) * kCols * (halves ? 2 : 1); }
-  constexpr int64_t quants_at() const { return scale_bytes() * (q8 ? 1 : 2); }  // after d (and m)
-  constexpr int64_t bytes() const { return quants_at() + kCols * kBlock / (q8 ? 1 : 2); }
+  constexpr int64_t quants_at() const { return scale_bytes() * (q8() ? 1 : 2); }  // after d (and m)
+  constexpr int64_t high_at() const { return quants_at() + kCols * kBlock / 2; }  // 5-bit: the fifth bits
+  constexpr int64_t bytes() const {
+    return quants_at() + kCols * kBlock / (q8() ? 1 : 2) + (bits == 5 ? kCols * kBlock / 8 : 0);
+  }
 };
 
 Layout layout_of(int64_t type) {
   block_bytes(type);  // refuses unsupported types
-  return Layout{type == kQ8_0 || type == kQ6_K, type == kQ4_K || type == kQ6_K, type == kQ6_K};
+  switch (type) {
+    case kQ4_0: case kQ4_1: return Layout{4, false, false};
+    case kQ4_K: return Layout{4, true, false};
+    case kQ2_K: return Layout{4, true, true};
+    case kQ5_0: case kQ5_1: return Layout{5, false, false};
+    case kQ5_K: return Layout{5, true, false};
+    case kQ8_0: case kIQ4_NL: return Layout{8, false, false};
+    case kIQ4_XS: return Layout{8, true, false};
+    default: return Layout{8, true, true};  // Q3_K, Q6_K
+  }
 }
 
 inline float half_to_float(uint16_t bits) {
@@ -95,15 +135,16 @@ inline uint16_t load_half(const uint8_t* p) {
 }
 
 // 32 weights of one row, decoded from their GGML block as the packed layout stores them: scales (fp16 bits, or
-// float32 values: two for Q6_K), offset (4-bit types), and quants (4-bit values 0..15, or int8 bits).
+// float32 values: two where the type scales by 16), offsets (4/5-bit types), and quants (unsigned 0..31, or int8
+// bits).
 struct SubBlock {
   uint16_t d_half = 0, m_half = 0;
   float d[2] = {0.0f, 0.0f};
-  float m = 0.0f;
+  float m[2] = {0.0f, 0.0f};
   uint8_t q[kBlock] = {};
 };
 
-// Q4_K's 6-bit scale and min of sub-block j, as ggml's get_scale_min_k4.
+// Q4_K's and Q5_K's 6-bit scale and min of sub-block j, as ggml's get_scale_min_k4.
 inline void scale_min_k4(int64_t j, const uint8_t* packed, uint8_t& scale, uint8_t& min) {
   if (j < 4) {
     scale = packed[j] & 63;
@@ -114,77 +155,160 @@ inline void scale_min_k4(int64_t j, const uint8_t* packed, uint8_t& scale, uint8
   }
 }
 
-// The sub-blocks of one GGML block (1 of 32 weights, or 8 for the K-quants' 256).
+// The 4-bit value of weight j (0-31) of a 32-weight block whose 16 bytes hold j in the low nibble, 16 + j in the high.
+inline uint8_t nibble(const uint8_t* bytes, int64_t j) { return j < 16 ? bytes[j] & 0x0F : bytes[j - 16] >> 4; }
+
+// Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL: one sub-block.
+void decode_small(const uint8_t* block, int64_t type, SubBlock& sb) {
+  sb.d_half = load_half(block);
+  const bool has_m = type == kQ4_1 || type == kQ5_1, five = type == kQ5_0 || type == kQ5_1;
+  if (has_m) sb.m_half = load_half(block + 2);
+  if (type == kQ4_0) sb.m_half = c10::Half(-8.0f * half_to_float(sb.d_half)).x;  // a power of 2: exact
+  if (type == kQ5_0) sb.m_half = c10::Half(-16.0f * half_to_float(sb.d_half)).x;
+  uint32_t high = 0;
+  if (five) std::memcpy(&high, block + (has_m ? 4 : 2), 4);
+  const uint8_t* quants = block + 2 + (has_m ? 2 : 0) + (five ? 4 : 0);
+  for (int64_t j = 0; j < kBlock; ++j) {
+    if (type == kQ8_0) sb.q[j] = quants[j];
+    else if (type == kIQ4_NL) sb.q[j] = static_cast<uint8_t>(kIQ4Values[nibble(quants, j)]);
+    else sb.q[j] = nibble(quants, j) | (five ? ((high >> j) & 1) << 4 : 0);
+  }
+}
+
+// Q4_K and Q5_K: 8 sub-blocks of 32, each with its scale and min.
+void decode_q45_k(const uint8_t* block, bool five, SubBlock* out) {
+  const float d = half_to_float(load_half(block)), dmin = half_to_float(load_half(block + 2));
+  const uint8_t* scales = block + 4;
+  const uint8_t* high = block + 16;
+  const uint8_t* qs = block + 16 + (five ? 32 : 0);
+  for (int64_t s = 0; s < 8; ++s) {
+    uint8_t scale, min;
+    scale_min_k4(s, scales, scale, min);
+    out[s].d[0] = d * scale;
+    out[s].m[0] = -(dmin * min);
+    const uint8_t* bytes = qs + 32 * (s / 2);  // sub-blocks 2p and 2p + 1: the low and high nibbles of 32 bytes
+    for (int64_t l = 0; l < kBlock; ++l) {
+      out[s].q[l] = (s % 2 ? bytes[l] >> 4 : bytes[l] & 0x0F) | (five ? ((high[l] >> s) & 1) << 4 : 0);
+    }
+  }
+}
+
+// Q2_K: 16 sub-blocks of 16, each with a 4-bit scale and min; 2-bit quants in 2 halves of 128.
+void decode_q2_k(const uint8_t* block, SubBlock* out) {
+  const uint8_t* scales = block;
+  const uint8_t* qs = block + 16;
+  const float d = half_to_float(load_half(block + 80)), dmin = half_to_float(load_half(block + 82));
+  for (int64_t i = 0; i < 256; ++i) {
+    const int64_t half = i / 128, shift = 2 * (i % 128 / 32), l = i % 32, t = i / 16;
+    SubBlock& sb = out[i / kBlock];
+    sb.q[i % kBlock] = (qs[32 * half + l] >> shift) & 3;
+    sb.d[t % 2] = d * static_cast<float>(scales[t] & 0x0F);
+    sb.m[t % 2] = -(dmin * static_cast<float>(scales[t] >> 4));
+  }
+}
+
+// Q3_K: 16 sub-blocks of 16 with 6-bit signed scales; 2-bit quants less 4 where the high-bit mask is unset.
+void decode_q3_k(const uint8_t* block, SubBlock* out) {
+  const uint8_t* hmask = block;
+  const uint8_t* qs = block + 32;
+  const uint8_t* scales = block + 96;
+  const float d = half_to_float(load_half(block + 108));
+  for (int64_t i = 0; i < 256; ++i) {
+    const int64_t half = i / 128, shift = 2 * (i % 128 / 32), l = i % 32, t = i / 16;
+    const int low = (qs[32 * half + l] >> shift) & 3, unset = ((hmask[l] >> (i / 32)) & 1) ^ 1;
+    const int scale = (((scales[t % 8] >> (4 * (t / 8))) & 0x0F) | (((scales[8 + t % 4] >> (2 * (t / 4))) & 3) << 4)) - 32;
+    SubBlock& sb = out[i / kBlock];
+    sb.q[i % kBlock] = static_cast<uint8_t>(static_cast<int8_t>(low - 4 * unset));
+    sb.d[t % 2] = d * static_cast<float>(scale);
+  }
+}
+
+// Q6_K: as ggml's dequantize_row_q6_K: halves of 128, quarters of 32.
+void decode_q6_k(const uint8_t* block, SubBlock* out) {
+  const uint8_t* ql = block;
+  const uint8_t* qh = block + 128;
+  const auto* scales = reinterpret_cast<const int8_t*>(block + 192);
+  const float d = half_to_float(load_half(block + 208));
+  for (int64_t i = 0; i < 256; ++i) {
+    const int64_t half = i / 128, quarter = i % 128 / 32, l = i % 32;
+    const uint8_t low = ql[64 * half + l + 32 * (quarter % 2)];
+    const int value = ((quarter < 2 ? low & 0x0F : low >> 4) | (((qh[32 * half + l] >> (2 * quarter)) & 3) << 4)) - 32;
+    out[i / kBlock].q[i % kBlock] = static_cast<uint8_t>(static_cast<int8_t>(value));
+    out[i / kBlock].d[i % kBlock / 16] = d * scales[i / 16];
+  }
+}
+
+// IQ4_XS: 8 sub-blocks of 32, each with a 6-bit scale, their 4-bit indices into IQ4_NL's table.
+void decode_iq4_xs(const uint8_t* block, SubBlock* out) {
+  const float d = half_to_float(load_half(block));
+  const uint16_t scales_high = load_half(block + 2);
+  const uint8_t* scales_low = block + 4;
+  const uint8_t* qs = block + 8;
+  for (int64_t s = 0; s < 8; ++s) {
+    const int scale = (((scales_low[s / 2] >> (4 * (s % 2))) & 0x0F) | (((scales_high >> (2 * s)) & 3) << 4)) - 32;
+    out[s].d[0] = d * static_cast<float>(scale);
+    for (int64_t l = 0; l < kBlock; ++l) out[s].q[l] = static_cast<uint8_t>(kIQ4Values[nibble(qs + 16 * s, l)]);
+  }
+}
+
+// The sub-blocks of one GGML block (1 of 32 weights, or 8 for the 256 of the K-quants and IQ4_XS).
 void decode_block(const uint8_t* block, int64_t type, SubBlock* out) {
-  if (type == kQ4_0 || type == kQ4_1 || type == kQ8_0) {
-    SubBlock& sb = out[0];
-    sb.d_half = load_half(block);
-    const uint8_t* quants = block + (type == kQ4_1 ? 4 : 2);
-    if (type == kQ4_1) sb.m_half = load_half(block + 2);
-    if (type == kQ4_0) sb.m_half = c10::Half(-8.0f * half_to_float(sb.d_half)).x;  // a power of 2: exact
-    for (int64_t j = 0; j < kBlock / 2 && type != kQ8_0; ++j) {
-      sb.q[j] = quants[j] & 0x0F;
-      sb.q[j + kBlock / 2] = quants[j] >> 4;
-    }
-    if (type == kQ8_0) std::memcpy(sb.q, quants, kBlock);
-  } else if (type == kQ4_K) {
-    const float d = half_to_float(load_half(block)), dmin = half_to_float(load_half(block + 2));
-    const uint8_t* scales = block + 4;
-    const uint8_t* qs = block + 16;
-    for (int64_t s = 0; s < 8; ++s) {
-      uint8_t scale, min;
-      scale_min_k4(s, scales, scale, min);
-      out[s].d[0] = d * scale;
-      out[s].m = -(dmin * min);
-      const uint8_t* bytes = qs + 32 * (s / 2);  // sub-blocks 2p and 2p + 1: the low and high nibbles of 32 bytes
-      for (int64_t l = 0; l < kBlock; ++l) out[s].q[l] = s % 2 ? bytes[l] >> 4 : bytes[l] & 0x0F;
-    }
-  } else {  // Q6_K
-    const uint8_t* ql = block;
-    const uint8_t* qh = block + 128;
-    const auto* scales = reinterpret_cast<const int8_t*>(block + 192);
-    const float d = half_to_float(load_half(block + 208));
-    for (int64_t i = 0; i < 256; ++i) {  // as ggml's dequantize_row_q6_K: halves of 128, quarters of 32
-      const int64_t half = i / 128, quarter = i % 128 / 32, l = i % 32;
-      const uint8_t low = ql[64 * half + l + 32 * (quarter % 2)];
-      const int value = ((quarter < 2 ? low & 0x0F : low >> 4) | (((qh[32 * half + l] >> (2 * quarter)) & 3) << 4)) - 32;
-      out[i / kBlock].q[i % kBlock] = static_cast<uint8_t>(static_cast<int8_t>(value));
-      out[i / kBlock].d[i % kBlock / 16] = d * scales[i / 16];
-    }
+  switch (type) {
+    case kQ2_K: return decode_q2_k(block, out);
+    case kQ3_K: return decode_q3_k(block, out);
+    case kQ4_K: return decode_q45_k(block, false, out);
+    case kQ5_K: return decode_q45_k(block, true, out);
+    case kQ6_K: return decode_q6_k(block, out);
+    case kIQ4_XS: return decode_iq4_xs(block, out);
+    default: return decode_small(block, type, out[0]);
   }
 }
 
 // One row's sub-block written into its column `c` of a packed group block.
 void write_sub_block(const SubBlock& sb, const Layout& layout, int64_t c, uint8_t* to) {
+  const int64_t width = layout.f32 ? 4 : 2, half = kCols * width, m_at = layout.scale_bytes();
   if (layout.f32) {
-    std::memcpy(to + 4 * c, &sb.d[0], 4);
-    if (layout.halves) std::memcpy(to + 4 * kCols + 4 * c, &sb.d[1], 4);
-    if (!layout.q8) std::memcpy(to + 4 * kCols + 4 * c, &sb.m, 4);
+    for (int64_t h = 0; h < (layout.halves ? 2 : 1); ++h) {
+      std::memcpy(to + h * half + 4 * c, &sb.d[h], 4);
+      if (!layout.q8()) std::memcpy(to + m_at + h * half + 4 * c, &sb.m[h], 4);
+    }
   } else {
     std::memcpy(to + 2 * c, &sb.d_half, 2);
-    if (!layout.q8) std::memcpy(to + 2 * kCols + 2 * c, &sb.m_half, 2);
+    if (!layout.q8()) std::memcpy(to + m_at + 2 * c, &sb.m_half, 2);
   }
   uint8_t* runs = to + layout.quants_at();
-  if (layout.q8) {
+  if (layout.q8()) {
     for (int64_t k = 0; k < 8; ++k) std::memcpy(runs + 32 * k + 4 * c, sb.q + 4 * k, 4);
     return;
   }
   uint8_t bytes[kBlock / 2];
-  for (int64_t j = 0; j < kBlock / 2; ++j) bytes[j] = sb.q[j] | (sb.q[j + kBlock / 2] << 4);
+  for (int64_t j = 0; j < kBlock / 2; ++j) bytes[j] = (sb.q[j] & 0x0F) | ((sb.q[j + kBlock / 2] & 0x0F) << 4);
   for (int64_t k = 0; k < 4; ++k) std::memcpy(runs + 32 * k + 4 * c, bytes + 4 * k, 4);
+  if (layout.bits != 5) return;
+  for (int64_t i = 0; i < 4; ++i) {
+    uint8_t fifth = 0;
+    for (int64_t k = 0; k < 4; ++k) {
+      fifth |= ((sb.q[4 * k + i] >> 4) & 1) << (2 * k);
+      fifth |= ((sb.q[16 + 4 * k + i] >> 4) & 1) << (2 * k + 1);
+    }
+    to[layout.high_at() + 4 * c + i] = fifth;
+  }
 }
 
-// The activations of one row, per block of 32: int8 values, their scale, and scale * sum (what m multiplies).
+// The activations of one row, per block of 32: int8 values, their scale, and what the offsets m multiply: scale *
+// sum, and scale * the sums of weights 0-15 and 16-31 (for the types with an offset per 16).
 struct QuantizedRows {
   std::vector<int8_t> q;
   std::vector<float> scale;
   std::vector<float> scaled_sum;
+  std::vector<float> scaled_halves;  // [blocks * 2]
 };
 
 template <typename T>
 QuantizedRows quantize_rows(const T* x, int64_t rows, int64_t in) {
   const int64_t blocks = in / kBlock;
-  QuantizedRows out{std::vector<int8_t>(rows * in), std::vector<float>(rows * blocks), std::vector<float>(rows * blocks)};
+  QuantizedRows out{std::vector<int8_t>(rows * in), std::vector<float>(rows * blocks),
+                    std::vector<float>(rows * blocks), std::vector<float>(rows * blocks * 2)};
   at::parallel_for(0, rows * blocks, 64, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const T* block = x + i * kBlock;  // rows are contiguous, so block i of the flattened rows
@@ -192,14 +316,16 @@ QuantizedRows quantize_rows(const T* x, int64_t rows, int64_t in) {
       for (int64_t j = 0; j < kBlock; ++j) most = std::max(most, std::abs(static_cast<float>(block[j])));
       const float scale = most / 127.0f;
       const float inverse = scale > 0.0f ? 1.0f / scale : 0.0f;
-      int32_t total = 0;
+      int32_t totals[2] = {0, 0};
       for (int64_t j = 0; j < kBlock; ++j) {
         const auto value = static_cast<int8_t>(std::nearbyint(static_cast<float>(block[j]) * inverse));
         out.q[i * kBlock + j] = value;
-        total += value;
+        totals[j / 16] += value;
       }
       out.scale[i] = scale;
-      out.scaled_sum[i] = scale * static_cast<float>(total);
+      out.scaled_sum[i] = scale * static_cast<float>(totals[0] + totals[1]);
+      out.scaled_halves[2 * i] = scale * static_cast<float>(totals[0]);
+      out.scaled_halves[2 * i + 1] = scale * static_cast<float>(totals[1]);
     }
   });
   return out;
@@ -227,50 +353,57 @@ inline float scale_at(const uint8_t* p, int64_t c) {
   }
 }
 
-// Quant j (0-31) of output column c in a packed block's runs: its int8 value, or its 4-bit one (0-15).
-inline int32_t quant_at(const uint8_t* runs, bool q8, int64_t c, int64_t j) {
-  const int64_t run = j % (kBlock / (q8 ? 1 : 2)) / 4, at = run * 32 + c * 4 + j % 4;
-  return q8 ? static_cast<int8_t>(runs[at]) : (runs[at] >> (j < 16 ? 0 : 4)) & 0x0F;
+// Quant j (0-31) of output column c in a packed block: its int8 value, or its unsigned 4/5-bit one.
+inline int32_t quant_at(const uint8_t* block, const Layout& layout, int64_t c, int64_t j) {
+  const uint8_t* runs = block + layout.quants_at();
+  if (layout.q8()) return static_cast<int8_t>(runs[j / 4 * 32 + c * 4 + j % 4]);
+  const int64_t k = j % 16 / 4, at = c * 4 + j % 4;
+  int32_t value = (runs[k * 32 + at] >> (j < 16 ? 0 : 4)) & 0x0F;
+  if (layout.bits == 5) value |= ((block[layout.high_at() + at] >> (2 * k + (j < 16 ? 0 : 1))) & 1) << 4;
+  return value;
 }
 
 // The 32 weights of output column c in one packed block, dequantized as GGUF computes them: d x q, plus m for the
-// 4-bit types, d x q rounded before m is added (`volatile`: never fused into one FMA, which would round once).
+// types with an offset, d x q rounded before m is added (`volatile`: never fused into one FMA, which would round
+// once).
 void dequantize_column(const uint8_t* block, const Layout& layout, int64_t c, float* out) {
   const auto scale = [&](int64_t at) {
     return layout.f32 ? scale_at<true>(block + at, c) : scale_at<false>(block + at, c);
   };
   for (int64_t j = 0; j < kBlock; ++j) {
-    const float d = scale(layout.halves && j >= 16 ? layout.scale_bytes() / 2 : 0);
-    const volatile float product = d * static_cast<float>(quant_at(block + layout.quants_at(), layout.q8, c, j));
-    out[j] = layout.q8 ? product : product + scale(layout.scale_bytes());
+    const int64_t half = layout.halves && j >= 16 ? layout.scale_bytes() / 2 : 0;
+    const volatile float product = scale(half) * static_cast<float>(quant_at(block, layout, c, j));
+    out[j] = layout.q8() ? product : product + scale(layout.scale_bytes() + half);
   }
 }
 
 // Portable loops: for each row and each of the group's 8 outputs, block by block, the AVX2 path's operations.
-template <bool Q8, bool F32, bool Halves>
+template <int Bits, bool F32, bool Halves>
 void tile_portable(const Tile& t, int64_t count) {
-  constexpr Layout layout{Q8, F32, Halves};
-  constexpr int64_t bytes = layout.bytes();
+  constexpr Layout layout{Bits, F32, Halves};
+  constexpr int64_t bytes = layout.bytes(), half = layout.scale_bytes() / 2;
   for (int64_t r = t.first; r < t.first + count; ++r) {
     for (int64_t c = 0; c < kCols; ++c) {
       float acc = 0.0f;
       for (int64_t b = 0; b < t.blocks; ++b) {
         const uint8_t* g = t.group + b * bytes;
-        const uint8_t* runs = g + layout.quants_at();
         const int8_t* qx = &t.x->q[(r * t.blocks + b) * kBlock];
         int32_t dots[2] = {0, 0};  // weights 0-15, 16-31
-        for (int64_t j = 0; j < kBlock; ++j) {
-          dots[j / 16] += quant_at(runs, Q8, c, j) * qx[j];
-        }
+        for (int64_t j = 0; j < kBlock; ++j) dots[j / 16] += quant_at(g, layout, c, j) * qx[j];
         const int64_t at = r * t.blocks + b;
         const float a = t.x->scale[at];
         if constexpr (Halves) {
           acc = std::fma(scale_at<F32>(g, c) * a, static_cast<float>(dots[0]), acc);
-          acc = std::fma(scale_at<F32>(g + layout.scale_bytes() / 2, c) * a, static_cast<float>(dots[1]), acc);
+          acc = std::fma(scale_at<F32>(g + half, c) * a, static_cast<float>(dots[1]), acc);
         } else {
           acc = std::fma(scale_at<F32>(g, c) * a, static_cast<float>(dots[0] + dots[1]), acc);
         }
-        if constexpr (!Q8) acc = std::fma(scale_at<F32>(g + layout.scale_bytes(), c), t.x->scaled_sum[at], acc);
+        if constexpr (Bits != 8 && Halves) {
+          acc = std::fma(scale_at<F32>(g + layout.scale_bytes(), c), t.x->scaled_halves[2 * at], acc);
+          acc = std::fma(scale_at<F32>(g + layout.scale_bytes() + half, c), t.x->scaled_halves[2 * at + 1], acc);
+        } else if constexpr (Bits != 8) {
+          acc = std::fma(scale_at<F32>(g + layout.scale_bytes(), c), t.x->scaled_sum[at], acc);
+        }
       }
       t.out[(r - t.first) * t.out_stride + c] = acc;
     }
@@ -290,49 +423,77 @@ inline __m256 load_scales(const uint8_t* p) {
   else return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 }
 
-// Rows [first, first + R) against one group of a Q4 matrix: a block's 8 integer dot products per row in one
-// vector, accumulated in int16 (at most 8 * 2 * 15 * 127 = 30480), then scaled and summed in float.
-template <int64_t R, bool F32>
+// Rows [first, first + R) against one group of a 4- or 5-bit matrix: a block's 8 integer dot products per row in
+// one vector (two with `Halves`: weights 0-15 and 16-31), summed in int16 while they fit (4-bit: 4 runs, at most
+// 4 * 2 * 2 * 15 * 128 = 30720; 5-bit: 2 runs, 2 * 2 * 2 * 31 * 128 = 31744), then in int32, scaled and summed in
+// float.
+template <int64_t R, int Bits, bool F32, bool Halves>
 void tile_q4_avx2(const Tile& t) {
-  constexpr Layout layout{false, F32, false};
-  constexpr int64_t bytes = layout.bytes();
-  const __m256i nibble = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  constexpr Layout layout{Bits, F32, Halves};
+  constexpr int64_t bytes = layout.bytes(), half = layout.scale_bytes() / 2, flush = Bits == 5 ? 2 : 4;
+  constexpr int64_t parts = Halves ? 2 : 1;
+  const __m256i nibble = _mm256_set1_epi8(0x0F), fifth = _mm256_set1_epi8(0x10), ones = _mm256_set1_epi16(1);
   __m256 acc[R];
   for (int64_t r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
   for (int64_t b = 0; b < t.blocks; ++b) {
     const uint8_t* g = t.group + b * bytes;
     smolserve::prefetch_ahead(g, bytes);
     const int8_t* qx[R];
-    __m256i sums[R];
+    __m256i sums[R][parts], wide[R][parts];
     for (int64_t r = 0; r < R; ++r) {
       qx[r] = &t.x->q[((t.first + r) * t.blocks + b) * kBlock];
-      sums[r] = _mm256_setzero_si256();
+      for (int64_t p = 0; p < parts; ++p) sums[r][p] = wide[r][p] = _mm256_setzero_si256();
     }
+    __m256i high_bits = _mm256_setzero_si256();
+    if constexpr (Bits == 5) high_bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(g + layout.high_at()));
     for (int64_t k = 0; k < 4; ++k) {
       const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(g + layout.quants_at() + 32 * k));
-      const __m256i low = _mm256_and_si256(w, nibble), high = _mm256_and_si256(_mm256_srli_epi16(w, 4), nibble);
+      __m256i low = _mm256_and_si256(w, nibble), high = _mm256_and_si256(_mm256_srli_epi16(w, 4), nibble);
+      if constexpr (Bits == 5) {  // run k's fifth bits are bits 2k and 2k + 1 of each byte: moved to bit 4
+        low = _mm256_or_si256(low, _mm256_and_si256(_mm256_slli_epi16(high_bits, 4), fifth));
+        high = _mm256_or_si256(high, _mm256_and_si256(_mm256_slli_epi16(high_bits, 3), fifth));
+        high_bits = _mm256_srli_epi16(high_bits, 2);
+      }
       for (int64_t r = 0; r < R; ++r) {
-        const __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(low, broadcast4(qx[r] + 4 * k)),
-                                           _mm256_maddubs_epi16(high, broadcast4(qx[r] + 16 + 4 * k)));
-        sums[r] = _mm256_add_epi16(sums[r], p);
+        const __m256i pl = _mm256_maddubs_epi16(low, broadcast4(qx[r] + 4 * k));
+        const __m256i ph = _mm256_maddubs_epi16(high, broadcast4(qx[r] + 16 + 4 * k));
+        if constexpr (Halves) {
+          sums[r][0] = _mm256_add_epi16(sums[r][0], pl);
+          sums[r][1] = _mm256_add_epi16(sums[r][1], ph);
+        } else {
+          sums[r][0] = _mm256_add_epi16(sums[r][0], _mm256_add_epi16(pl, ph));
+        }
+        if ((k + 1) % flush == 0) {
+          for (int64_t p = 0; p < parts; ++p) {
+            wide[r][p] = _mm256_add_epi32(wide[r][p], _mm256_madd_epi16(sums[r][p], ones));
+            sums[r][p] = _mm256_setzero_si256();
+          }
+        }
       }
     }
     const __m256 d = load_scales<F32>(g), m = load_scales<F32>(g + layout.scale_bytes());
     for (int64_t r = 0; r < R; ++r) {
       const int64_t at = (t.first + r) * t.blocks + b;
-      const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(sums[r], ones));
-      acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(t.x->scale[at])), dot, acc[r]);
-      acc[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(t.x->scaled_sum[at]), acc[r]);
+      const __m256 a = _mm256_set1_ps(t.x->scale[at]);
+      acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(d, a), _mm256_cvtepi32_ps(wide[r][0]), acc[r]);
+      if constexpr (Halves) {
+        const __m256 d_high = load_scales<F32>(g + half), m_high = load_scales<F32>(g + layout.scale_bytes() + half);
+        acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(d_high, a), _mm256_cvtepi32_ps(wide[r][1]), acc[r]);
+        acc[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(t.x->scaled_halves[2 * at]), acc[r]);
+        acc[r] = _mm256_fmadd_ps(m_high, _mm256_set1_ps(t.x->scaled_halves[2 * at + 1]), acc[r]);
+      } else {
+        acc[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(t.x->scaled_sum[at]), acc[r]);
+      }
     }
   }
   for (int64_t r = 0; r < R; ++r) _mm256_storeu_ps(t.out + r * t.out_stride, acc[r]);
 }
 
-// The same for Q8: signed weights, so |q| times qx with q's sign; pairs reach 2 * 128 * 127, so int32 per run.
-// With `Halves` (Q6_K) the runs of weights 0-15 and 16-31 are summed apart, each with its own scale.
+// The same for 8-bit: signed weights, so |q| times qx with q's sign; pairs reach 2 * 128 * 127, so int32 per run.
+// With `Halves` (Q3_K, Q6_K) the runs of weights 0-15 and 16-31 are summed apart, each with its own scale.
 template <int64_t R, bool F32, bool Halves>
 void tile_q8_avx2(const Tile& t) {
-  constexpr Layout layout{true, F32, Halves};
+  constexpr Layout layout{8, F32, Halves};
   constexpr int64_t bytes = layout.bytes();
   const __m256i ones = _mm256_set1_epi16(1);
   __m256 acc[R];
@@ -370,11 +531,11 @@ void tile_q8_avx2(const Tile& t) {
   for (int64_t r = 0; r < R; ++r) _mm256_storeu_ps(t.out + r * t.out_stride, acc[r]);
 }
 
-template <bool Q8, bool F32, bool Halves>
+template <int Bits, bool F32, bool Halves>
 void tile_avx2(const Tile& t, int64_t count) {
   auto run = [&](auto rows) {
-    if constexpr (Q8) tile_q8_avx2<decltype(rows)::value, F32, Halves>(t);
-    else tile_q4_avx2<decltype(rows)::value, F32>(t);
+    if constexpr (Bits == 8) tile_q8_avx2<decltype(rows)::value, F32, Halves>(t);
+    else tile_q4_avx2<decltype(rows)::value, Bits, F32, Halves>(t);
   };
   switch (count) {
     case 1: return run(std::integral_constant<int64_t, 1>{});
@@ -387,20 +548,25 @@ void tile_avx2(const Tile& t, int64_t count) {
 
 using TileFn = void (*)(const Tile&, int64_t);
 
-template <bool Q8, bool F32, bool Halves>
+template <int Bits, bool F32, bool Halves>
 TileFn tile_of(bool portable) {
 #if defined(SMOLSERVE_QUANT_AVX2)
-  if (!portable) return tile_avx2<Q8, F32, Halves>;
+  if (!portable) return tile_avx2<Bits, F32, Halves>;
 #endif
-  return tile_portable<Q8, F32, Halves>;
+  return tile_portable<Bits, F32, Halves>;
 }
 
+// One instantiation for each layout `layout_of` gives.
 TileFn tile_function(const Layout& layout, bool portable) {
-  if (layout.q8) {
-    if (layout.halves) return tile_of<true, true, true>(portable);
-    return layout.f32 ? tile_of<true, true, false>(portable) : tile_of<true, false, false>(portable);
+  switch (layout.bits) {
+    case 4:
+      if (layout.halves) return tile_of<4, true, true>(portable);
+      return layout.f32 ? tile_of<4, true, false>(portable) : tile_of<4, false, false>(portable);
+    case 5: return layout.f32 ? tile_of<5, true, false>(portable) : tile_of<5, false, false>(portable);
+    default:
+      if (layout.halves) return tile_of<8, true, true>(portable);
+      return layout.f32 ? tile_of<8, true, false>(portable) : tile_of<8, false, false>(portable);
   }
-  return layout.f32 ? tile_of<false, true, false>(portable) : tile_of<false, false, false>(portable);
 }
 
 }  // namespace

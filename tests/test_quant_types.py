@@ -1,0 +1,114 @@
+"""Every GGML type the native matmul reads, on random blocks (hypothesis): rows dequantized from the packed blocks
+bit for bit as gguf-py's reference does, products equal to the float reference of the same integers (the weights
+as GGUF dequantizes them times the activations as the kernel rounds them to 8 bits per block of 32) within float32
+rounding, the AVX2 path bitwise the portable loops, and a row the same whatever shares its call."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGML_QUANT_SIZES
+from gguf.quants import GGMLQuantizationType, dequantize
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from engine.runtime import kernels
+from engine.runtime.quantized_weights import SUPPORTED
+
+T = GGMLQuantizationType
+#: Where each type's fp16 scales (d, and dmin or m) sit in its block: random bytes there could be inf or NaN.
+HALF_SCALES = {
+    T.Q4_0: [0], T.Q4_1: [0, 2], T.Q5_0: [0], T.Q5_1: [0, 2], T.Q8_0: [0], T.IQ4_NL: [0], T.Q2_K: [80, 82],
+    T.Q3_K: [108], T.Q4_K: [0, 2], T.Q5_K: [0, 2], T.Q6_K: [208], T.IQ4_XS: [0],
+}  # fmt: skip
+TYPES = list(HALF_SCALES)
+
+
+def test_every_listed_type_is_read() -> None:
+    assert {t.name for t in TYPES} == set(SUPPORTED) and all(SUPPORTED[t.name] == int(t) for t in TYPES)
+
+
+def random_blocks(qtype: T, out: int, blocks: int, seed: int, scale: float = 0.02) -> np.ndarray:
+    """``out`` rows of ``blocks`` random blocks (any bytes are valid quants and sub-scales) with finite fp16 scales
+    of either sign up to ``scale``: GGML's bytes, ``[out, bytes]``."""
+    rng = np.random.default_rng(seed)
+    _, size = GGML_QUANT_SIZES[qtype]
+    raw = rng.integers(0, 256, (out, blocks, size), dtype=np.uint8)
+    for at in HALF_SCALES[qtype]:
+        raw[..., at : at + 2] = rng.uniform(-scale, scale, (out, blocks, 1)).astype(np.float16).view(np.uint8)
+    return raw.reshape(out, -1)
+
+
+def q8_activations(x: torch.Tensor) -> torch.Tensor:
+    """``x`` as the kernel multiplies it: each block of 32 rounded to int8 steps of max|x| / 127."""
+    blocks = x.float().reshape(x.shape[0], -1, 32)
+    scale = blocks.abs().amax(dim=-1, keepdim=True) / 127
+    q = torch.where(scale > 0, blocks * torch.where(scale > 0, 1 / scale, 0), 0).round()
+    return (q * scale).reshape(x.shape)
+
+
+def ops():
+    native = kernels.native_ops()
+    assert native is not None
+    return native
+
+
+@settings(max_examples=12, deadline=None)
+@given(qtype=st.sampled_from(TYPES), out=st.integers(1, 20), seed=st.integers(0, 2**31))
+def test_rows_dequantize_bitwise_as_gguf_does(qtype: T, out: int, seed: int) -> None:
+    weights_per_block, _ = GGML_QUANT_SIZES[qtype]
+    blocks = 512 // weights_per_block
+    raw = random_blocks(qtype, out, blocks, seed)
+    packed = ops().quant_pack(torch.from_numpy(raw), int(qtype))
+    index = torch.tensor([out - 1, 0, *range(out)])  # the last group's last row, repeats, every column
+    rows = ops().quant_rows(packed, int(qtype), index)
+    assert torch.equal(rows, torch.from_numpy(dequantize(raw, qtype).copy())[index])
+
+
+@settings(max_examples=24, deadline=None)
+@given(
+    qtype=st.sampled_from(TYPES),
+    rows=st.sampled_from([1, 2, 3, 4, 5, 9, 64, 67]),
+    out=st.integers(1, 19),
+    seed=st.integers(0, 2**31),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+)
+def test_products_are_the_float_reference_of_the_same_integers(
+    qtype: T, rows: int, out: int, seed: int, dtype: torch.dtype
+) -> None:
+    weights_per_block, _ = GGML_QUANT_SIZES[qtype]
+    inp = 2 * max(weights_per_block, 64)
+    raw = random_blocks(qtype, out, inp // weights_per_block, seed)
+    dense = torch.from_numpy(dequantize(raw, qtype).copy()).double()
+    x = torch.randn(rows, inp, generator=torch.Generator().manual_seed(seed)).to(dtype)
+    packed = ops().quant_pack(torch.from_numpy(raw), int(qtype))
+    got = ops().quant_linear(x, packed, int(qtype), out, False)
+    want = q8_activations(x).double() @ dense.T
+    bound = (q8_activations(x).double().abs() @ dense.abs().T) * 1e-5 + 1e-6  # float32 sums of ~100 terms
+    if dtype == torch.bfloat16:
+        bound = bound + want.abs() / 128  # the result rounded to bfloat16
+    assert got.dtype == dtype and got.shape == (rows, out)
+    assert ((got.double() - want).abs() <= bound).all()
+    assert torch.equal(got, ops().quant_linear(x, packed, int(qtype), out, True))  # AVX2 == portable, bitwise
+    for row in {0, rows - 1}:
+        assert torch.equal(ops().quant_linear(x[row : row + 1], packed, int(qtype), out, False)[0], got[row])
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_extreme_quants_and_activations_do_not_overflow(qtype: T) -> None:
+    """Every quant byte at 0xFF or 0x00 (the largest 4/5-bit values, int8 -1 or 0, the widest table entries)
+    against activations all at +-127: the widest integer sums the kernel's 16-bit lanes see."""
+    weights_per_block, _ = GGML_QUANT_SIZES[qtype]
+    for fill in (0xFF, 0x00, 0x77):
+        raw = random_blocks(qtype, 8, 256 // weights_per_block, seed=fill)
+        scales = raw.reshape(8, 256 // weights_per_block, -1)[..., [a + i for a in HALF_SCALES[qtype] for i in (0, 1)]]
+        raw.reshape(8, 256 // weights_per_block, -1)[:] = fill
+        raw.reshape(8, 256 // weights_per_block, -1)[..., [a + i for a in HALF_SCALES[qtype] for i in (0, 1)]] = scales
+        dense = torch.from_numpy(dequantize(raw, qtype).copy()).double()
+        packed = ops().quant_pack(torch.from_numpy(raw), int(qtype))
+        for sign in (1.0, -1.0):
+            x = torch.full((3, 256), sign)
+            want = x.double() @ dense.T
+            got = ops().quant_linear(x, packed, int(qtype), 8, False).double()
+            assert ((got - want).abs() <= want.abs().max() * 1e-5 + 1e-6).all(), (fill, sign)
