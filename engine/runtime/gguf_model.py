@@ -1,4 +1,4 @@
-"""A llama GGUF served from its own blocks, without converting it: the transformers model is built from its config
+"""A GGUF of a natively served architecture (``engine/core/architectures.py``) served from its own blocks, without converting it: the transformers model is built from its config
 on uninitialized memory, the file's unquantized tensors (norms, any matrix in a type the native matmul does not
 read) are copied in, and the quantized matrices are kept as blocks for the native matmul. Their dense values are
 made only where a path needs them (``densify``: the start-up probe's layer, the dense twin of ``--batch-invariant
@@ -18,10 +18,15 @@ import torch
 from gguf import GGUFReader
 from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
-from engine.runtime.gguf_weights import hf_name, read, unpermute_rows
+from engine.runtime.gguf_weights import hf_name, permuted_qk, read, unpermute_rows
 from engine.runtime.quantized_weights import QuantizedWeight
 
-_NORMS = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm"}
+_NORMS = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+}
 
 
 def build(
@@ -62,13 +67,14 @@ def _dense_tensors(reader: GGUFReader, config: PretrainedConfig, skip: set[str])
     """``(name, values)`` for every tensor of the file that is not in ``skip``, dequantized by gguf's reader."""
     from gguf.quants import dequantize
 
+    permuted = permuted_qk(reader)
     for tensor in reader.tensors:
         name = _name(tensor.name)
         if name is None or name in skip:
             continue
         shape = tuple(int(d) for d in reversed(tensor.shape))  # GGUF lists dimensions innermost first
         values = np.asarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32).reshape(shape)
-        if ".attn_q." in tensor.name or ".attn_k." in tensor.name:
+        if permuted and (".attn_q." in tensor.name or ".attn_k." in tensor.name):
             heads = config.num_attention_heads if ".attn_q." in tensor.name else config.num_key_value_heads
             values = unpermute_rows(values, heads)
         yield name, torch.from_numpy(np.array(values, copy=True, order="C"))

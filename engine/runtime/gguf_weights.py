@@ -1,9 +1,9 @@
 """A GGUF's quantized weight matrices as they are stored, for the native quantized matmul
-(``csrc/quant_matmul.cpp``, through ``engine/runtime/quantized_weights.py``). Q4_0, Q4_1, Q8_0, Q4_K and Q6_K are read;
-matrices of other types are left to the dense path.
+(``csrc/quant_matmul.cpp``, through ``engine/runtime/quantized_weights.py``): every type in ``SUPPORTED``; matrices of
+other types (F16, BF16, F32) are left to the dense path.
 
-Names are transformers' llama names (``model.layers.3.mlp.up_proj.weight``); the rows of the query and key
-projections are put back in transformers' order (GGUF files store them permuted for llama.cpp's RoPE), as
+Names are transformers' names (``model.layers.3.mlp.up_proj.weight``); in a llama file the rows of the query and
+key projections are put back in transformers' order (llama.cpp's converter stores them permuted for its RoPE), as
 transformers does when it dequantizes the file, so a quantized matrix and the dequantized one hold the same rows.
 """
 
@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from engine.core.architectures import ARCHITECTURES
 from engine.runtime.quantized_weights import SUPPORTED, QuantizedWeight
 
 if TYPE_CHECKING:
@@ -38,6 +39,7 @@ def read(path: Path | GGUFReader, num_heads: int, num_kv_heads: int) -> dict[str
     from gguf import GGUFReader
 
     reader = path if isinstance(path, GGUFReader) else GGUFReader(path)
+    permuted = permuted_qk(reader)
     weights: dict[str, QuantizedWeight] = {}
     for tensor in reader.tensors:
         qtype = SUPPORTED.get(tensor.tensor_type.name)
@@ -45,7 +47,7 @@ def read(path: Path | GGUFReader, num_heads: int, num_kv_heads: int) -> dict[str
         if qtype is None or name is None:
             continue
         rows = np.asarray(tensor.data)
-        if ".attn_q." in tensor.name or ".attn_k." in tensor.name:
+        if permuted and (".attn_q." in tensor.name or ".attn_k." in tensor.name):
             rows = unpermute_rows(rows, num_heads if ".attn_q." in tensor.name else num_kv_heads)
         in_features = int(tensor.shape[0])  # GGUF lists dimensions innermost first
         weights[name] = QuantizedWeight(torch.from_numpy(np.array(rows, copy=True, order="C")), qtype, in_features)
@@ -54,14 +56,26 @@ def read(path: Path | GGUFReader, num_heads: int, num_kv_heads: int) -> dict[str
     return weights
 
 
+def architecture(reader: GGUFReader) -> str:
+    """The file's ``general.architecture``."""
+    return str(reader.fields["general.architecture"].contents())
+
+
+def permuted_qk(reader: GGUFReader) -> bool:
+    """Whether the file's query and key rows are stored permuted for llama.cpp's RoPE (its llama converter)."""
+    arch = ARCHITECTURES.get(architecture(reader))
+    return arch is not None and arch.permuted_qk
+
+
 def hf_name(name: str) -> str | None:
+    """transformers' name of a projection's weight or bias (or of the embedding or output layer)."""
     if name == "token_embd.weight":
         return "model.embed_tokens.weight"
     if name == "output.weight":
         return "lm_head.weight"
     parts = name.split(".")
-    if len(parts) == 4 and parts[0] == "blk" and parts[2] in _LAYER_NAMES:
-        return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}.weight"
+    if len(parts) == 4 and parts[0] == "blk" and parts[2] in _LAYER_NAMES and parts[3] in ("weight", "bias"):
+        return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}.{parts[3]}"
     return None
 
 

@@ -1,6 +1,6 @@
 """Find and load a model named on the command line. Imports torch and transformers.
 
-A llama GGUF served from its own blocks (``blocks=True``: the native kernels' path) is read as it is
+A GGUF of a natively served architecture (``engine/core/architectures.py``), served from its own blocks (``blocks=True``: the native kernels' path) is read as it is
 (``engine/runtime/gguf_model.py``); only its config and tokenizer, which transformers takes ~5 s to read from the
 file, are saved once under the cache directory (``$SMOLSERVE_CACHE_DIR``, default ``~/.cache/smolserve``), keyed by
 the file's content hash. Every other GGUF path needs dense weights: transformers dequantizes the file (slow: ~12-30 s
@@ -33,6 +33,7 @@ from transformers import (
 )
 
 from engine.core import cpu
+from engine.core.architectures import by_model_type
 from engine.core.config import DEFAULT_GGUF, DEFAULT_MODEL
 from engine.runtime import gguf_model
 from engine.runtime.quantized_weights import QuantizedWeight
@@ -64,7 +65,7 @@ def load(spec: str, dtype: str = "float32", blocks: bool = False) -> LoadedModel
     if blocks and gguf is not None and not torch.cuda.is_available():
         described = _described(gguf)
         config = AutoConfig.from_pretrained(described)
-        if config.model_type == "llama":  # what the lean runner and the native kernels serve
+        if by_model_type(config.model_type) is not None:  # what the lean runner and the native kernels serve
             return _load_blocks(spec if spec == DEFAULT_MODEL else gguf.stem, gguf, described, config, dtype)
     started = time.perf_counter()
     name, source = _resolve(spec)
@@ -105,12 +106,16 @@ def _load_blocks(name: str, gguf: Path, described: Path, config: PretrainedConfi
 
 def _described(gguf: Path) -> Path:
     """A directory with the config, generation config and tokenizer of ``gguf``, saved once in the cache."""
-    target = cache_dir() / f"{gguf.stem}-{_file_hash(gguf)[:16]}-config"
+    from gguf import GGUFReader
+
+    from engine.runtime import gguf_config
+
+    target = cache_dir() / f"{gguf.stem}-{_file_hash(gguf)[:16]}-v2-config"
     if (target / "config.json").exists():
         return target
     with _fresh(target) as work:
         config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
-        config.save_pretrained(work)
+        gguf_config.complete(config, GGUFReader(gguf)).save_pretrained(work)
         GenerationConfig.from_model_config(config).save_pretrained(work)
         AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(work)
     return target

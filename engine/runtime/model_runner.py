@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface, PreTrainedModel
 
+from engine.core.architectures import by_model_type
 from engine.runtime import kernels
 from engine.runtime.attention import ATTENTION_NAME, attend, block_attention
 from engine.runtime.kv_cache import StepBatch
@@ -134,6 +135,13 @@ class _LlamaLayer:
     post_norm: torch.Tensor
     gate_up: torch.Tensor | PackedWeight | PackedParts  # [2 * intermediate, hidden]
     down: torch.Tensor | PackedWeight
+    qkv_bias: torch.Tensor | None = None  # q, k and v's biases stacked (qwen2)
+    q_norm: torch.Tensor | None = None  # each query head's RMSNorm weights (qwen3)
+    k_norm: torch.Tensor | None = None
+
+    def extras(self) -> dict[str, torch.Tensor | None]:
+        """What an architecture adds to a llama layer, as ``llama_layer``'s keyword arguments."""
+        return {"qkv_bias": self.qkv_bias, "q_norm": self.q_norm, "k_norm": self.k_norm}
 
     def packed(self) -> tuple[object, ...] | None:
         """The arguments ``llama_layer`` takes for this layer's weights, up to its post-attention norm; None unless
@@ -148,11 +156,14 @@ class _LlamaLayer:
 class LlamaRunner:
     @staticmethod
     def supports(model: PreTrainedModel) -> bool:
+        """A model of a natively served architecture (``engine/core/architectures.py``) without what the lean
+        forward leaves out."""
         config = model.config
         return (
-            config.model_type == "llama"
-            and not getattr(config, "attention_bias", False)
+            by_model_type(config.model_type) is not None
+            and not (config.model_type == "llama" and getattr(config, "attention_bias", False))
             and not getattr(config, "mlp_bias", False)
+            and not getattr(config, "use_sliding_window", False)
             and getattr(config, "hidden_act", "silu") == "silu"
             # RoPE from a table of every position: not for scalings that change with the sequence's length
             and (getattr(config, "rope_parameters", None) or {}).get("rope_type", "default") != "dynamic"
@@ -247,6 +258,8 @@ class LlamaRunner:
             stacked = QuantizedWeight.stack(parts)
             return stacked.pack() if stacked is not None else PackedParts(tuple(part.pack() for part in parts))
 
+        biases = [linear.bias for linear in (attn.q_proj, attn.k_proj, attn.v_proj)]
+        q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
         return _LlamaLayer(
             layer.input_layernorm.weight,
             fused(
@@ -256,6 +269,9 @@ class LlamaRunner:
             layer.post_attention_layernorm.weight,
             fused(["mlp.gate_proj", "mlp.up_proj"], [mlp.gate_proj, mlp.up_proj]),
             fused(["mlp.down_proj"], [mlp.down_proj]),
+            torch.cat([b.detach() for b in biases]) if all(b is not None for b in biases) else None,
+            None if q_norm is None else q_norm.weight,
+            None if k_norm is None else k_norm.weight,
         )
 
     def forward(
@@ -275,7 +291,7 @@ class LlamaRunner:
                 hidden, normed = self._layer_op(
                     hidden, normed, *self._packed[index], next_norm, self.eps, cos, sin, self.num_heads,
                     self.num_kv_heads, *kv, batch.slots, batch.block_tables, batch.lengths, batch.cache.block_size,
-                    self.scale,
+                    self.scale, **layer.extras(),
                 )  # fmt: skip
                 continue
             hidden, normed = self._layer(layer, next_norm, index, hidden, normed, cos, sin, batch)
@@ -299,8 +315,15 @@ class LlamaRunner:
     ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
         """One decoder layer op by op: the residual stream after it, and its normalization by ``next_norm``."""
         tile = self.tile
-        heads = linear(normed, layer.qkv, tile).view(hidden.shape[0], self.num_heads + 2 * self.num_kv_heads, -1)
-        qk = self._rope(heads[:, : self.num_heads + self.num_kv_heads], cos, sin)  # q and k in one pass
+        projected = linear(normed, layer.qkv, tile)
+        if layer.qkv_bias is not None:
+            projected = projected + layer.qkv_bias
+        heads = projected.view(hidden.shape[0], self.num_heads + 2 * self.num_kv_heads, -1)
+        qk = heads[:, : self.num_heads + self.num_kv_heads]
+        if layer.q_norm is not None and layer.k_norm is not None:  # each head normalized before its rotation
+            q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
+            qk = torch.cat([_rms_norm(q, layer.q_norm, self.eps), _rms_norm(k, layer.k_norm, self.eps)], dim=1)
+        qk = self._rope(qk, cos, sin)  # q and k in one pass
         q, k, v = qk[:, : self.num_heads], qk[:, self.num_heads :], heads[:, self.num_heads + self.num_kv_heads :]
         attended = attend(batch, index, q, k, v, self.scale)
         output = linear(attended.reshape(hidden.shape[0], -1), layer.o, tile)

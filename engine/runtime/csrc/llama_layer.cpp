@@ -7,6 +7,7 @@
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
+#include <optional>
 #include <tuple>
 
 #include "ops.h"
@@ -24,6 +25,11 @@ struct Projection {
   at::Tensor operator()(const at::Tensor& x) const { return quant_linear(x, packed, type, out, false); }
 };
 
+// As the runner's _rms_norm: normalized in float32 over the last dimension, scaled in the input's dtype.
+at::Tensor head_rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  return weight * at::rms_norm(x.to(at::kFloat), {x.size(-1)}, std::nullopt, eps).to(x.scalar_type());
+}
+
 }  // namespace
 
 // hidden, normed [rows, hidden]: the residual stream and its input norm; returns the residual stream after the
@@ -36,12 +42,20 @@ std::tuple<at::Tensor, at::Tensor> llama_layer(
     int64_t gate_up_type, int64_t gate_up_out, const at::Tensor& down, int64_t down_type, int64_t down_out,
     const at::Tensor& next_norm, double eps, const at::Tensor& cos, const at::Tensor& sin, int64_t num_heads,
     int64_t num_kv_heads, const at::Tensor& keys, const at::Tensor& values, const at::Tensor& slots,
-    const at::Tensor& block_tables, const at::Tensor& lengths, int64_t block_size, double scale) {
+    const at::Tensor& block_tables, const at::Tensor& lengths, int64_t block_size, double scale,
+    const std::optional<at::Tensor>& qkv_bias, const std::optional<at::Tensor>& q_norm,
+    const std::optional<at::Tensor>& k_norm) {
   const int64_t rows = hidden.size(0);
   TORCH_CHECK(num_heads % num_kv_heads == 0, "query heads must be a multiple of KV heads");
-  const at::Tensor heads =
-      Projection{qkv, qkv_type, qkv_out}(normed).view({rows, num_heads + 2 * num_kv_heads, -1});
-  const at::Tensor qk = rope(heads.narrow(1, 0, num_heads + num_kv_heads), cos, sin);  // q and k in one pass
+  at::Tensor projected = Projection{qkv, qkv_type, qkv_out}(normed);
+  if (qkv_bias.has_value()) projected = projected + *qkv_bias;
+  const at::Tensor heads = projected.view({rows, num_heads + 2 * num_kv_heads, -1});
+  at::Tensor qk = heads.narrow(1, 0, num_heads + num_kv_heads);
+  if (q_norm.has_value() && k_norm.has_value()) {  // each head normalized before its rotation
+    qk = at::cat({head_rms_norm(qk.narrow(1, 0, num_heads), *q_norm, eps),
+                  head_rms_norm(qk.narrow(1, num_heads, num_kv_heads), *k_norm, eps)}, 1);
+  }
+  qk = rope(qk, cos, sin);  // q and k in one pass
   const at::Tensor q = qk.narrow(1, 0, num_heads), k = qk.narrow(1, num_heads, num_kv_heads);
   write_kv(keys, values, slots, k, heads.narrow(1, num_heads + num_kv_heads, num_kv_heads));
   const at::Tensor grouped = q.reshape({rows, num_kv_heads, num_heads / num_kv_heads, -1});
@@ -60,7 +74,7 @@ TORCH_LIBRARY_FRAGMENT(smolserve, m) {
       "int o_out, Tensor post_norm, Tensor gate_up, int gate_up_type, int gate_up_out, Tensor down, int down_type, "
       "int down_out, Tensor next_norm, float eps, Tensor cos, Tensor sin, int num_heads, int num_kv_heads, "
       "Tensor(a!) keys, Tensor(b!) values, Tensor slots, Tensor block_tables, Tensor lengths, int block_size, "
-      "float scale) -> (Tensor, Tensor)");
+      "float scale, Tensor? qkv_bias=None, Tensor? q_norm=None, Tensor? k_norm=None) -> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(smolserve, CPU, m) { m.impl("llama_layer", &smolserve::llama_layer); }

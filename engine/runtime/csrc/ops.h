@@ -5,6 +5,7 @@
 #include <ATen/ATen.h>
 
 #include <cstdint>
+#include <optional>
 #include <tuple>
 
 namespace smolserve {
@@ -44,6 +45,8 @@ std::tuple<at::Tensor, at::Tensor> llama_layer(
     int64_t gate_up_type, int64_t gate_up_out, const at::Tensor& down, int64_t down_type, int64_t down_out,
     const at::Tensor& next_norm, double eps, const at::Tensor& cos, const at::Tensor& sin, int64_t num_heads,
     int64_t num_kv_heads, const at::Tensor& keys, const at::Tensor& values, const at::Tensor& slots,
-    const at::Tensor& block_tables, const at::Tensor& lengths, int64_t block_size, double scale);
+    const at::Tensor& block_tables, const at::Tensor& lengths, int64_t block_size, double scale,
+    const std::optional<at::Tensor>& qkv_bias, const std::optional<at::Tensor>& q_norm,
+    const std::optional<at::Tensor>& k_norm);
 
 }  // namespace smolserve

@@ -1,0 +1,46 @@
+"""A GGUF's model config from its own ``<arch>.*`` keys, where transformers' reading of the file leaves them out:
+the head size (``attention.key_length``: Qwen3's heads are not ``hidden / heads`` wide), whether the output layer
+is the embedding's (no ``output.weight`` tensor), and RoPE scaling (``rope.scaling.*``)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from transformers import PretrainedConfig
+
+from engine.core.architectures import ARCHITECTURES, names
+from engine.runtime.gguf_weights import architecture
+
+if TYPE_CHECKING:
+    from gguf import GGUFReader
+
+
+def complete(config: PretrainedConfig, reader: GGUFReader) -> PretrainedConfig:
+    """``config`` (transformers' from the file) with the file's keys that it lacks; refuses an architecture that
+    is not served natively, naming it and those that are."""
+    arch = architecture(reader)
+    if arch not in ARCHITECTURES:
+        raise UnsupportedArchitecture(
+            f"GGUF architecture {arch!r} is not served natively (served: {names()}); "
+            "--quantization none serves it through transformers"
+        )
+    fields = {name: field.contents() for name, field in reader.fields.items() if name.startswith(f"{arch}.")}
+
+    def key(name: str) -> Any:
+        return fields.get(f"{arch}.{name}")
+
+    if key("attention.key_length") is not None:
+        config.head_dim = int(key("attention.key_length"))
+    config.tie_word_embeddings = not any(tensor.name == "output.weight" for tensor in reader.tensors)
+    scaling = key("rope.scaling.type")
+    if scaling in ("linear", "yarn"):
+        parameters = dict(getattr(config, "rope_parameters", None) or {})
+        parameters.update(rope_type=scaling, factor=float(key("rope.scaling.factor")))
+        if scaling == "yarn":
+            parameters["original_max_position_embeddings"] = int(key("rope.scaling.original_context_length"))
+        config.rope_parameters = parameters
+    return config
+
+
+class UnsupportedArchitecture(ValueError):
+    pass
