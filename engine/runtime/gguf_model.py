@@ -1,8 +1,9 @@
-"""A GGUF of a natively served architecture (``engine/core/architectures.py``) served from its own blocks, without converting it: the transformers model is built from its config
-on uninitialized memory, the file's unquantized tensors (norms, any matrix in a type the native matmul does not
-read) are copied in, and the quantized matrices are kept as blocks for the native matmul. Their dense values are
-made only where a path needs them (``densify``: the start-up probe's layer, the dense twin of ``--batch-invariant
-off``), from the blocks by the native dequantizer, in memory.
+"""A GGUF of a natively served architecture (``engine/core/architectures.py``) served from its own blocks, without
+converting it: the transformers model is built from its config on uninitialized memory, the file's unquantized
+tensors (norms, any matrix in a type the native matmul does not read) are copied in, and the quantized matrices are
+kept as blocks for the native matmul. Their dense values are made only where a path needs them (``densify``: the
+start-up probe's layer, the dense twin of ``--batch-invariant off``), from the blocks by the native dequantizer, in
+memory.
 
 The other paths (``--quantization none`` or ``int8``, no native kernels, an architecture the lean runner does not
 run) load the dense copy that ``engine/runtime/loader.py`` converts once.
