@@ -15,13 +15,18 @@ from engine.core.config import DEFAULT_GGUF  # noqa: E402
 
 
 def start_llama(
-    binary: str, slots: int, context: int = 256, threads: int = 2, extra: list[str] | tuple[str, ...] = ()
+    binary: str,
+    slots: int,
+    context: int = 256,
+    threads: int = 2,
+    extra: list[str] | tuple[str, ...] = (),
+    gguf: Path | None = None,
 ) -> tuple[subprocess.Popen[bytes], str]:
-    """llama.cpp's server on the default GGUF, ``threads`` threads, ``slots`` sequences of ``context`` positions
-    each, and ``extra`` flags. Where its weight repacking crashes at start (Intel AMX machines), again with
-    ``--no-repack``."""
+    """llama.cpp's server on ``gguf`` (the default GGUF when None), ``threads`` threads, ``slots`` sequences of
+    ``context`` positions each, and ``extra`` flags. Where its weight repacking crashes at start (Intel AMX
+    machines), again with ``--no-repack``."""
     package, filename = DEFAULT_GGUF
-    gguf = next((ROOT / ".venv").glob(f"lib/python*/site-packages/{package}/{filename}"))
+    gguf = gguf or next((ROOT / ".venv").glob(f"lib/python*/site-packages/{package}/{filename}"))
     for repack in ([], ["--no-repack"]):
         port = free_port()
         cmd = [binary, "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port), "-np", str(slots),

@@ -15,15 +15,19 @@ if TYPE_CHECKING:
     from gguf import GGUFReader
 
 
-def complete(config: PretrainedConfig, reader: GGUFReader) -> PretrainedConfig:
-    """``config`` (transformers' from the file) with the file's keys that it lacks; refuses an architecture that
-    is not served natively, naming it and those that are."""
+def check(reader: GGUFReader) -> None:
+    """Refuses a file whose architecture is not served natively, naming it and those that are."""
     arch = architecture(reader)
     if arch not in ARCHITECTURES:
         raise UnsupportedArchitecture(
             f"GGUF architecture {arch!r} is not served natively (served: {names()}); "
             "--quantization none serves it through transformers"
         )
+
+
+def complete(config: PretrainedConfig, reader: GGUFReader) -> PretrainedConfig:
+    """``config`` (transformers' from the file) with the file's keys that it lacks."""
+    arch = architecture(reader)
     fields = {name: field.contents() for name, field in reader.fields.items() if name.startswith(f"{arch}.")}
 
     def key(name: str) -> Any:

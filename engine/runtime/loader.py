@@ -114,9 +114,11 @@ def _described(gguf: Path) -> Path:
     target = cache_dir() / f"{gguf.stem}-{_file_hash(gguf)[:16]}-v2-config"
     if (target / "config.json").exists():
         return target
+    reader = GGUFReader(gguf)
+    gguf_config.check(reader)  # before transformers, which names no supported architecture when it cannot read one
     with _fresh(target) as work:
         config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
-        gguf_config.complete(config, GGUFReader(gguf)).save_pretrained(work)
+        gguf_config.complete(config, reader).save_pretrained(work)
         GenerationConfig.from_model_config(config).save_pretrained(work)
         AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(work)
     return target

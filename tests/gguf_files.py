@@ -1,0 +1,130 @@
+"""Tiny models of each natively served architecture written as GGUF files the way llama.cpp's converter writes them
+(``convert_hf_to_gguf.py``: its key names, tensor names, llama's permuted query/key rows, F32 norms and biases),
+with the bundled SmolLM2 file's tokenizer, and their matrices in any type gguf-py quantizes."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter
+from gguf.quants import dequantize, quantize
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    PreTrainedModel,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)  # fmt: skip
+
+_MODELS = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+           "qwen3": (Qwen3Config, Qwen3ForCausalLM)}  # fmt: skip
+_LAYER = {
+    "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+    "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
+}  # fmt: skip
+
+
+def tiny_model(arch: str, vocab: int, seed: int = 0) -> PreTrainedModel:
+    """A 2-layer model of ``arch`` with random weights; biases and norms random too, so that each counts."""
+    config_class, model_class = _MODELS[arch]
+    extra = {"head_dim": 48} if arch == "qwen3" else {}  # not hidden / heads: the file's key_length must be read
+    config = config_class(
+        vocab_size=vocab, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=1024, rms_norm_eps=1e-6, rope_theta=1e6 if arch != "llama"
+        else 1e4, tie_word_embeddings=False, **extra,
+    )  # fmt: skip
+    torch.manual_seed(seed)
+    model = model_class(config).eval()
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if name.endswith("bias"):
+                parameter.normal_(0, 0.5)
+            elif "norm" in name:
+                parameter.uniform_(0.5, 1.5)
+            else:
+                parameter.normal_(0, 0.08)
+    return model
+
+
+def write_gguf(
+    model: PreTrainedModel, arch: str, path: Path, tokenizer_from: Path, types: dict[str, GGMLQuantizationType]
+) -> PreTrainedModel:
+    """``model`` as a GGUF at ``path``: each matrix in ``types[its GGUF name's kind]`` (``attn_q``, ``ffn_down``,
+    ``token_embd``, ``output``, ...; F32 where absent), vectors F32. The model's matrices are set to their
+    dequantized values, so that it is the reference of the file; returned."""
+    config = model.config
+    writer = GGUFWriter(path, arch)
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    writer.add_file_type(1)
+    _copy_tokenizer(GGUFReader(tokenizer_from), writer)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            gguf_name = _gguf_name(name)
+            values = parameter.detach().float().numpy()
+            kind = gguf_name.split(".")[-2] if gguf_name.startswith("blk.") else gguf_name.split(".")[0]
+            qtype = types.get(kind, GGMLQuantizationType.F32) if values.ndim == 2 else GGMLQuantizationType.F32
+            if arch == "llama" and kind in ("attn_q", "attn_k"):
+                heads = config.num_attention_heads if kind == "attn_q" else config.num_key_value_heads
+                values = _permute(values, heads)
+            if qtype == GGMLQuantizationType.F32:
+                writer.add_tensor(gguf_name, values)
+                continue
+            raw = quantize(values, qtype)
+            writer.add_tensor(gguf_name, raw, raw_dtype=qtype)
+            restored = dequantize(raw, qtype)
+            if arch == "llama" and kind in ("attn_q", "attn_k"):
+                restored = _unpermute(restored, heads)
+            parameter.copy_(torch.from_numpy(np.ascontiguousarray(restored)))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return model
+
+
+def _gguf_name(name: str) -> str:
+    if name == "model.embed_tokens.weight":
+        return "token_embd.weight"
+    if name == "lm_head.weight":
+        return "output.weight"
+    if name == "model.norm.weight":
+        return "output_norm.weight"
+    _, _, index, rest = name.split(".", 3)
+    module, kind = rest.rsplit(".", 1)
+    return f"blk.{index}.{_LAYER[module]}.{kind}"
+
+
+def _permute(rows: np.ndarray, heads: int) -> np.ndarray:
+    """llama.cpp's converter's permutation of llama's query/key rows for its RoPE."""
+    return rows.reshape(heads, 2, rows.shape[0] // heads // 2, *rows.shape[1:]).swapaxes(1, 2).reshape(rows.shape)
+
+
+def _unpermute(rows: np.ndarray, heads: int) -> np.ndarray:
+    return rows.reshape(heads, rows.shape[0] // heads // 2, 2, *rows.shape[1:]).swapaxes(2, 1).reshape(rows.shape)
+
+
+def _copy_tokenizer(reader: GGUFReader, writer: GGUFWriter) -> None:
+    for name, field in reader.fields.items():
+        if not name.startswith("tokenizer."):
+            continue
+        kind = field.types[0]
+        if kind == GGUFValueType.ARRAY:
+            writer.add_array(name, field.contents())
+        else:
+            writer.add_key_value(name, field.contents(), kind)

@@ -1,0 +1,114 @@
+"""Each natively served architecture (``engine/core/architectures.py``), from a tiny GGUF file written as llama.cpp's
+converter writes it (``tests/gguf_files.py``), loaded as `make serve` loads a file (its blocks, no dense copy) and
+run by the engine: its prompt scored as transformers' implementation scores the same weights, its greedy tokens and
+logprobs the same alone or in a batch."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from gguf import GGMLQuantizationType as T
+from gguf_files import tiny_model, write_gguf
+
+from engine.core.architectures import ARCHITECTURES
+from engine.core.types import GenerationRequest
+
+#: A Q4_K_M-like mix of the types gguf-py can write, as llama-quantize mixes them.
+MIXED = {"attn_q": T.Q5_0, "attn_k": T.Q5_0, "attn_v": T.Q8_0, "attn_output": T.Q5_1, "ffn_gate": T.Q4_0,
+         "ffn_up": T.Q4_0, "ffn_down": T.Q4_1, "token_embd": T.Q5_0, "output": T.Q8_0}  # fmt: skip
+TEXT = "The quick brown fox jumps over the lazy dog. def add(a, b):\n    return a + b\n Ünïcödé ✓ 日本語 🙂"
+
+
+@pytest.fixture(scope="module")
+def tokenizer_file() -> Path:
+    from engine.runtime import loader
+
+    return loader._default_gguf()
+
+
+@pytest.fixture(scope="module")
+def served(tokenizer_file: Path, tmp_path_factory: pytest.TempPathFactory):
+    """``served(arch, mix)``: the tiny model of ``arch`` and its GGUF as loaded (once each)."""
+    root = tmp_path_factory.mktemp("architectures")
+    made: dict[tuple[str, str], tuple] = {}
+
+    def get(arch: str, mix: str) -> tuple:
+        if (arch, mix) not in made:
+            path = root / f"{arch}-{mix}.gguf"
+            types = MIXED if mix == "mixed" else {}
+            model = write_gguf(tiny_model(arch, vocab=49152), arch, path, tokenizer_file, types)
+            made[arch, mix] = model, load(path, root / "cache")
+        return made[arch, mix]
+
+    return get
+
+
+def load(path: Path, cache: Path):
+    from engine.runtime import loader
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("SMOLSERVE_CACHE_DIR", str(cache))
+        return loader.load(str(path), "float32", blocks=True)
+
+
+def scored(model, eos, quantized, prompt: tuple[int, ...]) -> torch.Tensor:
+    from engine_helpers import make_engine
+
+    engine = make_engine(model, eos, quantized=quantized, capacity=2)
+    engine.admit([GenerationRequest(prompt, 1, prompt_logprobs=0)])
+    outputs = [out for _ in range(8) if engine.num_active() for out in engine.step()]
+    return torch.tensor([entry.logprob for entry in outputs[0].prompt_logprobs[1:]])
+
+
+def reference(model, prompt: tuple[int, ...]) -> torch.Tensor:
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt])).logits[0].float()
+    return torch.log_softmax(logits, -1)[:-1].gather(1, torch.tensor(prompt[1:])[:, None])[:, 0]
+
+
+@pytest.mark.parametrize("arch", list(ARCHITECTURES))
+@pytest.mark.parametrize("mix", ["F32", "mixed"])
+def test_a_tiny_gguf_scores_text_as_transformers_does(arch: str, mix: str, served) -> None:
+    """F32: the same float32 model, equal to rounding. Mixed types: the file's blocks in the native kernels against
+    transformers on their dequantized values: only the activations' 8-bit rounding between them."""
+    model, loaded = served(arch, mix)
+    assert type(loaded.model).__name__ == type(model).__name__
+    assert bool(loaded.blocks) == (mix != "F32")
+    prompt = tuple(loaded.tokenizer.encode(TEXT))
+    got, want = scored(loaded.model, loaded.eos_token_ids, loaded.blocks, prompt), reference(model, prompt)
+    assert len(got) == len(prompt) - 1
+    if mix == "F32":
+        torch.testing.assert_close(got, want, atol=2e-4, rtol=0)
+    else:  # measured: mean 0.001-0.002, largest < 0.01; a wrong block, bias, norm or rotation moves whole units
+        assert (got - want).abs().mean() < 0.02 and (got - want).abs().max() < 0.1
+
+
+@pytest.mark.parametrize("arch", list(ARCHITECTURES))
+def test_greedy_output_is_the_same_alone_and_in_a_batch(arch: str, served) -> None:
+    from engine_helpers import make_engine, run_outputs
+
+    _, loaded = served(arch, "mixed")
+    requests = [
+        GenerationRequest(tuple(range(100 + i, 120 + 17 * i)), 10, ignore_eos=True, logprobs=2) for i in range(4)
+    ]
+    engine = make_engine(loaded.model, loaded.eos_token_ids, quantized=loaded.blocks)
+    together = run_outputs(engine, [(i, r) for i, r in enumerate(requests)])  # staggered arrivals
+    for index, request in enumerate(requests):
+        alone = make_engine(loaded.model, loaded.eos_token_ids, quantized=loaded.blocks)
+        assert run_outputs(alone, [(0, request)])[0] == together[index]
+
+
+def test_an_architecture_not_served_natively_is_refused_naming_those_that_are(
+    tokenizer_file: Path, tmp_path: Path
+) -> None:
+    from engine.runtime.gguf_config import UnsupportedArchitecture
+
+    path = tmp_path / "other.gguf"
+    model = tiny_model("llama", vocab=49152)
+    write_gguf(model, "llama", path, tokenizer_file, {})
+    renamed = tmp_path / "other-arch.gguf"  # general.architecture, the file's first "llama", renamed
+    renamed.write_bytes(path.read_bytes().replace(b"llama", b"xllam", 1))
+    with pytest.raises(UnsupportedArchitecture, match=r"'xllam' is not served natively .*llama, qwen2, qwen3"):
+        load(renamed, tmp_path / "cache")
