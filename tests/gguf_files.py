@@ -30,14 +30,19 @@ _LAYER = {
 }  # fmt: skip
 
 
-def tiny_model(arch: str, vocab: int, seed: int = 0) -> PreTrainedModel:
+#: Llama 3.1's RoPE scaling, its context shortened to the tiny model's (so that every kind of frequency occurs).
+LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 64}  # fmt: skip
+
+
+def tiny_model(arch: str, vocab: int, seed: int = 0, llama3_rope: bool = False) -> PreTrainedModel:
     """A 2-layer model of ``arch`` with random weights; biases and norms random too, so that each counts."""
     config_class, model_class = _MODELS[arch]
-    extra = {"head_dim": 48} if arch == "qwen3" else {}  # not hidden / heads: the file's key_length must be read
+    extra: dict = {"head_dim": 48} if arch == "qwen3" else {}  # not hidden / heads: the file's key_length is read
+    extra["rope_parameters"] = LLAMA3_ROPE if llama3_rope else {"rope_type": "default", "rope_theta": 1e6}
     config = config_class(
         vocab_size=vocab, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=1024, rms_norm_eps=1e-6, rope_theta=1e6 if arch != "llama"
-        else 1e4, tie_word_embeddings=False, **extra,
+        num_key_value_heads=2, max_position_embeddings=1024, rms_norm_eps=1e-6, tie_word_embeddings=False, **extra,
     )  # fmt: skip
     torch.manual_seed(seed)
     model = model_class(config).eval()
@@ -56,10 +61,15 @@ def write_gguf(
     model: PreTrainedModel, arch: str, path: Path, tokenizer_from: Path, types: dict[str, GGMLQuantizationType]
 ) -> PreTrainedModel:
     """``model`` as a GGUF at ``path``: each matrix in ``types[its GGUF name's kind]`` (``attn_q``, ``ffn_down``,
-    ``token_embd``, ``output``, ...; F32 where absent), vectors F32. The model's matrices are set to their
-    dequantized values, so that it is the reference of the file; returned."""
+    ``token_embd``, ``output``, ...; F32 where absent), vectors F32; a llama3 RoPE scaling as the converter writes it
+    (``rope_freqs.weight``: the frequencies' divisors). The model's matrices are set to their dequantized values, so
+    that it is the reference of the file; returned."""
     config = model.config
     writer = GGUFWriter(path, arch)
+    if config.rope_parameters.get("rope_type") == "llama3":
+        scaled = model.model.rotary_emb.inv_freq
+        default = config.rope_parameters["rope_theta"] ** -(torch.arange(scaled.numel()) / scaled.numel())
+        writer.add_tensor("rope_freqs.weight", (default / scaled).float().numpy())
     writer.add_block_count(config.num_hidden_layers)
     writer.add_context_length(config.max_position_embeddings)
     writer.add_embedding_length(config.hidden_size)

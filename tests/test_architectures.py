@@ -85,6 +85,18 @@ def test_a_tiny_gguf_scores_text_as_transformers_does(arch: str, mix: str, serve
         assert (got - want).abs().mean() < 0.02 and (got - want).abs().max() < 0.1
 
 
+def test_llama_3_rope_scaling_is_read_from_the_file_s_frequency_factors(tokenizer_file: Path, tmp_path: Path) -> None:
+    """Llama 3.1+ files carry their RoPE scaling as ``rope_freqs.weight``: without it every rotation but the
+    fastest ones is off, and the scores move by whole units."""
+    model = tiny_model("llama", vocab=49152, llama3_rope=True)
+    path = tmp_path / "llama3.gguf"
+    write_gguf(model, "llama", path, tokenizer_file, {})
+    loaded = load(path, tmp_path / "cache")
+    prompt = tuple(loaded.tokenizer.encode(TEXT * 3))  # past the 64 positions of the scaling's original context
+    got, want = scored(loaded.model, loaded.eos_token_ids, None, prompt), reference(model, prompt)
+    torch.testing.assert_close(got, want, atol=2e-4, rtol=0)
+
+
 @pytest.mark.parametrize("arch", list(ARCHITECTURES))
 def test_greedy_output_is_the_same_alone_and_in_a_batch(arch: str, served) -> None:
     from engine_helpers import make_engine, run_outputs

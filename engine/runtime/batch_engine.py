@@ -24,7 +24,7 @@ from engine.core.thread_governor import ThreadGovernor
 from engine.core.types import GenerationRequest, MemoryStats, StepOutput, TokenLogprob
 from engine.runtime.block_tables import BlockTables
 from engine.runtime.kv_cache import BlockKVCache, StepBatch
-from engine.runtime.model_runner import make_runner
+from engine.runtime.model_runner import LlamaRunner, make_runner
 from engine.runtime.quantized_weights import SUPPORTED, QuantizedWeight
 from engine.runtime.sampler import Row, token_logprobs
 from engine.runtime.speculative import accept
@@ -178,9 +178,10 @@ class HFEngine(InferenceEngine):
         names = {code: name for name, code in SUPPORTED.items()}
         blocks = sorted({names[weight.qtype] for weight in (quantized or {}).values()})
         dtype = str(model.dtype).removeprefix("torch.")
-        weights = f"dense {dtype}"
+        forward = "the native forward" if isinstance(self._runner, LlamaRunner) else "transformers' forward"
+        weights = f"{model.config.model_type}, {forward}, dense {dtype}"
         if blocks:
-            weights = f"GGUF blocks {'/'.join(blocks)} (native kernels), activations {dtype}"
+            weights = f"{model.config.model_type}, GGUF blocks {'/'.join(blocks)} (native kernels), activations {dtype}"
             if self._runner.dense_from_rows is not None:
                 weights += f"; a dense {dtype} copy for steps from {self._runner.dense_from_rows} rows"
         cache, pool = self.cache, self.pool

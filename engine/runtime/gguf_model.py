@@ -41,12 +41,26 @@ def build(
     model.model.rotary_emb = type(model.model.rotary_emb)(config=model.config)  # its buffers are computed, not read
     model.tie_weights()
     reader = GGUFReader(path)
+    _rope_factors(model, reader)
     quantized = read(reader, config.num_attention_heads, config.num_key_value_heads)
     parameters = dict(model.named_parameters(remove_duplicate=False))
     for name, values in _dense_tensors(reader, config, set(quantized)):
         parameters[name].data.copy_(values.to(dtype))
     model.eval()
     return model, quantized
+
+
+def _rope_factors(model: PreTrainedModel, reader: GGUFReader) -> None:
+    """Llama 3.1+ files carry their RoPE scaling as a tensor of per-frequency divisors (``rope_freqs.weight``, which
+    llama.cpp's converter computes from the checkpoint's ``rope_scaling``), not as keys: divide RoPE's frequencies
+    by them, as llama.cpp does (transformers' reading of the file leaves them out)."""
+    tensor = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
+    if tensor is None:
+        return
+    rotary = model.model.rotary_emb
+    factors = torch.from_numpy(np.array(tensor.data, dtype=np.float32)).reshape(rotary.inv_freq.shape)
+    rotary.inv_freq = rotary.inv_freq / factors
+    rotary.original_inv_freq = rotary.inv_freq
 
 
 def densify(model: PreTrainedModel, quantized: dict[str, QuantizedWeight], names: list[str] | None = None) -> None:
