@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install serve serve-cluster test soak lint bench clean
+.PHONY: install serve serve-cluster test test-models soak lint bench clean
 REPLICAS ?= 2
 
 install: $(STAMP)
@@ -31,6 +31,11 @@ serve-cluster: install
 test: install
 	HF_HUB_OFFLINE=1 $(PY) -m pytest -q
 	$(VENV)/bin/ruff check .
+
+# The GGUF a user brings (../shared/tools/user-models.sh assembles it; LLAMA_SERVER=path compares token ids with
+# llama.cpp's server). Opt-in: a 491 MB download and a few minutes.
+test-models: install
+	USER_GGUF=$$(bash ../shared/tools/user-models.sh) HF_HUB_OFFLINE=1 $(PY) -m pytest -q -m user_model tests/test_user_model.py
 
 soak: install
 	HF_HUB_OFFLINE=1 $(PY) -m pytest -q -s -m soak compat/test_soak.py

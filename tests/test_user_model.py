@@ -1,0 +1,122 @@
+"""The GGUF a user brings (``USER_GGUF``: Qwen2.5-Coder-0.5B-Instruct Q4_K_M, qwen2, a Q4_K/Q5_0/Q6_K/Q8_0 mix with
+QKV biases and a separate output layer), as `make serve` loads it: `make test-models`, not part of `make test`."""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine.core.types import GenerationRequest
+
+pytestmark = pytest.mark.user_model
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def gguf() -> Path:
+    path = os.environ.get("USER_GGUF")
+    if not path:
+        pytest.skip("USER_GGUF names no file (make test-models sets it)")
+    return Path(path)
+
+
+@pytest.fixture(scope="module")
+def loaded(gguf: Path, tmp_path_factory: pytest.TempPathFactory):
+    from engine.runtime import loader
+
+    cache = tmp_path_factory.mktemp("cache")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("SMOLSERVE_CACHE_DIR", str(cache))
+        return loader.load(str(gguf), "float32", blocks=True), cache
+
+
+def test_it_loads_from_its_blocks_without_a_dense_copy(loaded) -> None:
+    from engine.runtime.quantized_weights import SUPPORTED
+
+    loaded, cache = loaded
+    assert loaded.model.config.model_type == "qwen2"
+    names = {code: name for name, code in SUPPORTED.items()}
+    assert {names[w.qtype] for w in loaded.blocks.values()} == {"Q4_K", "Q5_0", "Q6_K", "Q8_0"}
+    assert len(loaded.blocks) == 24 * 7 + 2  # every projection, the embedding, the separate output layer
+    written = [path for path in cache.rglob("*") if path.is_file()]
+    assert sum(path.stat().st_size for path in written) < 16 * 2**20  # config and tokenizer only
+
+
+def test_its_perplexity_is_within_1_percent_of_the_dequantized_model(loaded, gguf: Path) -> None:
+    """The blocks in the native kernels (activations rounded to 8 bits per block) against transformers' forward
+    on the file's dequantized weights, float32, over ~1,000 tokens of Python's documentation."""
+    from pydoc_data.topics import topics
+
+    from engine_helpers import make_engine
+    from transformers import AutoModelForCausalLM
+
+    loaded, _ = loaded
+    text = "\n".join(topics[k] for k in sorted(topics))[:5000]
+    prompt = tuple(loaded.tokenizer.encode(text))[:1000]
+    engine = make_engine(loaded.model, loaded.eos_token_ids, quantized=loaded.blocks, capacity=2, max_model_len=2048)
+    engine.admit([GenerationRequest(prompt, 1, prompt_logprobs=0)])
+    outputs = [out for _ in range(16) if engine.num_active() for out in engine.step()]
+    native = torch.tensor([entry.logprob for entry in outputs[0].prompt_logprobs[1:]])
+    dense = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = dense(torch.tensor([prompt])).logits[0]
+    want = torch.log_softmax(logits, -1)[:-1].gather(1, torch.tensor(prompt[1:])[:, None])[:, 0]
+    ratio = math.exp(-native.mean()) / math.exp(-want.mean())
+    print(f"perplexity native {math.exp(-native.mean()):.4f}, dequantized {math.exp(-want.mean()):.4f}")
+    assert abs(ratio - 1) < 0.01
+
+
+def test_greedy_tokens_and_logprobs_are_the_same_alone_and_in_a_batch(loaded) -> None:
+    from engine_helpers import make_engine, run_outputs
+
+    loaded, _ = loaded
+    chat = loaded.tokenizer.apply_chat_template
+    prompts = ["Write a haiku about rust.", "def quicksort(xs):", "Explain TCP in one line.", "2 + 2 ="]
+    requests = [
+        GenerationRequest(tuple(chat([{"role": "user", "content": p}], add_generation_prompt=True)), 12,
+                          ignore_eos=True, logprobs=2)
+        for p in prompts
+    ]  # fmt: skip
+    engine = make_engine(loaded.model, loaded.eos_token_ids, quantized=loaded.blocks)
+    together = run_outputs(engine, [(i, r) for i, r in enumerate(requests)])
+    for index, request in enumerate(requests):
+        alone = make_engine(loaded.model, loaded.eos_token_ids, quantized=loaded.blocks)
+        assert run_outputs(alone, [(0, request)])[0] == together[index]
+
+
+CORPUS = [
+    "Hello, world!", "def add(a, b):\n    return a + b\n", "  leading spaces\ttabs\r\nand CRLF",
+    "Ünïcödé: naïve café, Straße, 日本語のテキスト, 한국어, العربية, emoji 🙂👍🏽 and ZWJ 👨‍👩‍👧",
+    "numbers 1234567890 3.14159 1e-9 0x1F", "<|im_start|>user\nhi<|im_end|>", "<|fim_prefix|>a<|fim_suffix|>b",
+    "\u200b zero width, \u00a0 nbsp, combining e\u0301", "SELECT * FROM t WHERE x = 'y';", "    " * 8 + "deep",
+]  # fmt: skip
+
+
+def test_token_ids_are_llama_cpp_s(gguf: Path) -> None:
+    """The tokenizer converted from the file gives the ids llama.cpp's server's ``/tokenize`` gives (special tokens
+    parsed as such), on prose, code, whitespace, Unicode and special tokens. Needs ``LLAMA_SERVER``."""
+    binary = os.environ.get("LLAMA_SERVER")
+    if not binary:
+        pytest.skip("LLAMA_SERVER names no llama-server binary")
+    import httpx
+
+    sys.path.insert(0, str(ROOT / "bench"))
+    from llama import start_llama
+
+    from compat.conftest import start_server, stop_server
+
+    ours, ours_base = start_server("--model", str(gguf), "--embedding-model", "none", "--kv-cache-gib", "1")
+    llama, llama_base = start_llama(binary, 1, context=2048, gguf=gguf)
+    try:
+        for text in CORPUS:
+            mine = httpx.post(f"{ours_base}/tokenize", json={"model": gguf.stem, "prompt": text}).json()["tokens"]
+            theirs = httpx.post(f"{llama_base}/tokenize", json={"content": text, "parse_special": True}).json()
+            assert mine == theirs["tokens"], text
+    finally:
+        stop_server(ours)
+        stop_server(llama)
