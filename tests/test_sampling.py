@@ -182,3 +182,19 @@ def test_prompt_logprobs_match_a_plain_forward(tiny_llama_dir: str, budget: int)
         assert abs(entry.logprob - expected[position - 1, prompt[position]].item()) < 1e-4
         assert [t for t, _ in entry.top] == expected[position - 1].topk(2).indices.tolist()
     assert all(out.prompt_logprobs is None for out in outputs if out is not first)
+
+
+def test_equal_logprobs_list_the_lower_token_id_first_whatever_shares_the_call() -> None:
+    """bfloat16 logits tie often; the alternatives of a row must not depend on its batchmates (torch's topk
+    orders equal values as its implementation goes), and the greedy token (argmax: the lowest id) leads them."""
+    from engine.runtime.sampler import token_logprobs
+
+    row = torch.full((4096,), -5.0)
+    row[[3000, 17, 2048, 900]] = 2.0  # four tokens tie for the top
+    row[5] = 1.0
+    batch = torch.stack([row] + [torch.randn(4096) for _ in range(63)])
+    tokens = batch.argmax(dim=-1)
+    alone = token_logprobs(row[None], tokens[:1], [5])[0]
+    together = token_logprobs(batch, tokens, [5] * 64)[0]
+    assert alone == together
+    assert [token for token, _ in alone.top] == [17, 900, 2048, 3000, 5] and alone.token_id == 17

@@ -216,9 +216,23 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, num_top: list[int
         return []
     logprobs = logits.log_softmax(dim=-1)
     chosen = logprobs.gather(-1, tokens[:, None])[:, 0].tolist()
-    top_values, top_ids = logprobs.topk(max(max(num_top), 1), dim=-1)
-    top_values, top_ids = top_values.tolist(), top_ids.tolist()
+    top_values, top_ids = _top(logprobs, max(max(num_top), 1))
     return [
         TokenLogprob(token, chosen[i], tuple(zip(top_ids[i][:n], top_values[i][:n], strict=True)))
         for i, (token, n) in enumerate(zip(tokens.tolist(), num_top, strict=True))
     ]
+
+
+def _top(logprobs: torch.Tensor, k: int) -> tuple[list[list[float]], list[list[int]]]:
+    """Each row's ``k`` largest values and their ids, equal values in the order of their ids (the lowest first, as
+    ``argmax`` picks it). ``topk`` leaves the order among equal values to its implementation, which changed with
+    the number of rows in the call: bfloat16 logits tie often, and a row's alternatives then depended on its
+    batchmates."""
+    values, ids = [], []
+    kth = logprobs.topk(k, dim=-1).values[:, -1:]
+    for row, floor in zip(logprobs, kth, strict=True):
+        candidates = (row >= floor).nonzero()[:, 0]  # ascending ids, ties at the k-th value included
+        order = torch.sort(row[candidates], descending=True, stable=True).indices[:k]
+        values.append(row[candidates[order]].tolist())
+        ids.append(candidates[order].tolist())
+    return values, ids
