@@ -12,10 +12,10 @@ from engine.core.architectures import ARCHITECTURES, names
 from engine.runtime.gguf_weights import architecture
 
 if TYPE_CHECKING:
-    from gguf import GGUFReader
+    from engine.runtime.gguf_file import GGUFFile
 
 
-def check(reader: GGUFReader) -> None:
+def check(reader: GGUFFile) -> None:
     """Refuses a file whose architecture is not served natively, naming it and those that are."""
     arch = architecture(reader)
     if arch not in ARCHITECTURES:
@@ -25,13 +25,11 @@ def check(reader: GGUFReader) -> None:
         )
 
 
-def complete(config: PretrainedConfig, reader: GGUFReader) -> PretrainedConfig:
+def complete(config: PretrainedConfig, reader: GGUFFile) -> PretrainedConfig:
     """``config`` (transformers' from the file) with the file's keys that it lacks."""
     arch = architecture(reader)
-    fields = {name: field.contents() for name, field in reader.fields.items() if name.startswith(f"{arch}.")}
-
     def key(name: str) -> Any:
-        return fields.get(f"{arch}.{name}")
+        return reader.keys.get(f"{arch}.{name}")
 
     if key("attention.key_length") is not None:
         config.head_dim = int(key("attention.key_length"))

@@ -16,9 +16,9 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from gguf import GGUFReader
 from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
+from engine.runtime.gguf_file import GGUFFile
 from engine.runtime.gguf_weights import hf_name, permuted_qk, read, unpermute_rows
 from engine.runtime.quantized_weights import QuantizedWeight
 
@@ -40,7 +40,7 @@ def build(
     model.to_empty(device="cpu")  # allocated, never written: the pages stay unmapped until something writes them
     model.model.rotary_emb = type(model.model.rotary_emb)(config=model.config)  # its buffers are computed, not read
     model.tie_weights()
-    reader = GGUFReader(path)
+    reader = GGUFFile(path)
     _rope_factors(model, reader)
     quantized = read(reader, config.num_attention_heads, config.num_key_value_heads)
     parameters = dict(model.named_parameters(remove_duplicate=False))
@@ -50,7 +50,7 @@ def build(
     return model, quantized
 
 
-def _rope_factors(model: PreTrainedModel, reader: GGUFReader) -> None:
+def _rope_factors(model: PreTrainedModel, reader: GGUFFile) -> None:
     """Llama 3.1+ files carry their RoPE scaling as a tensor of per-frequency divisors (``rope_freqs.weight``, which
     llama.cpp's converter computes from the checkpoint's ``rope_scaling``), not as keys: divide RoPE's frequencies
     by them, as llama.cpp does (transformers' reading of the file leaves them out)."""
@@ -78,7 +78,7 @@ def densify(model: PreTrainedModel, quantized: dict[str, QuantizedWeight], names
             parameters[name].data.copy_(weight.pack().rows(rows, parameters[name].dtype))
 
 
-def _dense_tensors(reader: GGUFReader, config: PretrainedConfig, skip: set[str]) -> Iterator[tuple[str, torch.Tensor]]:
+def _dense_tensors(reader: GGUFFile, config: PretrainedConfig, skip: set[str]) -> Iterator[tuple[str, torch.Tensor]]:
     """``(name, values)`` for every tensor of the file that is not in ``skip``, dequantized by gguf's reader."""
     from gguf.quants import dequantize
 

@@ -19,7 +19,7 @@ from engine.core.architectures import ARCHITECTURES
 from engine.runtime.quantized_weights import SUPPORTED, QuantizedWeight
 
 if TYPE_CHECKING:
-    from gguf import GGUFReader
+    from engine.runtime.gguf_file import GGUFFile
 
 _LAYER_NAMES = {
     "attn_q": "self_attn.q_proj",
@@ -32,13 +32,13 @@ _LAYER_NAMES = {
 }
 
 
-def read(path: Path | GGUFReader, num_heads: int, num_kv_heads: int) -> dict[str, QuantizedWeight]:
-    """The quantized matrices of the llama GGUF at ``path`` (or open in a reader: opening one reads the whole
-    vocabulary, ~1 s) that the native matmul reads, by transformers' name. The tied output projection is the
-    token embedding's matrix (``lm_head.weight``) unless the file has its own."""
-    from gguf import GGUFReader
+def read(path: Path | GGUFFile, num_heads: int, num_kv_heads: int) -> dict[str, QuantizedWeight]:
+    """The quantized matrices of the GGUF at ``path`` (or open) that the native matmul reads, by transformers'
+    name. The tied output projection is the token embedding's matrix (``lm_head.weight``) unless the file has its
+    own."""
+    from engine.runtime.gguf_file import GGUFFile
 
-    reader = path if isinstance(path, GGUFReader) else GGUFReader(path)
+    reader = path if isinstance(path, GGUFFile) else GGUFFile(path)
     permuted = permuted_qk(reader)
     weights: dict[str, QuantizedWeight] = {}
     for tensor in reader.tensors:
@@ -56,12 +56,12 @@ def read(path: Path | GGUFReader, num_heads: int, num_kv_heads: int) -> dict[str
     return weights
 
 
-def architecture(reader: GGUFReader) -> str:
+def architecture(reader: GGUFFile) -> str:
     """The file's ``general.architecture``."""
-    return str(reader.fields["general.architecture"].contents())
+    return str(reader.keys["general.architecture"])
 
 
-def permuted_qk(reader: GGUFReader) -> bool:
+def permuted_qk(reader: GGUFFile) -> bool:
     """Whether the file's query and key rows are stored permuted for llama.cpp's RoPE (its llama converter)."""
     arch = ARCHITECTURES.get(architecture(reader))
     return arch is not None and arch.permuted_qk

@@ -107,14 +107,13 @@ def _load_blocks(name: str, gguf: Path, described: Path, config: PretrainedConfi
 
 def _described(gguf: Path) -> Path:
     """A directory with the config, generation config and tokenizer of ``gguf``, saved once in the cache."""
-    from gguf import GGUFReader
-
     from engine.runtime import gguf_config
+    from engine.runtime.gguf_file import GGUFFile
 
     target = cache_dir() / f"{gguf.stem}-{_file_hash(gguf)[:16]}-v2-config"
     if (target / "config.json").exists():
         return target
-    reader = GGUFReader(gguf)
+    reader = GGUFFile(gguf)
     gguf_config.check(reader)  # before transformers, which names no supported architecture when it cannot read one
     with _fresh(target) as work:
         config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
