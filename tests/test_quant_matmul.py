@@ -52,7 +52,7 @@ def packed(weight: torch.Tensor, qtype: GGMLQuantizationType) -> torch.Tensor:
 
 
 def matmul(x: torch.Tensor, weight: torch.Tensor, qtype: GGMLQuantizationType, portable: bool = False) -> torch.Tensor:
-    return ops().quant_linear(x, packed(weight, qtype), int(qtype), weight.shape[0], portable)
+    return ops().quant_linear(x, packed(weight, qtype), int(qtype), weight.shape[0], 1 if portable else 0)
 
 
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)

@@ -94,7 +94,8 @@ def test_products_are_the_float_reference_of_the_same_integers(
         bound = bound + want.abs() / 128  # the result rounded to bfloat16
     assert got.dtype == dtype and got.shape == (rows, out)
     assert ((got.double() - want).abs() <= bound).all()
-    assert torch.equal(got, ops().quant_linear(x, packed, int(qtype), out, True))  # AVX2 == portable, bitwise
+    for path in ops().quant_paths():  # the plain loops, AVX2, AVX-512 VNNI: bitwise the same
+        assert torch.equal(got, ops().quant_linear(x, packed, int(qtype), out, path)), path
     for row in {0, rows - 1}:
         assert torch.equal(ops().quant_linear(x[row : row + 1], packed, int(qtype), out, False)[0], got[row])
 
@@ -116,3 +117,47 @@ def test_extreme_quants_and_activations_do_not_overflow(qtype: T) -> None:
             want = x.double() @ dense.T
             got = ops().quant_linear(x, packed, int(qtype), 8, False).double()
             assert ((got - want).abs() <= want.abs().max() * 1e-5 + 1e-6).all(), (fill, sign)
+
+
+@settings(max_examples=16, deadline=None)
+@given(
+    qtype=st.sampled_from(TYPES),
+    rows=st.sampled_from([1, 3, 4, 5, 7, 8, 9, 16, 63, 64, 65, 130, 300]),
+    threads=st.sampled_from([1, 2]),
+    seed=st.integers(0, 2**31),
+)
+def test_every_path_gives_the_same_bits_at_every_row_count_and_thread_count(
+    qtype: T, rows: int, threads: int, seed: int
+) -> None:
+    """What the CPU class may change (which kernel runs, how many rows share a tile, how many threads split the
+    groups) changes no bit of a row's result: its integer block sums are exact and its float operations keep one
+    order."""
+    weights_per_block, _ = GGML_QUANT_SIZES[qtype]
+    inp = 2 * max(weights_per_block, 64)
+    raw = random_blocks(qtype, 24, inp // weights_per_block, seed)
+    packed = ops().quant_pack(torch.from_numpy(raw), int(qtype))
+    x = torch.randn(rows, inp, generator=torch.Generator().manual_seed(seed)).bfloat16()
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        results = {path: ops().quant_linear(x, packed, int(qtype), 24, path) for path in ops().quant_paths()}
+        picked = sorted({0, rows // 2, rows - 1})
+        alone = [ops().quant_linear(x[r : r + 1], packed, int(qtype), 24, 0)[0] for r in picked]
+    finally:
+        torch.set_num_threads(before)
+    first = next(iter(results.values()))
+    assert all(torch.equal(first, result) for result in results.values())
+    assert all(torch.equal(row, first[r]) for row, r in zip(alone, picked, strict=True))
+
+
+def test_the_paths_this_cpu_class_runs() -> None:
+    """The plain loops everywhere; AVX2 on every x86 class this project meets; AVX-512 VNNI where the CPU has it
+    (AMD Zen 4, Intel Sapphire Rapids), never elsewhere."""
+    from pathlib import Path
+
+    lines = Path("/proc/cpuinfo").read_text().splitlines()
+    flags = next((line.split() for line in lines if line.startswith("flags")), [])
+    paths = list(ops().quant_paths())
+    assert paths[0] == 1
+    assert (2 in paths) == ("avx2" in flags)
+    assert (3 in paths) == ("avx512_vnni" in flags and "avx512vl" in flags)

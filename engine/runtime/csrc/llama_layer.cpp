@@ -22,7 +22,7 @@ struct Projection {
   int64_t type;
   int64_t out;
 
-  at::Tensor operator()(const at::Tensor& x) const { return quant_linear(x, packed, type, out, false); }
+  at::Tensor operator()(const at::Tensor& x) const { return quant_linear(x, packed, type, out, 0); }
 };
 
 // As the runner's _rms_norm: normalized in float32 over the last dimension, scaled in the input's dtype.

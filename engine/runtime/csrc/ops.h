@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <optional>
 #include <tuple>
+#include <vector>
 
 namespace smolserve {
 
@@ -35,7 +36,8 @@ at::Tensor silu_mul(const at::Tensor& gate_up);
 // quant_matmul.cpp
 at::Tensor quant_pack(const at::Tensor& weight, int64_t type);
 at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& packed, int64_t type, int64_t out_features,
-                        bool portable);
+                        int64_t path);
+std::vector<int64_t> quant_paths();
 at::Tensor quant_rows(const at::Tensor& packed, int64_t type, const at::Tensor& index);
 
 // llama_layer.cpp

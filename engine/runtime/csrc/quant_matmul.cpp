@@ -54,13 +54,22 @@
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
 #define SMOLSERVE_QUANT_AVX2 1
+// AVX-512 VNNI (with VL: its 256-bit form): vpdpbusd multiplies and sums 4 unsigned x signed byte pairs into each
+// int32 lane, where AVX2 needs vpmaddubsw, vpmaddwd and an add. The integer sums are exact on both, so both paths
+// give the same bits.
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define SMOLSERVE_QUANT_VNNI 1
+#endif
 #endif
 
 namespace {
 
 constexpr int64_t kBlock = 32;
 constexpr int64_t kCols = 8;   // output rows whose blocks are packed side by side
-constexpr int64_t kRowTile = 4;  // activation rows per pass over a group's weights
+constexpr int64_t kRowTile = 4;  // activation rows per pass over a group's weights (AVX2: 16 vector registers)
+constexpr int64_t kRowTileVnni = 8;  // with AVX-512's 32 registers
+// The kernels a call may take, as quant_linear's `path` names them (0: the best this build has).
+enum Path : int64_t { kBest = 0, kPortable = 1, kAvx2 = 2, kVnni = 3 };
 constexpr int64_t kChunk = 64;  // activation rows per sweep over a thread's groups (their int8 stays in cache)
 enum QuantType : int64_t {  // GGML's type numbers
   kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8, kQ2_K = 10, kQ3_K = 11, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14,
@@ -427,7 +436,7 @@ inline __m256 load_scales(const uint8_t* p) {
 // one vector (two with `Halves`: weights 0-15 and 16-31), summed in int16 while they fit (4-bit: 4 runs, at most
 // 4 * 2 * 2 * 15 * 128 = 30720; 5-bit: 2 runs, 2 * 2 * 2 * 31 * 128 = 31744), then in int32, scaled and summed in
 // float.
-template <int64_t R, int Bits, bool F32, bool Halves>
+template <int64_t R, int Bits, bool F32, bool Halves, bool Vnni>
 void tile_q4_avx2(const Tile& t) {
   constexpr Layout layout{Bits, F32, Halves};
   constexpr int64_t bytes = layout.bytes(), half = layout.scale_bytes() / 2, flush = Bits == 5 ? 2 : 4;
@@ -455,6 +464,13 @@ void tile_q4_avx2(const Tile& t) {
         high_bits = _mm256_srli_epi16(high_bits, 2);
       }
       for (int64_t r = 0; r < R; ++r) {
+#if defined(SMOLSERVE_QUANT_VNNI)
+        if constexpr (Vnni) {
+          wide[r][0] = _mm256_dpbusd_epi32(wide[r][0], low, broadcast4(qx[r] + 4 * k));
+          wide[r][parts - 1] = _mm256_dpbusd_epi32(wide[r][parts - 1], high, broadcast4(qx[r] + 16 + 4 * k));
+          continue;
+        }
+#endif
         const __m256i pl = _mm256_maddubs_epi16(low, broadcast4(qx[r] + 4 * k));
         const __m256i ph = _mm256_maddubs_epi16(high, broadcast4(qx[r] + 16 + 4 * k));
         if constexpr (Halves) {
@@ -491,7 +507,7 @@ void tile_q4_avx2(const Tile& t) {
 
 // The same for 8-bit: signed weights, so |q| times qx with q's sign; pairs reach 2 * 128 * 127, so int32 per run.
 // With `Halves` (Q3_K, Q6_K) the runs of weights 0-15 and 16-31 are summed apart, each with its own scale.
-template <int64_t R, bool F32, bool Halves>
+template <int64_t R, bool F32, bool Halves, bool Vnni>
 void tile_q8_avx2(const Tile& t) {
   constexpr Layout layout{8, F32, Halves};
   constexpr int64_t bytes = layout.bytes();
@@ -511,9 +527,15 @@ void tile_q8_avx2(const Tile& t) {
       const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(g + layout.quants_at() + 32 * k));
       const __m256i magnitude = _mm256_sign_epi8(w, w);
       for (int64_t r = 0; r < R; ++r) {
-        const __m256i p = _mm256_maddubs_epi16(magnitude, _mm256_sign_epi8(broadcast4(qx[r] + 4 * k), w));
+        const __m256i x = _mm256_sign_epi8(broadcast4(qx[r] + 4 * k), w);
         __m256i& sum = sums[r][Halves && k >= 4];
-        sum = _mm256_add_epi32(sum, _mm256_madd_epi16(p, ones));
+#if defined(SMOLSERVE_QUANT_VNNI)
+        if constexpr (Vnni) {
+          sum = _mm256_dpbusd_epi32(sum, magnitude, x);
+          continue;
+        }
+#endif
+        sum = _mm256_add_epi32(sum, _mm256_madd_epi16(_mm256_maddubs_epi16(magnitude, x), ones));
       }
     }
     const __m256 d = load_scales<F32>(g);
@@ -531,41 +553,64 @@ void tile_q8_avx2(const Tile& t) {
   for (int64_t r = 0; r < R; ++r) _mm256_storeu_ps(t.out + r * t.out_stride, acc[r]);
 }
 
-template <int Bits, bool F32, bool Halves>
+template <int Bits, bool F32, bool Halves, bool Vnni>
 void tile_avx2(const Tile& t, int64_t count) {
   auto run = [&](auto rows) {
-    if constexpr (Bits == 8) tile_q8_avx2<decltype(rows)::value, F32, Halves>(t);
-    else tile_q4_avx2<decltype(rows)::value, Bits, F32, Halves>(t);
+    if constexpr (Bits == 8) tile_q8_avx2<decltype(rows)::value, F32, Halves, Vnni>(t);
+    else tile_q4_avx2<decltype(rows)::value, Bits, F32, Halves, Vnni>(t);
   };
   switch (count) {
     case 1: return run(std::integral_constant<int64_t, 1>{});
     case 2: return run(std::integral_constant<int64_t, 2>{});
     case 3: return run(std::integral_constant<int64_t, 3>{});
-    default: return run(std::integral_constant<int64_t, 4>{});
+    case 4: return run(std::integral_constant<int64_t, 4>{});
+  }
+  if constexpr (Vnni) {  // count <= kRowTileVnni
+    switch (count) {
+      case 5: return run(std::integral_constant<int64_t, 5>{});
+      case 6: return run(std::integral_constant<int64_t, 6>{});
+      case 7: return run(std::integral_constant<int64_t, 7>{});
+      default: return run(std::integral_constant<int64_t, 8>{});
+    }
   }
 }
 #endif
 
 using TileFn = void (*)(const Tile&, int64_t);
 
-template <int Bits, bool F32, bool Halves>
-TileFn tile_of(bool portable) {
+// The paths this build has, best last.
+std::vector<int64_t> available_paths() {
+  std::vector<int64_t> paths{kPortable};
 #if defined(SMOLSERVE_QUANT_AVX2)
-  if (!portable) return tile_avx2<Bits, F32, Halves>;
+  paths.push_back(kAvx2);
+#endif
+#if defined(SMOLSERVE_QUANT_VNNI)
+  paths.push_back(kVnni);
+#endif
+  return paths;
+}
+
+template <int Bits, bool F32, bool Halves>
+TileFn tile_of(int64_t path) {
+#if defined(SMOLSERVE_QUANT_VNNI)
+  if (path == kVnni) return tile_avx2<Bits, F32, Halves, true>;
+#endif
+#if defined(SMOLSERVE_QUANT_AVX2)
+  if (path == kAvx2) return tile_avx2<Bits, F32, Halves, false>;
 #endif
   return tile_portable<Bits, F32, Halves>;
 }
 
-// One instantiation for each layout `layout_of` gives.
-TileFn tile_function(const Layout& layout, bool portable) {
+// One instantiation for each layout `layout_of` gives, on `path` (which this build must have).
+TileFn tile_function(const Layout& layout, int64_t path) {
   switch (layout.bits) {
     case 4:
-      if (layout.halves) return tile_of<4, true, true>(portable);
-      return layout.f32 ? tile_of<4, true, false>(portable) : tile_of<4, false, false>(portable);
-    case 5: return layout.f32 ? tile_of<5, true, false>(portable) : tile_of<5, false, false>(portable);
+      if (layout.halves) return tile_of<4, true, true>(path);
+      return layout.f32 ? tile_of<4, true, false>(path) : tile_of<4, false, false>(path);
+    case 5: return layout.f32 ? tile_of<5, true, false>(path) : tile_of<5, false, false>(path);
     default:
-      if (layout.halves) return tile_of<8, true, true>(portable);
-      return layout.f32 ? tile_of<8, true, false>(portable) : tile_of<8, false, false>(portable);
+      if (layout.halves) return tile_of<8, true, true>(path);
+      return layout.f32 ? tile_of<8, true, false>(path) : tile_of<8, false, false>(path);
   }
 }
 
@@ -602,9 +647,13 @@ at::Tensor quant_pack(const at::Tensor& weight, int64_t type) {
 }
 
 // x [rows, in] float32 or bfloat16 (contiguous rows); packed: `quant_pack(weight, type)` of a weight with
-// `out_features` rows; returns x @ W.T, [rows, out_features], in x's dtype. `portable` forces the plain loops.
+// `out_features` rows; returns x @ W.T, [rows, out_features], in x's dtype. `path`: 0 the best this build has, or
+// one of `quant_paths()` (1 the plain loops, 2 AVX2, 3 AVX-512 VNNI): every path gives the same bits.
 at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& packed, int64_t type, int64_t out_features,
-                        bool portable) {
+                        int64_t path) {
+  const std::vector<int64_t> paths = available_paths();
+  if (path == kBest) path = paths.back();
+  TORCH_CHECK(std::find(paths.begin(), paths.end(), path) != paths.end(), "this build has no quant_linear path ", path);
   TORCH_CHECK(x.dim() == 2 && packed.dim() == 2, "expected x [rows, in] and packed weight [groups, bytes]");
   TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous(), "packed weight must be contiguous uint8");
   const Layout layout = layout_of(type);
@@ -626,14 +675,15 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& packed, int64_t t
   float* out = result.mutable_data_ptr<float>();
   const uint8_t* w = packed.const_data_ptr<uint8_t>();
   const int64_t group_bytes = packed.size(1);
-  const TileFn tile = tile_function(layout, portable);
+  const TileFn tile = tile_function(layout, path);
+  const int64_t row_tile = path == kVnni ? kRowTileVnni : kRowTile;
   at::parallel_for(0, groups, 4, [&](int64_t begin, int64_t end) {
     for (int64_t chunk = 0; chunk < rows; chunk += kChunk) {
       const int64_t chunk_end = std::min(rows, chunk + kChunk);
       for (int64_t g = begin; g < end; ++g) {
-        for (int64_t first = chunk; first < chunk_end; first += kRowTile) {
+        for (int64_t first = chunk; first < chunk_end; first += row_tile) {
           const Tile t{w + g * group_bytes, blocks, &quantized, first, out + first * width + g * kCols, width};
-          tile(t, std::min(kRowTile, chunk_end - first));
+          tile(t, std::min(row_tile, chunk_end - first));
         }
       }
     }
@@ -641,6 +691,9 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& packed, int64_t t
   if (width != out_features) result = result.narrow(1, 0, out_features).contiguous();
   return input.scalar_type() == at::kFloat ? result : result.to(input.scalar_type());
 }
+
+// The quant_linear paths this build has (1 the plain loops, 2 AVX2, 3 AVX-512 VNNI), best last.
+std::vector<int64_t> quant_paths() { return available_paths(); }
 
 // Rows `index` [count] int64 of the matrix `packed` holds, dequantized: [count, in] float32 (an embedding lookup
 // in a model served from its blocks).
@@ -670,7 +723,8 @@ at::Tensor quant_rows(const at::Tensor& packed, int64_t type, const at::Tensor& 
 
 TORCH_LIBRARY_FRAGMENT(smolserve, m) {
   m.def("quant_pack(Tensor weight, int type) -> Tensor");
-  m.def("quant_linear(Tensor x, Tensor packed, int type, int out_features, bool portable=False) -> Tensor");
+  m.def("quant_linear(Tensor x, Tensor packed, int type, int out_features, int path=0) -> Tensor");
+  m.def("quant_paths() -> int[]", &smolserve::quant_paths);  // no tensor to dispatch on: one kernel for all
   m.def("quant_rows(Tensor packed, int type, Tensor index) -> Tensor");
 }
 
