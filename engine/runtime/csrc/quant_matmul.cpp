@@ -676,7 +676,8 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& packed, int64_t t
   const uint8_t* w = packed.const_data_ptr<uint8_t>();
   const int64_t group_bytes = packed.size(1);
   const TileFn tile = tile_function(layout, path);
-  const int64_t row_tile = path == kVnni ? kRowTileVnni : kRowTile;
+  // Q3_K's and Q6_K's two sums a row fill AVX-512's registers at 8 rows (measured 0.8x of 4 there).
+  const int64_t row_tile = path == kVnni && !layout.halves ? kRowTileVnni : kRowTile;
   at::parallel_for(0, groups, 4, [&](int64_t begin, int64_t end) {
     for (int64_t chunk = 0; chunk < rows; chunk += kChunk) {
       const int64_t chunk_end = std::min(rows, chunk + kChunk);
