@@ -115,12 +115,42 @@ def test_greedy_output_is_the_same_alone_and_in_a_batch(arch: str, served) -> No
 def test_an_architecture_not_served_natively_is_refused_naming_those_that_are(
     tokenizer_file: Path, tmp_path: Path
 ) -> None:
-    from engine.runtime.gguf_config import UnsupportedArchitecture
+    from engine.runtime.gguf_config import NotServedNatively
 
     path = tmp_path / "other.gguf"
     model = tiny_model("llama", vocab=49152)
     write_gguf(model, "llama", path, tokenizer_file, {})
     renamed = tmp_path / "other-arch.gguf"  # general.architecture, the file's first "llama", renamed
     renamed.write_bytes(path.read_bytes().replace(b"llama", b"xllam", 1))
-    with pytest.raises(UnsupportedArchitecture, match=r"'xllam' is not served natively .*llama, qwen2, qwen3"):
+    with pytest.raises(NotServedNatively, match=r"'xllam' is not served natively .*llama, qwen2, qwen3"):
         load(renamed, tmp_path / "cache")
+
+
+def test_a_tensor_type_the_kernels_do_not_read_is_refused_naming_those_they_do(
+    tokenizer_file: Path, tmp_path: Path
+) -> None:
+    """An IQ2_XXS matrix (a type outside the list): refused at start, not dequantized into a silent dense path."""
+    import numpy as np
+    from gguf import GGML_QUANT_SIZES
+
+    from engine.runtime.gguf_config import NotServedNatively
+
+    path = tmp_path / "iq2.gguf"
+    model = tiny_model("llama", vocab=49152)
+    import gguf
+
+    add_tensor = gguf.GGUFWriter.add_tensor
+
+    def add(self, name, tensor, raw_shape=None, raw_dtype=None):  # type: ignore[no-untyped-def]
+        if name == "blk.0.ffn_down.weight":  # 256 inputs: one IQ2_XXS block a row
+            weights, size = GGML_QUANT_SIZES[T.IQ2_XXS]
+            rows, cols = tensor.shape
+            raw = np.random.default_rng(0).integers(0, 256, (rows, cols // weights * size), dtype=np.uint8)
+            return add_tensor(self, name, raw, raw_dtype=T.IQ2_XXS)
+        return add_tensor(self, name, tensor, raw_shape, raw_dtype)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(gguf.GGUFWriter, "add_tensor", add)
+        write_gguf(model, "llama", path, tokenizer_file, {})
+    with pytest.raises(NotServedNatively, match=r"IQ2_XXS is not read by the native kernels \(read: Q4_0, "):
+        load(path, tmp_path / "cache")

@@ -10,18 +10,27 @@ from transformers import PretrainedConfig
 
 from engine.core.architectures import ARCHITECTURES, names
 from engine.runtime.gguf_weights import architecture
+from engine.runtime.quantized_weights import SUPPORTED
 
 if TYPE_CHECKING:
     from engine.runtime.gguf_file import GGUFFile
 
 
 def check(reader: GGUFFile) -> None:
-    """Refuses a file whose architecture is not served natively, naming it and those that are."""
+    """Refuses a file whose architecture is not served natively, or that holds a tensor of a type the native
+    kernels do not read (nor F32/F16/BF16, served dense), naming it and those that are."""
     arch = architecture(reader)
     if arch not in ARCHITECTURES:
-        raise UnsupportedArchitecture(
+        raise NotServedNatively(
             f"GGUF architecture {arch!r} is not served natively (served: {names()}); "
             "--quantization none serves it through transformers"
+        )
+    unread = sorted({t.tensor_type.name for t in reader.tensors} - set(SUPPORTED) - {"F32", "F16", "BF16"})
+    if unread:
+        raise NotServedNatively(
+            f"GGUF tensor type {', '.join(unread)} is not read by the native kernels (read: "
+            f"{', '.join(SUPPORTED)}, and F32/F16/BF16 served dense); --quantization none serves the file through "
+            "transformers, dense"
         )
 
 
@@ -44,5 +53,5 @@ def complete(config: PretrainedConfig, reader: GGUFFile) -> PretrainedConfig:
     return config
 
 
-class UnsupportedArchitecture(ValueError):
+class NotServedNatively(ValueError):
     pass
