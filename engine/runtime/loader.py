@@ -113,11 +113,11 @@ def _described(gguf: Path) -> Path:
     target = cache_dir() / f"{gguf.stem}-{_file_hash(gguf)[:16]}-v2-config"
     if (target / "config.json").exists():
         return target
-    reader = GGUFFile(gguf)
-    gguf_config.check(reader)  # before transformers, which names no supported architecture when it cannot read one
+    # The config from the file's keys (refusing what is not served natively); the tokenizer and chat template as
+    # transformers converts them.
+    config = gguf_config.config_of(GGUFFile(gguf))
     with _fresh(target) as work:
-        config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
-        gguf_config.complete(config, reader).save_pretrained(work)
+        config.save_pretrained(work)
         GenerationConfig.from_model_config(config).save_pretrained(work)
         AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(work)
     return target
