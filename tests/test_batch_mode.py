@@ -31,6 +31,21 @@ def test_auto_takes_the_fastest_path_per_step_where_invariance_costs_too_much() 
     assert choose("auto", AMX, 8).invariant
 
 
+# AMD Zen 4 (AVX-512 with VNNI, no AMX), the Qwen2.5-Coder file, 2026-12-05: dense bfloat16 a little faster from 32
+# rows, never by the crossover's margin.
+ZEN4 = PathTimes(ROWS, (0.0194, 0.0319, 0.059, 0.1005, 0.2074, 0.4113), (0.0443, 0.0464, 0.0652, 0.0924, 0.163,
+                 0.3122), True)  # fmt: skip
+
+
+def test_auto_keeps_one_path_where_the_dense_copy_is_nowhere_clearly_faster() -> None:
+    """Without a crossover `off` would run the quantized kernel at every row count too: `auto` says so (on), and
+    no dense copy is made, whatever the probe's cost figure at the batch size."""
+    mode = choose("auto", ZEN4, 128)
+    assert mode.invariant and mode.dense_from_rows is None and mode.cost > AUTO_MAX_COST
+    assert "batch invariance on (auto; one path for every row count)" in mode.describe()
+    assert not choose("auto", DENSE_TILES, 128).invariant  # dense tiles against untiled dense: a real choice
+
+
 def test_on_and_off_are_obeyed_whatever_they_cost() -> None:
     on = choose("on", AMX, 128)
     assert on.invariant and on.dense_from_rows is None and on.cost > AUTO_MAX_COST
