@@ -258,8 +258,9 @@ class LlamaRunner:
             stacked = QuantizedWeight.stack(parts)
             return stacked.pack() if stacked is not None else PackedParts(tuple(part.pack() for part in parts))
 
-        biases = [linear.bias for linear in (attn.q_proj, attn.k_proj, attn.v_proj)]
-        q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
+        arch = by_model_type(attn.config.model_type)  # what this architecture adds to a llama layer
+        qkv_bias = arch is not None and arch.qkv_bias
+        qk_norm = arch is not None and arch.qk_norm
         return _LlamaLayer(
             layer.input_layernorm.weight,
             fused(
@@ -269,9 +270,9 @@ class LlamaRunner:
             layer.post_attention_layernorm.weight,
             fused(["mlp.gate_proj", "mlp.up_proj"], [mlp.gate_proj, mlp.up_proj]),
             fused(["mlp.down_proj"], [mlp.down_proj]),
-            torch.cat([b.detach() for b in biases]) if all(b is not None for b in biases) else None,
-            None if q_norm is None else q_norm.weight,
-            None if k_norm is None else k_norm.weight,
+            torch.cat([attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias]).detach() if qkv_bias else None,
+            attn.q_norm.weight if qk_norm else None,
+            attn.k_norm.weight if qk_norm else None,
         )
 
     def forward(
