@@ -98,6 +98,19 @@ def test_llama_3_rope_scaling_is_read_from_the_file_s_frequency_factors(tokenize
 
 
 @pytest.mark.parametrize("arch", list(ARCHITECTURES))
+def test_the_start_up_probe_times_both_paths_of_every_architecture(arch: str, served) -> None:
+    """What `make serve` runs before serving: both paths' products of the first layer (the output projection takes
+    the heads side by side: wider than the hidden size for qwen3, whose probe first fed it the hidden size)."""
+    from engine.runtime import gguf_model
+    from engine.runtime.path_probe import PROBED, probe
+
+    _, loaded = served(arch, "mixed")
+    gguf_model.densify(loaded.model, loaded.blocks, [n for n in loaded.blocks if n.startswith(PROBED)])
+    times = probe(loaded.model, loaded.blocks, 8, repeats=1)
+    assert times.quantized and times.rows[-1] == 8 and all(t > 0 for t in times.invariant + times.dense)
+
+
+@pytest.mark.parametrize("arch", list(ARCHITECTURES))
 def test_greedy_output_is_the_same_alone_and_in_a_batch(arch: str, served) -> None:
     from engine_helpers import make_engine, run_outputs
 

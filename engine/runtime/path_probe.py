@@ -54,12 +54,14 @@ def _seconds(paths: tuple[Path, ...], rows: int, repeats: int, model: PreTrained
     neighbour that comes or goes during the probe slows both)."""
     config = model.config
     hidden = torch.randn(rows, config.hidden_size).to(model.dtype)
+    # The output projection's input is the heads side by side: wider than the hidden size where heads are (qwen3).
+    attended = torch.randn(rows, model.model.layers[0].self_attn.o_proj.in_features).to(model.dtype)
     wide = torch.randn(rows, config.intermediate_size).to(model.dtype)
     layers = len(model.model.layers)
 
     def products(path: Path) -> None:
         layer = path.layer
-        for weight, x in ((layer.qkv, hidden), (layer.o, hidden), (layer.gate_up, hidden), (layer.down, wide)):
+        for weight, x in ((layer.qkv, hidden), (layer.o, attended), (layer.gate_up, hidden), (layer.down, wide)):
             linear(x, weight, path.tile)
 
     def step(path: Path) -> float:
