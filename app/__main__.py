@@ -12,6 +12,7 @@ from app.server import create_app
 from app.state import server_state
 from app.summary import startup_summary
 from engine import chooser
+from engine.core.architectures import NotServedNatively
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -25,7 +26,10 @@ def main(argv: list[str] | None = None) -> None:
 
         run(args)
         return
-    served = chooser.build(engine_config(args))
+    try:
+        served = chooser.build(engine_config(args))
+    except NotServedNatively as exc:  # a start-up refusal is the user's answer, not a traceback
+        sys.exit(f"cannot serve {args.model}: {exc}")
     app = create_app(served, server_config(args))
     summary = startup_summary(server_state(app), served.engine.runtime_info(), f"http://{args.host}:{args.port}")
     logging.getLogger("smolserve").info("%s", summary)

@@ -128,7 +128,7 @@ def test_greedy_output_is_the_same_alone_and_in_a_batch(arch: str, served) -> No
 def test_an_architecture_not_served_natively_is_refused_naming_those_that_are(
     tokenizer_file: Path, tmp_path: Path
 ) -> None:
-    from engine.runtime.gguf_config import NotServedNatively
+    from engine.core.architectures import NotServedNatively
 
     path = tmp_path / "other.gguf"
     model = tiny_model("llama", vocab=49152)
@@ -146,7 +146,7 @@ def test_a_tensor_type_the_kernels_do_not_read_is_refused_naming_those_they_do(
     import numpy as np
     from gguf import GGML_QUANT_SIZES
 
-    from engine.runtime.gguf_config import NotServedNatively
+    from engine.core.architectures import NotServedNatively
 
     path = tmp_path / "iq2.gguf"
     model = tiny_model("llama", vocab=49152)
@@ -167,3 +167,25 @@ def test_a_tensor_type_the_kernels_do_not_read_is_refused_naming_those_they_do(
         write_gguf(model, "llama", path, tokenizer_file, {})
     with pytest.raises(NotServedNatively, match=r"IQ2_XXS is not read by the native kernels \(read: Q4_0, "):
         load(path, tmp_path / "cache")
+
+
+def test_python_m_app_refuses_such_a_file_with_its_message_and_no_traceback(
+    tokenizer_file: Path, tmp_path: Path
+) -> None:
+    """What a user sees: one line naming the file, what it holds and what is served; a non-zero exit."""
+    import os
+    import subprocess
+    import sys
+
+    path = tmp_path / "llama.gguf"
+    write_gguf(tiny_model("llama", vocab=49152), "llama", path, tokenizer_file, {})
+    renamed = tmp_path / "other-arch.gguf"
+    renamed.write_bytes(path.read_bytes().replace(b"llama", b"xllam", 1))
+    env = {**os.environ, "SMOLSERVE_CACHE_DIR": str(tmp_path / "cache"), "HF_HUB_OFFLINE": "1"}
+    done = subprocess.run(
+        [sys.executable, "-m", "app", "--model", str(renamed), "--embedding-model", "none", "--port", "1"],
+        cwd=Path(__file__).resolve().parent.parent, env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 1
+    assert f"cannot serve {renamed}: GGUF architecture 'xllam' is not served natively" in done.stderr
+    assert "Traceback" not in done.stderr

@@ -32,6 +32,11 @@ ARCHITECTURES = {
 _BY_MODEL_TYPE = {arch.model_type: arch for arch in ARCHITECTURES.values()}
 
 
+class NotServedNatively(ValueError):
+    """A model file this server refuses to serve from its blocks (its architecture, or a tensor type the native
+    kernels do not read); the message names it and what is served."""
+
+
 def by_model_type(model_type: str) -> Architecture | None:
     """The row of transformers' ``model_type`` (None: not served natively)."""
     return _BY_MODEL_TYPE.get(model_type)

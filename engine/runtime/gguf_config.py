@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 from transformers import PretrainedConfig
 
-from engine.core.architectures import ARCHITECTURES, names
+from engine.core.architectures import ARCHITECTURES, NotServedNatively, names
 from engine.runtime.gguf_weights import architecture
 from engine.runtime.quantized_weights import SUPPORTED
 
@@ -82,7 +82,3 @@ def complete(config: PretrainedConfig, reader: GGUFFile) -> PretrainedConfig:
             parameters["original_max_position_embeddings"] = int(key("rope.scaling.original_context_length"))
         config.rope_parameters = parameters
     return config
-
-
-class NotServedNatively(ValueError):
-    pass
