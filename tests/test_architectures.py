@@ -125,16 +125,21 @@ def test_greedy_output_is_the_same_alone_and_in_a_batch(arch: str, served) -> No
         assert run_outputs(alone, [(0, request)])[0] == together[index]
 
 
+def other_architecture(tokenizer_file: Path, tmp_path: Path) -> Path:
+    """A tiny llama file whose ``general.architecture`` (the file's first "llama") reads "xllam"."""
+    path = tmp_path / "llama.gguf"
+    write_gguf(tiny_model("llama", vocab=49152), "llama", path, tokenizer_file, {})
+    renamed = tmp_path / "other-arch.gguf"
+    renamed.write_bytes(path.read_bytes().replace(b"llama", b"xllam", 1))
+    return renamed
+
+
 def test_an_architecture_not_served_natively_is_refused_naming_those_that_are(
     tokenizer_file: Path, tmp_path: Path
 ) -> None:
     from engine.core.architectures import NotServedNatively
 
-    path = tmp_path / "other.gguf"
-    model = tiny_model("llama", vocab=49152)
-    write_gguf(model, "llama", path, tokenizer_file, {})
-    renamed = tmp_path / "other-arch.gguf"  # general.architecture, the file's first "llama", renamed
-    renamed.write_bytes(path.read_bytes().replace(b"llama", b"xllam", 1))
+    renamed = other_architecture(tokenizer_file, tmp_path)
     with pytest.raises(NotServedNatively, match=r"'xllam' is not served natively .*llama, qwen2, qwen3"):
         load(renamed, tmp_path / "cache")
 
@@ -177,10 +182,7 @@ def test_python_m_app_refuses_such_a_file_with_its_message_and_no_traceback(
     import subprocess
     import sys
 
-    path = tmp_path / "llama.gguf"
-    write_gguf(tiny_model("llama", vocab=49152), "llama", path, tokenizer_file, {})
-    renamed = tmp_path / "other-arch.gguf"
-    renamed.write_bytes(path.read_bytes().replace(b"llama", b"xllam", 1))
+    renamed = other_architecture(tokenizer_file, tmp_path)
     env = {**os.environ, "SMOLSERVE_CACHE_DIR": str(tmp_path / "cache"), "HF_HUB_OFFLINE": "1"}
     done = subprocess.run(
         [sys.executable, "-m", "app", "--model", str(renamed), "--embedding-model", "none", "--port", "1"],
