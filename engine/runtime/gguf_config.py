@@ -1,10 +1,9 @@
-"""A GGUF's model config from its own ``<arch>.*`` keys, where transformers' reading of the file leaves them out:
-the head size (``attention.key_length``: Qwen3's heads are not ``hidden / heads`` wide), whether the output layer
-is the embedding's (no ``output.weight`` tensor), and RoPE scaling (``rope.scaling.*``)."""
+"""A GGUF's model config from its own keys (``<arch>.*``, the tokenizer's special ids, whether the output layer is
+the embedding's), and the refusal of files this server does not serve natively."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from transformers import PretrainedConfig
 
@@ -39,6 +38,7 @@ _FIELDS = {
     "embedding_length": "hidden_size", "feed_forward_length": "intermediate_size", "block_count": "num_hidden_layers",
     "attention.head_count": "num_attention_heads", "attention.head_count_kv": "num_key_value_heads",
     "context_length": "max_position_embeddings", "attention.layer_norm_rms_epsilon": "rms_norm_eps",
+    "attention.key_length": "head_dim",  # Qwen3's heads are not hidden / heads wide
 }  # fmt: skip
 #: ... and from its tokenizer's keys.
 _TOKENS = {
@@ -48,37 +48,23 @@ _TOKENS = {
 
 
 def config_of(reader: GGUFFile) -> PretrainedConfig:
-    """transformers' config of a natively served file, from its keys alone (transformers' own reading of the file
-    takes ~7 s on a Qwen file, most of it building the vocabulary it does not use for this); ``complete``d."""
+    """transformers' config of a natively served file (refusing any other), from its keys alone: transformers' own
+    reading of the file takes ~7 s on a Qwen file, most of it building a vocabulary it does not use for this, and
+    leaves out the head size, Llama 3's RoPE factors and the like."""
     from transformers import AutoConfig
 
     check(reader)
     arch = architecture(reader)
-    values = {field: reader.keys[f"{arch}.{key}"] for key, field in _FIELDS.items() if f"{arch}.{key}" in reader.keys}
-    values.update({field: reader.keys[key] for key, field in _TOKENS.items() if key in reader.keys})
+    keys = reader.keys
+    values = {field: keys[f"{arch}.{key}"] for key, field in _FIELDS.items() if f"{arch}.{key}" in keys}
+    values.update({field: keys[key] for key, field in _TOKENS.items() if key in keys})
     embedding = next(tensor for tensor in reader.tensors if tensor.name == "token_embd.weight")
-    values["vocab_size"] = int(reader.keys.get(f"{arch}.vocab_size", embedding.shape[1]))
-    base = float(reader.keys.get(f"{arch}.rope.freq_base", 10000.0))
-    config = AutoConfig.for_model(
-        ARCHITECTURES[arch].model_type, rope_parameters={"rope_type": "default", "rope_theta": base}, **values
-    )
-    return complete(config, reader)
-
-
-def complete(config: PretrainedConfig, reader: GGUFFile) -> PretrainedConfig:
-    """``config`` (transformers' from the file) with the file's keys that it lacks."""
-    arch = architecture(reader)
-    def key(name: str) -> Any:
-        return reader.keys.get(f"{arch}.{name}")
-
-    if key("attention.key_length") is not None:
-        config.head_dim = int(key("attention.key_length"))
-    config.tie_word_embeddings = not any(tensor.name == "output.weight" for tensor in reader.tensors)
-    scaling = key("rope.scaling.type")
+    values["vocab_size"] = int(keys.get(f"{arch}.vocab_size", embedding.shape[1]))
+    values["tie_word_embeddings"] = not any(tensor.name == "output.weight" for tensor in reader.tensors)
+    rope = {"rope_type": "default", "rope_theta": float(keys.get(f"{arch}.rope.freq_base", 10000.0))}
+    scaling = keys.get(f"{arch}.rope.scaling.type")
     if scaling in ("linear", "yarn"):
-        parameters = dict(getattr(config, "rope_parameters", None) or {})
-        parameters.update(rope_type=scaling, factor=float(key("rope.scaling.factor")))
+        rope.update(rope_type=scaling, factor=float(keys[f"{arch}.rope.scaling.factor"]))
         if scaling == "yarn":
-            parameters["original_max_position_embeddings"] = int(key("rope.scaling.original_context_length"))
-        config.rope_parameters = parameters
-    return config
+            rope["original_max_position_embeddings"] = int(keys[f"{arch}.rope.scaling.original_context_length"])
+    return AutoConfig.for_model(ARCHITECTURES[arch].model_type, rope_parameters=rope, **values)

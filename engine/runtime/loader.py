@@ -1,8 +1,8 @@
 """Find and load a model named on the command line. Imports torch and transformers.
 
 A GGUF of a natively served architecture (``engine/core/architectures.py``), served from its own blocks
-(``blocks=True``: the native kernels' path) is read as it is (``engine/runtime/gguf_model.py``); only its config and
-tokenizer, which transformers takes ~5 s to read from the file, are saved once under the cache directory
+(``blocks=True``: the native kernels' path) is read as it is (``engine/runtime/gguf_model.py``); only its config (from
+the file's keys) and tokenizer (transformers' conversion of the file's, ~10 s) are saved once under the cache directory
 (``$SMOLSERVE_CACHE_DIR``, default ``~/.cache/smolserve``), keyed by the file's content hash. Every other GGUF path
 needs dense weights: transformers dequantizes the file (slow: ~12-30 s for SmolLM2-135M), and the result is saved
 once there as safetensors; later starts load that in about a second.
