@@ -11,6 +11,8 @@ import torch
 from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter
 from gguf.quants import dequantize, quantize
 from transformers import (
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
     LlamaConfig,
     LlamaForCausalLM,
     PreTrainedModel,
@@ -21,13 +23,18 @@ from transformers import (
 )  # fmt: skip
 
 _MODELS = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM),
-           "qwen3": (Qwen3Config, Qwen3ForCausalLM)}  # fmt: skip
+           "qwen3": (Qwen3Config, Qwen3ForCausalLM), "gemma3": (Gemma3TextConfig, Gemma3ForCausalLM)}  # fmt: skip
 _LAYER = {
     "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
     "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
     "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
     "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
 }  # fmt: skip
+#: Gemma 3's four norms a layer, as its converter names them.
+_GEMMA_LAYER = {**_LAYER, "post_attention_layernorm": "attn_post_norm", "pre_feedforward_layernorm": "ffn_norm",
+                "post_feedforward_layernorm": "ffn_post_norm"}  # fmt: skip
+#: Gemma 3's local layers' window in the tiny model: short, so that a test's prompt slides past it.
+GEMMA_WINDOW = 8
 
 
 #: Llama 3.1's RoPE scaling, its context shortened to the tiny model's (so that every kind of frequency occurs).
@@ -40,9 +47,17 @@ def tiny_model(arch: str, vocab: int, seed: int = 0, llama3_rope: bool = False) 
     config_class, model_class = _MODELS[arch]
     extra: dict = {"head_dim": 48} if arch == "qwen3" else {}  # not hidden / heads: the file's key_length is read
     extra["rope_parameters"] = LLAMA3_ROPE if llama3_rope else {"rope_type": "default", "rope_theta": 1e6}
+    extra.update(num_hidden_layers=2, tie_word_embeddings=False)
+    if arch == "gemma3":  # six layers: five local ones, then a global one, as llama.cpp reads a file without a pattern
+        bases = {"full_attention": 1e6, "sliding_attention": 1e4}
+        extra.update(
+            head_dim=48, query_pre_attn_scalar=48, sliding_window=GEMMA_WINDOW, num_hidden_layers=6,
+            tie_word_embeddings=True,
+            rope_parameters={kind: {"rope_type": "default", "rope_theta": base} for kind, base in bases.items()},
+        )  # fmt: skip
     config = config_class(
-        vocab_size=vocab, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=1024, rms_norm_eps=1e-6, tie_word_embeddings=False, **extra,
+        vocab_size=vocab, hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2,
+        max_position_embeddings=1024, rms_norm_eps=1e-6, **extra,
     )  # fmt: skip
     torch.manual_seed(seed)
     model = model_class(config).eval()
@@ -66,9 +81,12 @@ def write_gguf(
     that it is the reference of the file; returned."""
     config = model.config
     writer = GGUFWriter(path, arch)
-    if config.rope_parameters.get("rope_type") == "llama3":
+    rope = config.rope_parameters.get("full_attention", config.rope_parameters)  # gemma3: the global layers'
+    if arch == "gemma3":
+        writer.add_sliding_window(config.sliding_window)
+    if rope.get("rope_type") == "llama3":
         scaled = model.model.rotary_emb.inv_freq
-        default = config.rope_parameters["rope_theta"] ** -(torch.arange(scaled.numel()) / scaled.numel())
+        default = rope["rope_theta"] ** -(torch.arange(scaled.numel()) / scaled.numel())
         writer.add_tensor("rope_freqs.weight", (default / scaled).float().numpy())
     writer.add_block_count(config.num_hidden_layers)
     writer.add_context_length(config.max_position_embeddings)
@@ -76,7 +94,7 @@ def write_gguf(
     writer.add_feed_forward_length(config.intermediate_size)
     writer.add_head_count(config.num_attention_heads)
     writer.add_head_count_kv(config.num_key_value_heads)
-    writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
+    writer.add_rope_freq_base(rope["rope_theta"])
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     writer.add_key_length(head_dim)
@@ -85,8 +103,10 @@ def write_gguf(
     _copy_tokenizer(GGUFReader(tokenizer_from), writer)
     with torch.no_grad():
         for name, parameter in model.named_parameters():
-            gguf_name = _gguf_name(name)
+            gguf_name = _gguf_name(name, arch)
             values = parameter.detach().float().numpy()
+            if arch == "gemma3" and gguf_name.endswith("norm.weight"):  # Gemma multiplies by 1 + w: the file holds it
+                values = values + np.float32(1.0)
             kind = gguf_name.split(".")[-2] if gguf_name.startswith("blk.") else gguf_name.split(".")[0]
             qtype = types.get(kind, GGMLQuantizationType.F32) if values.ndim == 2 else GGMLQuantizationType.F32
             if arch == "llama" and kind in ("attn_q", "attn_k"):
@@ -108,7 +128,7 @@ def write_gguf(
     return model
 
 
-def _gguf_name(name: str) -> str:
+def _gguf_name(name: str, arch: str) -> str:
     if name == "model.embed_tokens.weight":
         return "token_embd.weight"
     if name == "lm_head.weight":
@@ -117,7 +137,7 @@ def _gguf_name(name: str) -> str:
         return "output_norm.weight"
     _, _, index, rest = name.split(".", 3)
     module, kind = rest.rsplit(".", 1)
-    return f"blk.{index}.{_LAYER[module]}.{kind}"
+    return f"blk.{index}.{(_GEMMA_LAYER if arch == 'gemma3' else _LAYER)[module]}.{kind}"
 
 
 def _permute(rows: np.ndarray, heads: int) -> np.ndarray:

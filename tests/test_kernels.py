@@ -11,14 +11,19 @@ from engine.runtime.kv_cache import KEY_TILE, tile_keys, untile_keys
 from engine.runtime.model_runner import _add_norm, _rope, _silu_mul
 
 
-def _reference(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, lengths: list[int]) -> torch.Tensor:
-    """Each sequence alone through scaled_dot_product_attention, in float32."""
+def _reference(
+    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, lengths: list[int], window: int = 0
+) -> torch.Tensor:
+    """Each sequence alone through scaled_dot_product_attention, in float32, over its positions
+    ``length - window .. length - 1`` (all of them when ``window`` is 0)."""
+    starts = [max(0, length - window) if window else 0 for length in lengths]
     rows = [
         F.scaled_dot_product_attention(
-            query[i : i + 1].float(), keys[i : i + 1, :, :length].float(), values[i : i + 1, :, :length].float()
+            query[i : i + 1].float(), keys[i : i + 1, :, start:length].float(),
+            values[i : i + 1, :, start:length].float(),
         )[0]
-        for i, length in enumerate(lengths)
-    ]
+        for i, (start, length) in enumerate(zip(starts, lengths, strict=True))
+    ]  # fmt: skip
     return torch.stack(rows)
 
 
@@ -68,6 +73,33 @@ def test_kernel_matches_torch_attention(
                     block_size, dim**-0.5)  # fmt: skip
     expected = _reference(query[:3], keys[7:8].expand(3, -1, -1, -1), values[7:8].expand(3, -1, -1, -1), [5, 40, 200])
     torch.testing.assert_close(shared.float(), expected, atol=tolerance, rtol=tolerance)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("kv_heads", "groups", "dim"), [(2, 2, 64), (1, 3, 128), (1, 2, 24)])
+@pytest.mark.parametrize("window", [1, 5, 16, 17, 40, 512])
+def test_a_sliding_window_attends_only_each_row_s_last_positions(
+    dtype: torch.dtype, kv_heads: int, groups: int, dim: int, window: int
+) -> None:
+    """Gemma 3's local layers: a row of length L attends positions L - window .. L - 1, the window starting
+    anywhere in a tile (and longer than some rows: then all of them), on the float and the 8-bit cache alike."""
+    native, ops = kernels.decode_attention(), kernels.native_ops()
+    assert native is not None and ops is not None
+    torch.manual_seed(window)
+    lengths = [1, 15, 16, 17, 33, 64, 65, 100, 200]
+    keys, values = (torch.randn(len(lengths), kv_heads, 208, dim, dtype=dtype) for _ in range(2))
+    query = torch.randn(len(lengths), kv_heads, groups, dim, dtype=dtype)
+    tables, physical = _blocks(len(lengths), 208, 16, seed=dim)
+    pool = (len(lengths) * 13 + 2) * 16
+    want = _reference(query, keys, values, lengths, window)
+    key_pool, value_pool = _paged(tile_keys(keys), physical, pool), _paged(values, physical, pool)
+    out = native(query, key_pool, value_pool, tables, torch.tensor(lengths), 16, dim**-0.5, window)
+    tolerance = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(out.float(), want, atol=tolerance, rtol=tolerance)
+    cache = _int8_cache(keys, values, physical, pool)
+    out = ops.decode_attention_int8(query, *cache, tables, torch.tensor(lengths), 16, dim**-0.5, window)
+    restored = [t[:, physical].transpose(0, 1) for t in dequantize(*cache)]
+    torch.testing.assert_close(out.float(), _reference(query, *restored, lengths, window), atol=3e-2, rtol=3e-2)
 
 
 def test_kernel_rejects_lengths_and_blocks_beyond_the_cache() -> None:

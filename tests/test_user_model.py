@@ -76,6 +76,7 @@ def test_greedy_tokens_and_logprobs_are_the_same_alone_and_in_a_batch(loaded) ->
     from engine_helpers import make_engine, run_outputs
 
     loaded, _ = loaded
+
     def chat(text: str) -> tuple[int, ...]:
         rendered = loaded.tokenizer.apply_chat_template(
             [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False

@@ -19,6 +19,18 @@ class Architecture:
     qkv_bias: bool = False
     #: Each query and key head is RMS-normalized (its own weights, over the head's dimension) before RoPE.
     qk_norm: bool = False
+    #: The attention's and the MLP's outputs are RMS-normalized before they join the residual stream (each with its
+    #: own weights: the file's ``attn_post_norm`` and ``ffn_post_norm``; the MLP's input norm is ``ffn_norm``).
+    output_norms: bool = False
+    #: The gated MLP's activation, as transformers names it.
+    activation: str = "silu"
+    #: The token embedding is multiplied by the square root of the hidden size (rounded to the model's dtype).
+    scaled_embedding: bool = False
+    #: The model scales by ``offset + w`` in each RMSNorm; llama.cpp's converter writes ``offset + w`` in the file.
+    norm_offset: float = 0.0
+    #: Sliding-window layers (``<arch>.attention.sliding_window`` positions, their own RoPE base) among global ones,
+    #: by ``<arch>.attention.sliding_window_pattern`` (this default when absent: every n-th layer is global).
+    sliding_window_pattern: int = 0
 
 
 ARCHITECTURES = {
@@ -27,6 +39,17 @@ ARCHITECTURES = {
         Architecture("llama", "llama", permuted_qk=True),  # Llama 2/3.x, SmolLM, Mistral-style files
         Architecture("qwen2", "qwen2", qkv_bias=True),  # Qwen2, Qwen2.5 (Coder), tied or separate output
         Architecture("qwen3", "qwen3", qk_norm=True),  # Qwen3 dense
+        # Gemma 3 (text): 5 local layers of 512-1024 positions for each global one
+        Architecture(
+            "gemma3",
+            "gemma3_text",
+            qk_norm=True,
+            output_norms=True,
+            activation="gelu_pytorch_tanh",
+            scaled_embedding=True,
+            norm_offset=1.0,
+            sliding_window_pattern=6,
+        ),
     )
 }
 _BY_MODEL_TYPE = {arch.model_type: arch for arch in ARCHITECTURES.values()}

@@ -24,10 +24,12 @@ ATTENTION_NAME = "smolserve_blocks"
 
 
 def attend(
-    batch: StepBatch, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float | None
-) -> torch.Tensor:
+    batch: StepBatch, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float | None,
+    window: int = 0,
+) -> torch.Tensor:  # fmt: skip
     """Attention over one step's packed rows: ``query`` ``[rows, heads, dim]``, ``key``/``value``
-    ``[rows, kv_heads, dim]`` (after RoPE). Writes the rows' K/V into the cache; returns ``[rows, heads, dim]``."""
+    ``[rows, kv_heads, dim]`` (after RoPE). Writes the rows' K/V into the cache; returns ``[rows, heads, dim]``.
+    ``window`` > 0: a sliding-window layer, each row attending only its last ``window`` positions (itself included)."""
     scale = query.shape[-1] ** -0.5 if scale is None else scale
     cache = batch.cache
     cache.write(layer, batch.slots, key, value)
@@ -36,14 +38,14 @@ def attend(
     # "query length", which is free for a single query row.
     q = query.reshape(rows, num_kv_heads, num_heads // num_kv_heads, -1)
     if cache.native_decode:
-        return cache.attend(layer, q, batch, scale).reshape(rows, num_heads, -1)
+        return cache.attend(layer, q, batch, scale, window).reshape(rows, num_heads, -1)
     out = torch.empty_like(query)
     n = batch.num_decode
     if n:
-        out[:n] = _decode_rows(batch, layer, q[:n], scale).reshape(n, num_heads, -1)
+        out[:n] = _decode_rows(batch, layer, q[:n], scale, window).reshape(n, num_heads, -1)
     for chunk in batch.chunks:
         rows_of = slice(chunk.row, chunk.row + chunk.length)
-        out[rows_of] = _chunk_rows(batch, chunk, layer, query[rows_of], scale)
+        out[rows_of] = _chunk_rows(batch, chunk, layer, query[rows_of], scale, window)
     return out
 
 
@@ -64,27 +66,35 @@ def block_attention(
     batch = kwargs["step_batch"]
     assert isinstance(batch, StepBatch)
     rows_first = (t[0].transpose(0, 1) for t in (query, key, value))
-    return attend(batch, module.layer_idx, *rows_first, scaling).unsqueeze(0), None
+    window = kwargs.get("sliding_window") or 0  # transformers passes a sliding-window layer's window
+    assert isinstance(window, int)
+    return attend(batch, module.layer_idx, *rows_first, scaling, window).unsqueeze(0), None
 
 
-def _decode_rows(batch: StepBatch, layer: int, q: torch.Tensor, scale: float) -> torch.Tensor:
+def _decode_rows(batch: StepBatch, layer: int, q: torch.Tensor, scale: float, window: int) -> torch.Tensor:
     """Torch's attention for the decode rows ``q`` ``[n, kv_heads, groups, dim]``, each over its own length."""
     n = batch.num_decode
     lengths = batch.lengths[:n]
     longest = int(lengths.max())
     keys, values = batch.cache.gather(layer, batch.block_tables[:n], longest)
     mask = None
-    if int(lengths.min()) != longest:
-        mask = (torch.arange(longest, device=q.device)[None, :] < lengths[:, None])[:, None, None, :]
+    if window or int(lengths.min()) != longest:
+        positions = torch.arange(longest, device=q.device)[None, :]
+        mask = (positions < lengths[:, None]) & (positions >= lengths[:, None] - window if window else True)
+        mask = mask[:, None, None, :]
     return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale)
 
 
-def _chunk_rows(batch: StepBatch, chunk: PrefillChunk, layer: int, query: torch.Tensor, scale: float) -> torch.Tensor:
+def _chunk_rows(
+    batch: StepBatch, chunk: PrefillChunk, layer: int, query: torch.Tensor, scale: float, window: int
+) -> torch.Tensor:
     """Torch's attention for one prefill chunk's rows, causally over its sequence's positions so far."""
     end = chunk.start + chunk.length
     keys, values = batch.cache.gather(layer, batch.block_tables[chunk.row : chunk.row + 1], end)
     q = query.transpose(0, 1)[None]  # [1, heads, rows, dim]
     positions = torch.arange(end, device=q.device)
     mask = positions[None, :] <= positions[chunk.start :, None]  # row i sits at start + i
+    if window:
+        mask &= positions[None, :] > positions[chunk.start :, None] - window
     attended = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale, enable_gqa=True)
     return attended[0].transpose(0, 1)

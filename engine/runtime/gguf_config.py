@@ -67,4 +67,38 @@ def config_of(reader: GGUFFile) -> PretrainedConfig:
         rope.update(rope_type=scaling, factor=float(keys[f"{arch}.rope.scaling.factor"]))
         if scaling == "yarn":
             rope["original_max_position_embeddings"] = int(keys[f"{arch}.rope.scaling.original_context_length"])
-    return AutoConfig.for_model(ARCHITECTURES[arch].model_type, rope_parameters=rope, **values)
+    if ARCHITECTURES[arch].sliding_window_pattern:
+        values.update(_local_layers(reader, rope))
+    else:
+        values["rope_parameters"] = rope
+    return AutoConfig.for_model(ARCHITECTURES[arch].model_type, **values)
+
+
+def _local_layers(reader: GGUFFile, rope: dict) -> dict:
+    """Gemma 3's sliding-window layers as llama.cpp reads them: ``sliding_window`` positions, which layers (the
+    ``sliding_window_pattern`` key, an array of flags or a period; absent: every 6th layer is global), their own
+    RoPE base (``rope.freq_base_swa``, else 10,000) without the global layers' scaling; the attention scaled by the
+    head size (by hidden / heads in the 62-layer 27B, as llama.cpp does); the output's soft cap."""
+    arch = architecture(reader)
+    keys = reader.keys
+    layers = int(keys[f"{arch}.block_count"])
+    window = int(keys.get(f"{arch}.attention.sliding_window", 0))
+    pattern = keys.get(f"{arch}.attention.sliding_window_pattern", ARCHITECTURES[arch].sliding_window_pattern)
+    if isinstance(pattern, list):
+        local = [bool(flag) for flag in pattern][:layers]
+    else:
+        local = [window > 0 and (int(pattern) == 0 or i % int(pattern) < int(pattern) - 1) for i in range(layers)]
+    head_dim = int(keys.get(f"{arch}.attention.key_length", 0)) or None
+    hidden, heads = int(keys[f"{arch}.embedding_length"]), int(keys[f"{arch}.attention.head_count"])
+    return {
+        "sliding_window": window or None,
+        "layer_types": ["sliding_attention" if flag else "full_attention" for flag in local],
+        "rope_parameters": {
+            "full_attention": rope,
+            "sliding_attention": {
+                "rope_type": "default", "rope_theta": float(keys.get(f"{arch}.rope.freq_base_swa", 10000.0))
+            },
+        },
+        "query_pre_attn_scalar": hidden // heads if layers == 62 else head_dim or hidden // heads,
+        "final_logit_softcapping": keys.get(f"{arch}.final_logit_softcapping") or None,
+    }  # fmt: skip

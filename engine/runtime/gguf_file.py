@@ -30,7 +30,8 @@ class Tensor:
 
 
 class GGUFFile:
-    """``keys``: every key whose value is not an array (the arrays, a vocabulary's, are skipped over);
+    """``keys``: every key whose value is not a long array (a vocabulary's are skipped over; arrays of up to
+    ``_SHORT_ARRAY`` numbers, per-layer values, are lists);
     ``tensors``: in the file's order."""
 
     def __init__(self, path: Path | str) -> None:
@@ -71,6 +72,8 @@ class GGUFFile:
                 for _ in range(count):  # each string's length is read to step over it
                     (length,) = struct.unpack_from("<Q", self._map, self._at)
                     self._at += 8 + length
+            elif item in _SCALARS and count <= _SHORT_ARRAY:  # per-layer values (e.g. which layers slide)
+                return list(self._unpack(f"<{count}{_SCALARS[item][1:]}"))
             elif item in _SCALARS:
                 self._at += struct.calcsize(_SCALARS[item]) * count
             else:
@@ -100,3 +103,4 @@ class GGUFFile:
 
 
 _SKIPPED = object()
+_SHORT_ARRAY = 1024

@@ -18,8 +18,9 @@ import numpy as np
 import torch
 from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
+from engine.core.architectures import ARCHITECTURES, Architecture
 from engine.runtime.gguf_file import GGUFFile
-from engine.runtime.gguf_weights import hf_name, permuted_qk, read, unpermute_rows
+from engine.runtime.gguf_weights import architecture, hf_name, permuted_qk, read, unpermute_rows
 from engine.runtime.quantized_weights import QuantizedWeight
 
 _NORMS = {
@@ -27,6 +28,14 @@ _NORMS = {
     "ffn_norm": "post_attention_layernorm",
     "attn_q_norm": "self_attn.q_norm",
     "attn_k_norm": "self_attn.k_norm",
+}
+#: ... where the attention's and MLP's outputs have norms too (Gemma 3): transformers' "post attention" norm is then
+#: the attention output's, and the MLP's input norm is "pre feedforward".
+_OUTPUT_NORMS = {
+    **_NORMS,
+    "attn_post_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm",
+    "ffn_post_norm": "post_feedforward_layernorm",
 }
 
 
@@ -39,6 +48,9 @@ def build(
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     model.to_empty(device="cpu")  # allocated, never written: the pages stay unmapped until something writes them
     model.model.rotary_emb = type(model.model.rotary_emb)(config=model.config)  # its buffers are computed, not read
+    embedding = model.model.embed_tokens
+    if hasattr(embedding, "scalar_embed_scale"):  # Gemma's sqrt(hidden) factor: a buffer, computed too
+        embedding.embed_scale = torch.tensor(embedding.scalar_embed_scale)
     model.tie_weights()
     reader = GGUFFile(path)
     _rope_factors(model, reader)
@@ -83,22 +95,26 @@ def _dense_tensors(reader: GGUFFile, config: PretrainedConfig, skip: set[str]) -
     from gguf.quants import dequantize
 
     permuted = permuted_qk(reader)
+    arch = ARCHITECTURES[architecture(reader)]
     for tensor in reader.tensors:
-        name = _name(tensor.name)
+        name = _name(tensor.name, arch)
         if name is None or name in skip:
             continue
         shape = tuple(int(d) for d in reversed(tensor.shape))  # GGUF lists dimensions innermost first
         values = np.asarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32).reshape(shape)
+        if tensor.name.endswith("norm.weight"):  # the file holds what the model multiplies by: offset + w
+            values = values - np.float32(arch.norm_offset)
         if permuted and (".attn_q." in tensor.name or ".attn_k." in tensor.name):
             heads = config.num_attention_heads if ".attn_q." in tensor.name else config.num_key_value_heads
             values = unpermute_rows(values, heads)
         yield name, torch.from_numpy(np.array(values, copy=True, order="C"))
 
 
-def _name(gguf_name: str) -> str | None:
+def _name(gguf_name: str, arch: Architecture) -> str | None:
     if gguf_name == "output_norm.weight":
         return "model.norm.weight"
     parts = gguf_name.split(".")
-    if len(parts) == 4 and parts[0] == "blk" and parts[2] in _NORMS:
-        return f"model.layers.{parts[1]}.{_NORMS[parts[2]]}.weight"
+    norms = _OUTPUT_NORMS if arch.output_norms else _NORMS
+    if len(parts) == 4 and parts[0] == "blk" and parts[2] in norms:
+        return f"model.layers.{parts[1]}.{norms[parts[2]]}.weight"
     return hf_name(gguf_name)

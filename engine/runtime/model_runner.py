@@ -136,12 +136,20 @@ class _LlamaLayer:
     gate_up: torch.Tensor | PackedWeight | PackedParts  # [2 * intermediate, hidden]
     down: torch.Tensor | PackedWeight
     qkv_bias: torch.Tensor | None = None  # q, k and v's biases stacked (qwen2)
-    q_norm: torch.Tensor | None = None  # each query head's RMSNorm weights (qwen3)
+    q_norm: torch.Tensor | None = None  # each query head's RMSNorm weights (qwen3, gemma3)
     k_norm: torch.Tensor | None = None
+    attn_out_norm: torch.Tensor | None = None  # the attention's output normalized before the residual add (gemma3)
+    ffn_out_norm: torch.Tensor | None = None  # ... and the MLP's
+    gelu: bool = False  # the MLP's gate through GELU (tanh), not SiLU (gemma3)
+    window: int = 0  # a sliding-window layer: each row attends its last `window` positions (0: all)
+    rope: str | None = None  # which RoPE table the layer rotates by (gemma3's local and global layers differ)
 
-    def extras(self) -> dict[str, torch.Tensor | None]:
+    def extras(self) -> dict[str, torch.Tensor | int | bool | None]:
         """What an architecture adds to a llama layer, as ``llama_layer``'s keyword arguments."""
-        return {"qkv_bias": self.qkv_bias, "q_norm": self.q_norm, "k_norm": self.k_norm}
+        return {
+            "qkv_bias": self.qkv_bias, "q_norm": self.q_norm, "k_norm": self.k_norm, "window": self.window,
+            "attn_out_norm": self.attn_out_norm, "ffn_out_norm": self.ffn_out_norm, "gelu": self.gelu,
+        }  # fmt: skip
 
     def packed(self) -> tuple[object, ...] | None:
         """The arguments ``llama_layer`` takes for this layer's weights, up to its post-attention norm; None unless
@@ -159,12 +167,16 @@ class LlamaRunner:
         """A model of a natively served architecture (``engine/core/architectures.py``) without what the lean
         forward leaves out."""
         config = model.config
+        arch = by_model_type(config.model_type)
+        activation = getattr(config, "hidden_act", None) or getattr(config, "hidden_activation", None) or "silu"
         return (
-            by_model_type(config.model_type) is not None
+            arch is not None
             and not (config.model_type == "llama" and getattr(config, "attention_bias", False))
             and not getattr(config, "mlp_bias", False)
-            and not getattr(config, "use_sliding_window", False)
-            and getattr(config, "hidden_act", "silu") == "silu"
+            and not getattr(config, "use_sliding_window", False)  # qwen2's, by max_window_layers
+            and activation == arch.activation
+            and not getattr(config, "attn_logit_softcapping", None)
+            and not getattr(config, "use_bidirectional_attention", False)
             # RoPE from a table of every position: not for scalings that change with the sequence's length
             and (getattr(config, "rope_parameters", None) or {}).get("rope_type", "default") != "dynamic"
         )
@@ -188,8 +200,9 @@ class LlamaRunner:
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
-        self.scale = self.head_dim**-0.5
+        self.scale = (getattr(config, "query_pre_attn_scalar", None) or self.head_dim) ** -0.5
         self.eps = config.rms_norm_eps
+        self.softcap = getattr(config, "final_logit_softcapping", None)
         inner = model.model
         self._embeddings(model, quantized, max_positions)
         # torch.compile of the element-wise work between the matmuls was tried and dropped: with the matmuls
@@ -216,12 +229,12 @@ class LlamaRunner:
         if embedding is not None:
             self.embed = embedding.pack()
         self.dtype = model.dtype
-        # RoPE's cos and sin for every position, computed once: a row's rotation is then a lookup, the same
-        # whatever other rows share its step (element-wise cos/sin may round a tensor's tail differently).
-        positions = torch.arange(max_positions, device=model.device)[None]
-        dummy = torch.empty(0, dtype=model.dtype, device=model.device)
-        self.cos, self.sin = (table[0] for table in model.model.rotary_emb(dummy, positions))  # [positions, dim]
-        self.norm = model.model.norm.weight
+        arch = by_model_type(model.config.model_type)
+        # Gemma multiplies the embedding by sqrt(hidden size), rounded to its dtype as transformers (and Gemma) do.
+        scaled = arch is not None and arch.scaled_embedding
+        self.embed_scale = torch.tensor(model.config.hidden_size**0.5).to(self.dtype) if scaled else None
+        self.ropes = _rope_tables(model, max_positions)
+        self.norm = _norm_weight(model.model.norm.weight, model)
         head = quantized.get("lm_head.weight")
         # A tied output layer reads the embedding's packed blocks: one copy of them.
         self.lm_head = (
@@ -249,6 +262,7 @@ class LlamaRunner:
 
     @staticmethod
     def _fuse(layer: torch.nn.Module, prefix: str, quantized: dict[str, QuantizedWeight]) -> _LlamaLayer:
+        """One decoder layer's weights as the lean forward takes them: projections fused, norms as they multiply."""
         attn, mlp = layer.self_attn, layer.mlp
 
         def fused(names: list[str], linears: list[torch.nn.Linear]) -> torch.Tensor | PackedWeight | PackedParts:
@@ -259,20 +273,29 @@ class LlamaRunner:
             return stacked.pack() if stacked is not None else PackedParts(tuple(part.pack() for part in parts))
 
         arch = by_model_type(attn.config.model_type)  # what this architecture adds to a llama layer
-        qkv_bias = arch is not None and arch.qkv_bias
-        qk_norm = arch is not None and arch.qk_norm
+        assert arch is not None
+
+        def norm(module: torch.nn.Module | None) -> torch.Tensor | None:
+            return None if module is None else _norm_weight(module.weight, layer)
+
+        sandwich = arch.output_norms  # Gemma 3 names the norm of the attention's output "post attention"
         return _LlamaLayer(
-            layer.input_layernorm.weight,
+            norm(layer.input_layernorm),  # type: ignore[arg-type]
             fused(
                 ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"], [attn.q_proj, attn.k_proj, attn.v_proj]
             ),
             fused(["self_attn.o_proj"], [attn.o_proj]),
-            layer.post_attention_layernorm.weight,
+            norm(layer.pre_feedforward_layernorm if sandwich else layer.post_attention_layernorm),  # type: ignore[arg-type]
             fused(["mlp.gate_proj", "mlp.up_proj"], [mlp.gate_proj, mlp.up_proj]),
             fused(["mlp.down_proj"], [mlp.down_proj]),
-            torch.cat([attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias]).detach() if qkv_bias else None,
-            attn.q_norm.weight if qk_norm else None,
-            attn.k_norm.weight if qk_norm else None,
+            torch.cat([attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias]).detach() if arch.qkv_bias else None,
+            norm(attn.q_norm) if arch.qk_norm else None,
+            norm(attn.k_norm) if arch.qk_norm else None,
+            norm(layer.post_attention_layernorm) if sandwich else None,
+            norm(layer.post_feedforward_layernorm) if sandwich else None,
+            arch.activation != "silu",
+            (getattr(attn, "sliding_window", None) or 0) if arch.sliding_window_pattern else 0,
+            attn.config.layer_types[attn.layer_idx] if arch.sliding_window_pattern else None,
         )
 
     def forward(
@@ -282,12 +305,15 @@ class LlamaRunner:
             hidden = self.embed.rows(token_ids, self.dtype)
         else:
             hidden = F.embedding(token_ids, self.embed)
-        cos, sin = self.cos[positions], self.sin[positions]  # [rows, dim]: shared by every head
+        if self.embed_scale is not None:
+            hidden = hidden * self.embed_scale
+        ropes = {kind: (cos[positions], sin[positions]) for kind, (cos, sin) in self.ropes.items()}  # [rows, dim]
         normed = _rms_norm(hidden, self.layers[0].input_norm, self.eps)
         dense = self.runs_dense(token_ids.shape[0])
         layers = self._dense_layers if dense else self.layers
         for index, (layer, next_norm) in enumerate(zip(layers, self._next_norms, strict=True)):
             kv = batch.cache.native_kv(index) if self._layer_op is not None and not dense else None
+            cos, sin = ropes[layer.rope]  # shared by every head
             if kv is not None:
                 hidden, normed = self._layer_op(
                     hidden, normed, *self._packed[index], next_norm, self.eps, cos, sin, self.num_heads,
@@ -299,7 +325,8 @@ class LlamaRunner:
         if rows is not None:
             normed = normed[rows]  # none at all when the step's prompt chunks all go on: [0, vocab] logits
         head = self._dense_head if self._dense_head is not None and self.runs_dense(normed.shape[0]) else self.lm_head
-        return linear(normed, head, self.tile).float()
+        logits = linear(normed, head, self.tile).float()
+        return logits if not self.softcap else torch.tanh(logits / self.softcap) * self.softcap
 
     @property
     def dense_from_rows(self) -> int | None:
@@ -326,10 +353,15 @@ class LlamaRunner:
             qk = torch.cat([_rms_norm(q, layer.q_norm, self.eps), _rms_norm(k, layer.k_norm, self.eps)], dim=1)
         qk = self._rope(qk, cos, sin)  # q and k in one pass
         q, k, v = qk[:, : self.num_heads], qk[:, self.num_heads :], heads[:, self.num_heads + self.num_kv_heads :]
-        attended = attend(batch, index, q, k, v, self.scale)
+        attended = attend(batch, index, q, k, v, self.scale, layer.window)
         output = linear(attended.reshape(hidden.shape[0], -1), layer.o, tile)
+        if layer.attn_out_norm is not None:
+            output = _rms_norm(output, layer.attn_out_norm, self.eps)
         hidden, normed = self._add_norm(hidden, output, layer.post_norm, self.eps)
-        output = linear(self._silu_mul(linear(normed, layer.gate_up, tile)), layer.down, tile)
+        gate_up = linear(normed, layer.gate_up, tile)
+        output = linear(_gelu_mul(gate_up) if layer.gelu else self._silu_mul(gate_up), layer.down, tile)
+        if layer.ffn_out_norm is not None:
+            output = _rms_norm(output, layer.ffn_out_norm, self.eps)
         return self._add_norm(hidden, output, next_norm, self.eps)
 
 
@@ -344,6 +376,40 @@ def _add_norm(
 def _silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
+
+
+def _gelu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """As ``gelu_mul`` in ``csrc/llama_layer.cpp`` (the same two ATen ops): Gemma's gated MLP."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up
+
+
+def _norm_weight(weight: torch.Tensor, module: torch.nn.Module) -> torch.Tensor:
+    """An RMSNorm's weight as the lean forward multiplies by it: Gemma's norms scale by ``1 + w`` (computed in
+    float32, then rounded to the model's dtype), the others by ``w``."""
+    config = getattr(module, "config", None) or module.self_attn.config  # a model, or one of its decoder layers
+    arch = by_model_type(config.model_type)
+    offset = arch.norm_offset if arch is not None else 0.0
+    return weight if not offset else (weight.detach().float() + offset).to(weight.dtype)
+
+
+def _rope_tables(model: PreTrainedModel, max_positions: int) -> dict[str | None, tuple[torch.Tensor, torch.Tensor]]:
+    """RoPE's cos and sin ``[positions, dim]`` for every position, computed once (a row's rotation is then a
+    lookup, the same whatever other rows share its step: element-wise cos/sin may round a tensor's tail
+    differently); by layer kind where the kinds rotate differently (Gemma 3's local and global layers), else
+    one table under None."""
+    positions = torch.arange(max_positions, device=model.device)[None]
+    dummy = torch.empty(0, dtype=model.dtype, device=model.device)
+    rotary = model.model.rotary_emb
+    arch = by_model_type(model.config.model_type)
+    if arch is None or not arch.sliding_window_pattern:
+        cos, sin = rotary(dummy, positions)
+        return {None: (cos[0], sin[0])}
+    tables = {}
+    for kind in sorted(set(model.config.layer_types)):
+        cos, sin = rotary(dummy, positions, kind)
+        tables[kind] = (cos[0], sin[0])
+    return tables
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

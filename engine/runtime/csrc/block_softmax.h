@@ -37,6 +37,13 @@ inline int64_t score_rows(int64_t length, float* (&rows)[Groups]) {
   return width;
 }
 
+// A sliding window's first tile: its `skip` positions before the window out of the softmax. Before it, their
+// scores become -inf; after it, their numerators exactly 0 (the vector exps floor at e^-87, not 0).
+inline void mask_leading(float* scores, int64_t skip) {
+  std::fill(scores, scores + skip, -std::numeric_limits<float>::infinity());
+}
+inline void zero_leading(float* numerators, int64_t skip) { std::fill(numerators, numerators + skip, 0.0f); }
+
 // Any count, plain loops.
 inline float softmax_block(float* scores, int64_t count, float& running_max, float& total) {
   float block_max = -std::numeric_limits<float>::infinity();

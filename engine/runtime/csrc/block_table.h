@@ -5,10 +5,15 @@
 // lists its sequence's blocks in order, so its logical position t lies at physical position
 // table[t / block_size] * block_size + t % block_size. Blocks are whole tiles of 16 positions, so the kernels
 // turn the table into the physical start of each tile once per (row, head) and then index by tile.
+//
+// A sliding-window layer (`window` > 0 positions, Gemma 3's local layers) attends only a row's last `window`
+// positions: the kernels start reading at the tile that holds the first of them (`first_tile`) and give the
+// `skip` positions before it in that tile no weight.
 #pragma once
 
 #include <ATen/ATen.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <vector>
 
@@ -21,8 +26,9 @@ class BlockTables {
   // block_tables [rows, width] int32 (any row stride, the last stride 1); lengths [rows]; checks that every
   // block a row reads lies inside a cache of `positions` positions.
   BlockTables(const at::Tensor& block_tables, const at::Tensor& lengths, int64_t rows, int64_t block_size,
-              int64_t positions)
-      : lengths_(lengths.to(at::kLong).contiguous()), block_size_(block_size) {
+              int64_t positions, int64_t window = 0)
+      : lengths_(lengths.to(at::kLong).contiguous()), block_size_(block_size), window_(window) {
+    TORCH_CHECK(window >= 0, "a sliding window is a number of positions (0: none)");
     TORCH_CHECK(block_tables.dim() == 2 && block_tables.scalar_type() == at::kInt, "block tables are int32 [rows, width]");
     TORCH_CHECK(block_tables.size(0) == rows && lengths_.numel() == rows, "one block table and length per row");
     TORCH_CHECK(block_tables.stride(1) == 1 || block_tables.size(1) <= 1, "each block table must be contiguous");
@@ -43,6 +49,13 @@ class BlockTables {
 
   int64_t length(int64_t row) const { return lengths_.const_data_ptr<int64_t>()[row]; }
 
+  // The first position row `row` attends: 0, or the start of its sliding window.
+  int64_t start(int64_t row) const { return window_ > 0 ? std::max<int64_t>(0, length(row) - window_) : 0; }
+  // The tile holding that position: the kernels read from it on.
+  int64_t first_tile(int64_t row) const { return start(row) / kTilePositions; }
+  // Positions of that tile before the window, which get no weight.
+  int64_t skip(int64_t row) const { return start(row) % kTilePositions; }
+
   // The physical position where each of row `row`'s tiles starts, in a per-thread buffer valid until the
   // thread's next call.
   const int64_t* tile_starts(int64_t row) const {
@@ -62,6 +75,7 @@ class BlockTables {
   const int32_t* table_ = nullptr;
   int64_t row_stride_ = 0;
   int64_t block_size_;
+  int64_t window_;
 };
 
 }  // namespace smolserve

@@ -107,7 +107,7 @@ inline void weigh_values_avx2(const float* const* probabilities, const float* va
 // a multiple of 32 take the AVX2 steps above where the CPU has them (the portable loops were ~3x slower there).
 template <typename T, int64_t Dim>
 void attend_one(const T* query, const T* keys, const T* values, T* out, int64_t groups, int64_t dynamic_dim,
-                int64_t length, const int64_t* tiles, float scale) {
+                int64_t length, const int64_t* tiles, float scale, int64_t skip) {
   const int64_t dim = Dim ? Dim : dynamic_dim;
   const int64_t width = (length + kKeyTile - 1) / kKeyTile * kKeyTile;
   alignas(64) float q[kMaxGroups * kMaxHeadDim];
@@ -130,7 +130,11 @@ void attend_one(const T* query, const T* keys, const T* values, T* out, int64_t 
     }
   }
   float total[kMaxGroups];
-  for (int64_t g = 0; g < groups; ++g) total[g] = smolserve::softmax_row(scores + g * width, length);
+  for (int64_t g = 0; g < groups; ++g) {
+    smolserve::mask_leading(scores + g * width, skip);
+    total[g] = smolserve::softmax_row(scores + g * width, length);
+    smolserve::zero_leading(scores + g * width, skip);
+  }
 #if defined(__AVX2__) && defined(__FMA__)
   if constexpr (kAvx2<T, Dim>) {
     for (int64_t g = 0; g < groups; g += 2) {
@@ -212,7 +216,7 @@ inline void round_to_pairs(float* probabilities, int64_t width) {
 // which kept the core waiting on memory between the two streams even with software prefetch.
 template <int64_t Dim, int Groups>
 void attend_paired(const bf16* query, const bf16* keys, const bf16* values, bf16* out, int64_t length,
-                   const int64_t* tiles, float scale) {
+                   const int64_t* tiles, float scale, int64_t skip) {
   constexpr int64_t kChunks = Dim / 32;
   alignas(64) uint32_t query_pairs[Groups][Dim / 2];
   std::memcpy(query_pairs, query, sizeof(query_pairs));
@@ -223,7 +227,9 @@ void attend_paired(const bf16* query, const bf16* keys, const bf16* values, bf16
   }
   float total[Groups];
   for (int g = 0; g < Groups; ++g) {
+    smolserve::mask_leading(scores[g], skip);
     total[g] = smolserve::softmax_row_avx512(scores[g], length, width);
+    smolserve::zero_leading(scores[g], skip);
     round_to_pairs(scores[g], width);
   }
   __m512 sums[Groups][2 * kChunks];
@@ -258,17 +264,17 @@ void attend_paired(const bf16* query, const bf16* keys, const bf16* values, bf16
 // attend_one's arguments; the head size is `Dim`.
 template <int64_t Dim>
 void attend_paired_groups(const bf16* query, const bf16* keys, const bf16* values, bf16* out, int64_t groups,
-                          int64_t /*dim*/, int64_t length, const int64_t* tiles, float scale) {
+                          int64_t /*dim*/, int64_t length, const int64_t* tiles, float scale, int64_t skip) {
   constexpr int kMost = Dim == 64 ? 4 : 2;
   for (int64_t first = 0; first < groups; first += kMost) {
     const int64_t n = std::min<int64_t>(kMost, groups - first);
     const bf16* q = query + first * Dim;
     bf16* o = out + first * Dim;
-    if (n == 1) attend_paired<Dim, 1>(q, keys, values, o, length, tiles, scale);
-    if (n == 2) attend_paired<Dim, 2>(q, keys, values, o, length, tiles, scale);
+    if (n == 1) attend_paired<Dim, 1>(q, keys, values, o, length, tiles, scale, skip);
+    if (n == 2) attend_paired<Dim, 2>(q, keys, values, o, length, tiles, scale, skip);
     if constexpr (kMost == 4) {
-      if (n == 3) attend_paired<Dim, 3>(q, keys, values, o, length, tiles, scale);
-      if (n == 4) attend_paired<Dim, 4>(q, keys, values, o, length, tiles, scale);
+      if (n == 3) attend_paired<Dim, 3>(q, keys, values, o, length, tiles, scale, skip);
+      if (n == 4) attend_paired<Dim, 4>(q, keys, values, o, length, tiles, scale, skip);
     }
   }
 }
@@ -277,7 +283,8 @@ void attend_paired_groups(const bf16* query, const bf16* keys, const bf16* value
 // The kernel for one (sequence, KV head) that suits this dtype and head size on this CPU.
 template <typename T>
 auto pick_kernel(int64_t dim) {
-  using Kernel = void (*)(const T*, const T*, const T*, T*, int64_t, int64_t, int64_t, const int64_t*, float);
+  using Kernel =
+      void (*)(const T*, const T*, const T*, T*, int64_t, int64_t, int64_t, const int64_t*, float, int64_t);
 #if defined(__AVX512BF16__)
   if constexpr (std::is_same_v<T, bf16>) {
     if (dim == 64) return attend_paired_groups<64>;
@@ -303,9 +310,9 @@ void run(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values, 
   const int64_t items = q.size(0) * heads;
   at::parallel_for(0, items, positions < 2048 ? items : 1, [&](int64_t begin, int64_t end) {
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t i = item / heads, h = item % heads;
+      const int64_t i = item / heads, h = item % heads, first = tables.first_tile(i);
       attend(qp + item * groups * dim, kp + h * keys.stride(0), vp + h * values.stride(0), op + item * groups * dim,
-             groups, dim, tables.length(i), tables.tile_starts(i), scale);
+             groups, dim, tables.length(i) - first * kKeyTile, tables.tile_starts(i) + first, scale, tables.skip(i));
     }
   });
 }
@@ -344,11 +351,11 @@ namespace smolserve {
 // query [rows, kv_heads, groups, dim]; keys [kv_heads, positions, dim], the pool's blocks of `block_size`
 // positions one after another, holding tiles of 16 positions laid out [dim / 2][16][2]; values
 // [kv_heads, positions, dim]; block_tables [rows, width] int32 (any row stride): row i's blocks in order;
-// lengths [rows] int64: row i attends its sequence's positions 0..lengths[i]-1. Returns [rows, kv_heads, groups,
-// dim].
+// lengths [rows] int64: row i attends its sequence's positions 0..lengths[i]-1, or only the last `window` of them
+// (a sliding-window layer; 0: all). Returns [rows, kv_heads, groups, dim].
 at::Tensor decode_attention(const at::Tensor& query, const at::Tensor& keys, const at::Tensor& values,
                             const at::Tensor& block_tables, const at::Tensor& lengths, int64_t block_size,
-                            double scale) {
+                            double scale, int64_t window) {
   TORCH_CHECK(query.dim() == 4 && keys.dim() == 3 && values.dim() == 3, "expected a 4-d query, 3-d keys and values");
   TORCH_CHECK(keys.stride(2) == 1 && keys.stride(1) == keys.size(2), "each head's keys must be contiguous");
   TORCH_CHECK(values.stride(2) == 1 && values.stride(1) == values.size(2), "each head's values must be contiguous");
@@ -359,7 +366,7 @@ at::Tensor decode_attention(const at::Tensor& query, const at::Tensor& keys, con
   TORCH_CHECK(keys.sizes() == values.sizes() && keys.size(0) == heads && keys.size(2) == dim, "cache shape mismatch");
   TORCH_CHECK(dim % 2 == 0, "keys come in pairs of dims");
   TORCH_CHECK(dim <= kMaxHeadDim && groups <= kMaxGroups, "head_dim or query heads per KV head too large");
-  const smolserve::BlockTables tables(block_tables, lengths, q.size(0), block_size, keys.size(1));
+  const smolserve::BlockTables tables(block_tables, lengths, q.size(0), block_size, keys.size(1), window);
   at::Tensor out = at::empty_like(q);
   if (q.scalar_type() == at::kBFloat16) {
     run<c10::BFloat16>(q, keys, values, out, tables, static_cast<float>(scale));
@@ -402,7 +409,7 @@ void write_kv(const at::Tensor& keys, const at::Tensor& values, const at::Tensor
 TORCH_LIBRARY(smolserve, m) {
   m.def(
       "decode_attention(Tensor query, Tensor keys, Tensor values, Tensor block_tables, Tensor lengths, "
-      "int block_size, float scale) -> Tensor");
+      "int block_size, float scale, int window=0) -> Tensor");
   m.def("write_kv(Tensor(a!) keys, Tensor(b!) values, Tensor slots, Tensor key, Tensor value) -> ()");
 }
 

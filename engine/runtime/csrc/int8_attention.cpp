@@ -97,6 +97,7 @@ struct Item {
   T* out;
   int64_t groups, dim, length;
   float scale;
+  int64_t skip;  // positions of the first tile before a sliding window: no weight
 
   // The physical position of the row's position `p`.
   int64_t at(int64_t p) const { return tiles[p / kKeyTile] + p % kKeyTile; }
@@ -159,6 +160,7 @@ void attend_portable(const Item<T>& item) {
         }
         scores[t] = score * item.key_scales[item.at(start + t)];
       }
+      if (start == 0) smolserve::mask_leading(scores, item.skip);  // exp(-inf) is 0 in softmax_block
       const float correction = smolserve::softmax_block(scores, count, running_max[g], total[g]);
       const float factor = quantize_weights(scores, value_scales, count, weights);
       for (int64_t d = 0; d < dim; ++d) {
@@ -240,7 +242,11 @@ void attend_vnni(const Item<T>& item, const QuantizedQuery<T>& query, int64_t fi
     score_tile<Dim, Groups>(query_quads, query, first, item.keys + tile * Dim, item.key_scales + tile, scores, t);
   }
   float total[Groups], factor[Groups];
-  for (int g = 0; g < Groups; ++g) total[g] = smolserve::softmax_row_avx512(scores[g], item.length, width);
+  for (int g = 0; g < Groups; ++g) {
+    smolserve::mask_leading(scores[g], item.skip);
+    total[g] = smolserve::softmax_row_avx512(scores[g], item.length, width);
+    smolserve::zero_leading(scores[g], item.skip);
+  }
   for (int64_t start = 0; start < item.length; start += kScoreBlock) {
     const int64_t count = std::min(kScoreBlock, item.length - start);
     float value_scales[kScoreBlock];
@@ -331,19 +337,20 @@ void run(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values, 
   const int64_t heads = q.size(1), groups = q.size(2), dim = q.size(3);
   at::parallel_for(0, q.size(0) * heads, 1, [&](int64_t begin, int64_t end) {
     for (int64_t index = begin; index < end; ++index) {
-      const int64_t i = index / heads, h = index % heads;
+      const int64_t i = index / heads, h = index % heads, first = tables.first_tile(i);
       const Item<T> item{
           q.const_data_ptr<T>() + index * groups * dim,
           keys.const_data_ptr<uint8_t>() + h * keys.stride(0),
           reinterpret_cast<const int8_t*>(values.const_data_ptr<uint8_t>()) + h * values.stride(0),
           key_scales.const_data_ptr<float>() + h * key_scales.stride(0),
           value_scales.const_data_ptr<float>() + h * value_scales.stride(0),
-          tables.tile_starts(i),
+          tables.tile_starts(i) + first,
           out.mutable_data_ptr<T>() + index * groups * dim,
           groups,
           dim,
-          tables.length(i),
-          scale};
+          tables.length(i) - first * kKeyTile,
+          scale,
+          tables.skip(i)};
       attend(item);
     }
   });
@@ -356,17 +363,18 @@ namespace smolserve {
 // query [rows, kv_heads, groups, dim] (float32 or bfloat16); keys and values uint8 [kv_heads, positions, dim]
 // in the layouts above, in blocks of `block_size` positions; key_scales and value_scales float32
 // [kv_heads, positions]; block_tables [rows, width] int32 and lengths [rows]: row i attends its sequence's
-// positions 0..lengths[i]-1 through its blocks. Returns [rows, kv_heads, groups, dim] in the query's dtype.
+// positions 0..lengths[i]-1 through its blocks (only the last `window` of them in a sliding-window layer; 0: all).
+// Returns [rows, kv_heads, groups, dim] in the query's dtype.
 at::Tensor decode_attention_int8(const at::Tensor& query, const at::Tensor& keys, const at::Tensor& values,
                                  const at::Tensor& key_scales, const at::Tensor& value_scales,
                                  const at::Tensor& block_tables, const at::Tensor& lengths, int64_t block_size,
-                                 double scale) {
+                                 double scale, int64_t window) {
   check_cache(keys, values, key_scales, value_scales);
   TORCH_CHECK(query.dim() == 4, "expected a 4-d query [rows, kv_heads, groups, dim]");
   const at::Tensor q = query.contiguous();
   TORCH_CHECK(keys.size(0) == q.size(1) && keys.size(2) == q.size(3), "keys shape mismatch");
   TORCH_CHECK(q.size(2) <= kMaxGroups, "too many query heads per KV head");
-  const smolserve::BlockTables tables(block_tables, lengths, q.size(0), block_size, keys.size(1));
+  const smolserve::BlockTables tables(block_tables, lengths, q.size(0), block_size, keys.size(1), window);
   at::Tensor out = at::empty_like(q);
   if (q.scalar_type() == at::kBFloat16) {
     run<c10::BFloat16>(q, keys, values, key_scales, value_scales, out, tables, static_cast<float>(scale));
@@ -429,7 +437,7 @@ void write_kv_int8(const at::Tensor& keys, const at::Tensor& values, const at::T
 TORCH_LIBRARY_FRAGMENT(smolserve, m) {
   m.def(
       "decode_attention_int8(Tensor query, Tensor keys, Tensor values, Tensor key_scales, Tensor value_scales, "
-      "Tensor block_tables, Tensor lengths, int block_size, float scale) -> Tensor");
+      "Tensor block_tables, Tensor lengths, int block_size, float scale, int window=0) -> Tensor");
   m.def(
       "write_kv_int8(Tensor(a!) keys, Tensor(b!) values, Tensor(c!) key_scales, Tensor(d!) value_scales, "
       "Tensor positions, Tensor key, Tensor value) -> ()");

@@ -26,8 +26,19 @@ struct Projection {
 };
 
 // As the runner's _rms_norm: normalized in float32 over the last dimension, scaled in the input's dtype.
-at::Tensor head_rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   return weight * at::rms_norm(x.to(at::kFloat), {x.size(-1)}, std::nullopt, eps).to(x.scalar_type());
+}
+
+// As the runner's _gelu_mul: the gate's GELU (tanh approximation) times the up projection.
+at::Tensor gelu_mul(const at::Tensor& gate_up) {
+  const auto halves = gate_up.chunk(2, -1);
+  return at::gelu(halves[0], "tanh") * halves[1];
+}
+
+// A block's output, normalized where the architecture does so before adding it to the residual stream (Gemma 3).
+at::Tensor maybe_norm(const at::Tensor& output, const std::optional<at::Tensor>& norm, double eps) {
+  return norm.has_value() ? rms_norm(output, *norm, eps) : output;
 }
 
 }  // namespace
@@ -35,7 +46,9 @@ at::Tensor head_rms_norm(const at::Tensor& x, const at::Tensor& weight, double e
 // hidden, normed [rows, hidden]: the residual stream and its input norm; returns the residual stream after the
 // layer and its normalization by `next_norm` (the next layer's input norm, or the final norm).
 // cos, sin [rows, head_dim]; keys, values: this layer's cache (decode_attention's layout); slots [rows]: where
-// each row's K/V are stored; block_tables, lengths, block_size: as decode_attention takes them.
+// each row's K/V are stored; block_tables, lengths, block_size, window: as decode_attention takes them. What an
+// architecture adds to a llama layer, as the runner's _LlamaLayer.extras: qkv_bias, q_norm and k_norm (qwen2,
+// qwen3), the norms of the attention's and the MLP's outputs and GELU for SiLU (gemma3).
 std::tuple<at::Tensor, at::Tensor> llama_layer(
     const at::Tensor& hidden, const at::Tensor& normed, const at::Tensor& qkv, int64_t qkv_type, int64_t qkv_out,
     const at::Tensor& o, int64_t o_type, int64_t o_out, const at::Tensor& post_norm, const at::Tensor& gate_up,
@@ -44,7 +57,8 @@ std::tuple<at::Tensor, at::Tensor> llama_layer(
     int64_t num_kv_heads, const at::Tensor& keys, const at::Tensor& values, const at::Tensor& slots,
     const at::Tensor& block_tables, const at::Tensor& lengths, int64_t block_size, double scale,
     const std::optional<at::Tensor>& qkv_bias, const std::optional<at::Tensor>& q_norm,
-    const std::optional<at::Tensor>& k_norm) {
+    const std::optional<at::Tensor>& k_norm, int64_t window, const std::optional<at::Tensor>& attn_out_norm,
+    const std::optional<at::Tensor>& ffn_out_norm, bool gelu) {
   const int64_t rows = hidden.size(0);
   TORCH_CHECK(num_heads % num_kv_heads == 0, "query heads must be a multiple of KV heads");
   at::Tensor projected = Projection{qkv, qkv_type, qkv_out}(normed);
@@ -52,18 +66,21 @@ std::tuple<at::Tensor, at::Tensor> llama_layer(
   const at::Tensor heads = projected.view({rows, num_heads + 2 * num_kv_heads, -1});
   at::Tensor qk = heads.narrow(1, 0, num_heads + num_kv_heads);
   if (q_norm.has_value() && k_norm.has_value()) {  // each head normalized before its rotation
-    qk = at::cat({head_rms_norm(qk.narrow(1, 0, num_heads), *q_norm, eps),
-                  head_rms_norm(qk.narrow(1, num_heads, num_kv_heads), *k_norm, eps)}, 1);
+    qk = at::cat({rms_norm(qk.narrow(1, 0, num_heads), *q_norm, eps),
+                  rms_norm(qk.narrow(1, num_heads, num_kv_heads), *k_norm, eps)}, 1);
   }
   qk = rope(qk, cos, sin);  // q and k in one pass
   const at::Tensor q = qk.narrow(1, 0, num_heads), k = qk.narrow(1, num_heads, num_kv_heads);
   write_kv(keys, values, slots, k, heads.narrow(1, num_heads + num_kv_heads, num_kv_heads));
   const at::Tensor grouped = q.reshape({rows, num_kv_heads, num_heads / num_kv_heads, -1});
-  const at::Tensor attended = decode_attention(grouped, keys, values, block_tables, lengths, block_size, scale);
-  const auto [residual, post_normed] =
-      add_rms_norm(hidden, Projection{o, o_type, o_out}(attended.reshape({rows, -1})), post_norm, eps);
-  const at::Tensor gated = silu_mul(Projection{gate_up, gate_up_type, gate_up_out}(post_normed));
-  return add_rms_norm(residual, Projection{down, down_type, down_out}(gated), next_norm, eps);
+  const at::Tensor attended =
+      decode_attention(grouped, keys, values, block_tables, lengths, block_size, scale, window);
+  const at::Tensor output = Projection{o, o_type, o_out}(attended.reshape({rows, -1}));
+  const auto [residual, post_normed] = add_rms_norm(hidden, maybe_norm(output, attn_out_norm, eps), post_norm, eps);
+  const at::Tensor projected_up = Projection{gate_up, gate_up_type, gate_up_out}(post_normed);
+  const at::Tensor gated = gelu ? gelu_mul(projected_up) : silu_mul(projected_up);
+  const at::Tensor mlp = Projection{down, down_type, down_out}(gated);
+  return add_rms_norm(residual, maybe_norm(mlp, ffn_out_norm, eps), next_norm, eps);
 }
 
 }  // namespace smolserve
@@ -74,7 +91,8 @@ TORCH_LIBRARY_FRAGMENT(smolserve, m) {
       "int o_out, Tensor post_norm, Tensor gate_up, int gate_up_type, int gate_up_out, Tensor down, int down_type, "
       "int down_out, Tensor next_norm, float eps, Tensor cos, Tensor sin, int num_heads, int num_kv_heads, "
       "Tensor(a!) keys, Tensor(b!) values, Tensor slots, Tensor block_tables, Tensor lengths, int block_size, "
-      "float scale, Tensor? qkv_bias=None, Tensor? q_norm=None, Tensor? k_norm=None) -> (Tensor, Tensor)");
+      "float scale, Tensor? qkv_bias=None, Tensor? q_norm=None, Tensor? k_norm=None, int window=0, "
+      "Tensor? attn_out_norm=None, Tensor? ffn_out_norm=None, bool gelu=False) -> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(smolserve, CPU, m) { m.impl("llama_layer", &smolserve::llama_layer); }

@@ -14,7 +14,7 @@ namespace smolserve {
 // decode_attention.cpp
 at::Tensor decode_attention(const at::Tensor& query, const at::Tensor& keys, const at::Tensor& values,
                             const at::Tensor& block_tables, const at::Tensor& lengths, int64_t block_size,
-                            double scale);
+                            double scale, int64_t window);
 void write_kv(const at::Tensor& keys, const at::Tensor& values, const at::Tensor& slots, const at::Tensor& key,
               const at::Tensor& value);
 
@@ -22,7 +22,7 @@ void write_kv(const at::Tensor& keys, const at::Tensor& values, const at::Tensor
 at::Tensor decode_attention_int8(const at::Tensor& query, const at::Tensor& keys, const at::Tensor& values,
                                  const at::Tensor& key_scales, const at::Tensor& value_scales,
                                  const at::Tensor& block_tables, const at::Tensor& lengths, int64_t block_size,
-                                 double scale);
+                                 double scale, int64_t window);
 void write_kv_int8(const at::Tensor& keys, const at::Tensor& values, const at::Tensor& key_scales,
                    const at::Tensor& value_scales, const at::Tensor& positions, const at::Tensor& key,
                    const at::Tensor& value);
@@ -49,6 +49,7 @@ std::tuple<at::Tensor, at::Tensor> llama_layer(
     int64_t num_kv_heads, const at::Tensor& keys, const at::Tensor& values, const at::Tensor& slots,
     const at::Tensor& block_tables, const at::Tensor& lengths, int64_t block_size, double scale,
     const std::optional<at::Tensor>& qkv_bias, const std::optional<at::Tensor>& q_norm,
-    const std::optional<at::Tensor>& k_norm);
+    const std::optional<at::Tensor>& k_norm, int64_t window, const std::optional<at::Tensor>& attn_out_norm,
+    const std::optional<at::Tensor>& ffn_out_norm, bool gelu);
 
 }  // namespace smolserve
