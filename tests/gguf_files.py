@@ -15,6 +15,8 @@ from transformers import (
     Gemma3TextConfig,
     LlamaConfig,
     LlamaForCausalLM,
+    Phi3Config,
+    Phi3ForCausalLM,
     PreTrainedModel,
     Qwen2Config,
     Qwen2ForCausalLM,
@@ -23,7 +25,8 @@ from transformers import (
 )  # fmt: skip
 
 _MODELS = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM),
-           "qwen3": (Qwen3Config, Qwen3ForCausalLM), "gemma3": (Gemma3TextConfig, Gemma3ForCausalLM)}  # fmt: skip
+           "qwen3": (Qwen3Config, Qwen3ForCausalLM), "gemma3": (Gemma3TextConfig, Gemma3ForCausalLM),
+           "phi3": (Phi3Config, Phi3ForCausalLM)}  # fmt: skip
 _LAYER = {
     "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
     "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
@@ -33,8 +36,12 @@ _LAYER = {
 #: Gemma 3's four norms a layer, as its converter names them.
 _GEMMA_LAYER = {**_LAYER, "post_attention_layernorm": "attn_post_norm", "pre_feedforward_layernorm": "ffn_norm",
                 "post_feedforward_layernorm": "ffn_post_norm"}  # fmt: skip
+#: Phi-3's fused projections.
+_PHI3_LAYER = {**_LAYER, "self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up"}
 #: Gemma 3's local layers' window in the tiny model: short, so that a test's prompt slides past it.
 GEMMA_WINDOW = 8
+#: Phi-3's window (every layer) in the tiny model.
+PHI3_WINDOW = 24
 
 
 #: Llama 3.1's RoPE scaling, its context shortened to the tiny model's (so that every kind of frequency occurs).
@@ -42,12 +49,21 @@ LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0, "low_fre
                "high_freq_factor": 4.0, "original_max_position_embeddings": 64}  # fmt: skip
 
 
-def tiny_model(arch: str, vocab: int, seed: int = 0, llama3_rope: bool = False) -> PreTrainedModel:
-    """A 2-layer model of ``arch`` with random weights; biases and norms random too, so that each counts."""
+def tiny_model(arch: str, vocab: int, seed: int = 0, long_rope: bool = False) -> PreTrainedModel:
+    """A 2-layer model of ``arch`` with random weights; biases and norms random too, so that each counts.
+    ``long_rope``: the architecture's long-context RoPE (llama: Llama 3.1's, phi3: LongRoPE), over 64 positions."""
     config_class, model_class = _MODELS[arch]
     extra: dict = {"head_dim": 48} if arch == "qwen3" else {}  # not hidden / heads: the file's key_length is read
-    extra["rope_parameters"] = LLAMA3_ROPE if llama3_rope else {"rope_type": "default", "rope_theta": 1e6}
+    extra["rope_parameters"] = LLAMA3_ROPE if long_rope else {"rope_type": "default", "rope_theta": 1e6}
     extra.update(num_hidden_layers=2, tie_word_embeddings=False)
+    if arch == "phi3":
+        extra.update(sliding_window=PHI3_WINDOW, original_max_position_embeddings=64 if long_rope else 1024)
+        if long_rope:  # factors of 1 to 4 per frequency, as Phi-3.5's config lists them
+            factors = torch.linspace(1.0, 4.0, 16, dtype=torch.float64)
+            extra["rope_parameters"] = {
+                "rope_type": "longrope", "rope_theta": 1e4, "original_max_position_embeddings": 64,
+                "long_factor": factors.tolist(), "short_factor": factors.sqrt().tolist(),
+            }  # fmt: skip
     if arch == "gemma3":  # six layers: five local ones, then a global one, as llama.cpp reads a file without a pattern
         bases = {"full_attention": 1e6, "sliding_attention": 1e4}
         extra.update(
@@ -82,8 +98,10 @@ def write_gguf(
     config = model.config
     writer = GGUFWriter(path, arch)
     rope = config.rope_parameters.get("full_attention", config.rope_parameters)  # gemma3: the global layers'
-    if arch == "gemma3":
+    if arch in ("gemma3", "phi3"):
         writer.add_sliding_window(config.sliding_window)
+    if arch == "phi3":
+        _phi3_keys(model, writer)
     if rope.get("rope_type") == "llama3":
         scaled = model.model.rotary_emb.inv_freq
         default = rope["rope_theta"] ** -(torch.arange(scaled.numel()) / scaled.numel())
@@ -137,7 +155,26 @@ def _gguf_name(name: str, arch: str) -> str:
         return "output_norm.weight"
     _, _, index, rest = name.split(".", 3)
     module, kind = rest.rsplit(".", 1)
-    return f"blk.{index}.{(_GEMMA_LAYER if arch == 'gemma3' else _LAYER)[module]}.{kind}"
+    names = _GEMMA_LAYER if arch == "gemma3" else _PHI3_LAYER if arch == "phi3" else _LAYER
+    return f"blk.{index}.{names[module]}.{kind}"
+
+
+def _phi3_keys(model: PreTrainedModel, writer: GGUFWriter) -> None:
+    """What llama.cpp's converter adds for Phi-3: the rotated dims, the pretraining context, LongRoPE's factors as
+    tensors and its attention factor."""
+    import math
+
+    config = model.config
+    rope = config.rope_parameters
+    writer.add_rope_dimension_count(config.hidden_size // config.num_attention_heads)
+    writer.add_rope_scaling_orig_ctx_len(config.original_max_position_embeddings)
+    if rope.get("rope_type") == "longrope":
+        scale = config.max_position_embeddings / config.original_max_position_embeddings
+        writer.add_rope_scaling_attn_factors(
+            math.sqrt(1 + math.log(scale) / math.log(config.original_max_position_embeddings))
+        )
+        writer.add_tensor("rope_factors_long.weight", np.array(rope["long_factor"], dtype=np.float32))
+        writer.add_tensor("rope_factors_short.weight", np.array(rope["short_factor"], dtype=np.float32))
 
 
 def _permute(rows: np.ndarray, heads: int) -> np.ndarray:

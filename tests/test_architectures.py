@@ -16,8 +16,18 @@ from engine.core.architectures import ARCHITECTURES
 from engine.core.types import GenerationRequest
 
 #: A Q4_K_M-like mix of the types gguf-py can write, as llama-quantize mixes them.
-MIXED = {"attn_q": T.Q5_0, "attn_k": T.Q5_0, "attn_v": T.Q8_0, "attn_output": T.Q5_1, "ffn_gate": T.Q4_0,
-         "ffn_up": T.Q4_0, "ffn_down": T.Q4_1, "token_embd": T.Q5_0, "output": T.Q8_0}  # fmt: skip
+MIXED = {
+    "attn_q": T.Q5_0,
+    "attn_k": T.Q5_0,
+    "attn_v": T.Q8_0,
+    "attn_output": T.Q5_1,
+    "ffn_gate": T.Q4_0,
+    "ffn_up": T.Q4_0,
+    "ffn_down": T.Q4_1,
+    "token_embd": T.Q5_0,
+    "output": T.Q8_0,
+    "attn_qkv": T.Q5_0,
+}  # fmt: skip  (phi3: fused q, k and v)
 TEXT = "The quick brown fox jumps over the lazy dog. def add(a, b):\n    return a + b\n Ünïcödé ✓ 日本語 🙂"
 
 
@@ -88,12 +98,17 @@ def test_a_tiny_gguf_scores_text_as_transformers_does(arch: str, mix: str, serve
         assert (got - want).abs().mean() < mean and (got - want).abs().max() < largest
 
 
-def test_llama_3_rope_scaling_is_read_from_the_file_s_frequency_factors(tokenizer_file: Path, tmp_path: Path) -> None:
-    """Llama 3.1+ files carry their RoPE scaling as ``rope_freqs.weight``: without it every rotation but the
-    fastest ones is off, and the scores move by whole units."""
-    model = tiny_model("llama", vocab=49152, llama3_rope=True)
-    path = tmp_path / "llama3.gguf"
-    write_gguf(model, "llama", path, tokenizer_file, {})
+@pytest.mark.parametrize("arch", ["llama", "phi3"])
+def test_long_context_rope_is_read_from_the_file_s_frequency_factors(
+    arch: str, tokenizer_file: Path, tmp_path: Path
+) -> None:
+    """Llama 3.1+ files carry their RoPE scaling as ``rope_freqs.weight``, Phi-3.5's LongRoPE as
+    ``rope_factors_long``/``_short`` and an attention factor: without them every rotation but the fastest ones is
+    off, and the scores move by whole units. Past the pretraining context (64 positions here) both sides rotate by
+    the long factors (the server decides by its context size, as llama.cpp does; transformers by the sequence's)."""
+    model = tiny_model(arch, vocab=49152, long_rope=True)
+    path = tmp_path / f"{arch}-long.gguf"
+    write_gguf(model, arch, path, tokenizer_file, {})
     loaded = load(path, tmp_path / "cache")
     prompt = tuple(loaded.tokenizer.encode(TEXT * 3))  # past the 64 positions of the scaling's original context
     got, want = scored(loaded.model, loaded.eos_token_ids, None, prompt), reference(model, prompt)
@@ -184,8 +199,40 @@ def test_an_architecture_not_served_natively_is_refused_naming_those_that_are(
     from engine.core.architectures import NotServedNatively
 
     renamed = other_architecture(tokenizer_file, tmp_path)
-    with pytest.raises(NotServedNatively, match=r"'xllam' is not served natively .*llama, qwen2, qwen3, gemma3"):
+    with pytest.raises(NotServedNatively, match=r"'xllam' is not served natively .*llama, qwen2, qwen3, phi3, gemma3"):
         load(renamed, tmp_path / "cache")
+
+
+def test_a_phi3_file_that_rotates_part_of_each_head_is_refused(tokenizer_file: Path, tmp_path: Path) -> None:
+    """Phi-4-mini rotates 3/4 of each head's dims: the native RoPE turns whole heads, so the file is refused by name
+    rather than served wrong."""
+    import gguf
+
+    from engine.core.architectures import NotServedNatively
+
+    add = gguf.GGUFWriter.add_rope_dimension_count
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(gguf.GGUFWriter, "add_rope_dimension_count", lambda self, n: add(self, n * 3 // 4))
+        write_gguf(tiny_model("phi3", vocab=49152), "phi3", tmp_path / "partial.gguf", tokenizer_file, {})
+    with pytest.raises(NotServedNatively, match=r"rotates 24 of each head's 32 dims \(partial RoPE\)"):
+        load(tmp_path / "partial.gguf", tmp_path / "cache")
+
+
+def test_gemma3_s_window_pattern_is_read_from_the_file_where_it_is_given(tokenizer_file: Path) -> None:
+    """A file may list which layers slide (``gemma3.attention.sliding_window_pattern``, an array of flags, as
+    llama.cpp reads it); absent, every sixth layer is global."""
+    from types import SimpleNamespace
+
+    from engine.runtime.gguf_config import _local_layers
+
+    keys = {"general.architecture": "gemma3", "gemma3.block_count": 4, "gemma3.attention.sliding_window": 512,
+            "gemma3.embedding_length": 640, "gemma3.attention.head_count": 4,
+            "gemma3.attention.key_length": 256}  # fmt: skip
+    got = _local_layers(SimpleNamespace(keys=keys), {"rope_theta": 1e6})  # type: ignore[arg-type]
+    assert got["layer_types"] == ["sliding_attention"] * 4 and got["query_pre_attn_scalar"] == 256
+    keys["gemma3.attention.sliding_window_pattern"] = [True, False, True, False]
+    got = _local_layers(SimpleNamespace(keys=keys), {"rope_theta": 1e6})  # type: ignore[arg-type]
+    assert got["layer_types"] == ["sliding_attention", "full_attention"] * 2 and got["sliding_window"] == 512
 
 
 def test_a_tensor_type_the_kernels_do_not_read_is_refused_naming_those_they_do(

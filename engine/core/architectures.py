@@ -28,6 +28,9 @@ class Architecture:
     scaled_embedding: bool = False
     #: The model scales by ``offset + w`` in each RMSNorm; llama.cpp's converter writes ``offset + w`` in the file.
     norm_offset: float = 0.0
+    #: The file stores the query, key and value projections as one matrix (``attn_qkv``) and the gate and up ones as
+    #: one (``ffn_up``, gate rows first), as transformers' model holds them (``qkv_proj``, ``gate_up_proj``).
+    fused_projections: bool = False
     #: Sliding-window layers (``<arch>.attention.sliding_window`` positions, their own RoPE base) among global ones,
     #: by ``<arch>.attention.sliding_window_pattern`` (this default when absent: every n-th layer is global).
     sliding_window_pattern: int = 0
@@ -39,6 +42,7 @@ ARCHITECTURES = {
         Architecture("llama", "llama", permuted_qk=True),  # Llama 2/3.x, SmolLM, Mistral-style files
         Architecture("qwen2", "qwen2", qkv_bias=True),  # Qwen2, Qwen2.5 (Coder), tied or separate output
         Architecture("qwen3", "qwen3", qk_norm=True),  # Qwen3 dense
+        Architecture("phi3", "phi3", fused_projections=True),  # Phi-3, Phi-3.5 mini (LongRoPE from the file)
         # Gemma 3 (text): 5 local layers of 512-1024 positions for each global one
         Architecture(
             "gemma3",

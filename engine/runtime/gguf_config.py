@@ -71,7 +71,36 @@ def config_of(reader: GGUFFile) -> PretrainedConfig:
         values.update(_local_layers(reader, rope))
     else:
         values["rope_parameters"] = rope
+    if arch == "phi3":
+        values.update(_phi3(reader, rope, values))
     return AutoConfig.for_model(ARCHITECTURES[arch].model_type, **values)
+
+
+def _phi3(reader: GGUFFile, rope: dict, values: dict) -> dict:
+    """Phi-3's LongRoPE (its per-frequency factors as the tensors ``rope_factors_long``/``_short``, the pretraining
+    context and attention factor as keys) and its sliding window (every layer; absent, 0 or the whole context:
+    none). A rotation of part of each head (Phi-4-mini) is refused: the native RoPE turns whole heads."""
+    keys = reader.keys
+    head_dim = values["hidden_size"] // values["num_attention_heads"]
+    rotated = int(keys.get("phi3.rope.dimension_count", head_dim))
+    if rotated != head_dim:
+        raise NotServedNatively(
+            f"this phi3 file rotates {rotated} of each head's {head_dim} dims (partial RoPE), which the native path "
+            "does not; --quantization none serves it through transformers"
+        )
+    factors = {t.name: [float(x) for x in t.data] for t in reader.tensors if t.name.startswith("rope_factors_")}
+    original = int(keys.get("phi3.rope.scaling.original_context_length", values["max_position_embeddings"]))
+    extra: dict = {"original_max_position_embeddings": original}
+    if factors:
+        rope.update(
+            rope_type="longrope", long_factor=factors["rope_factors_long.weight"],
+            short_factor=factors["rope_factors_short.weight"], original_max_position_embeddings=original,
+        )  # fmt: skip
+        if "phi3.rope.scaling.attn_factor" in keys:
+            rope["attention_factor"] = float(keys["phi3.rope.scaling.attn_factor"])
+    window = int(keys.get("phi3.attention.sliding_window", 0))
+    extra["sliding_window"] = window if 0 < window < values["max_position_embeddings"] else None
+    return extra
 
 
 def _local_layers(reader: GGUFFile, rope: dict) -> dict:

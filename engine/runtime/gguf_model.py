@@ -117,4 +117,4 @@ def _name(gguf_name: str, arch: Architecture) -> str | None:
     norms = _OUTPUT_NORMS if arch.output_norms else _NORMS
     if len(parts) == 4 and parts[0] == "blk" and parts[2] in norms:
         return f"model.layers.{parts[1]}.{norms[parts[2]]}.weight"
-    return hf_name(gguf_name)
+    return hf_name(gguf_name, arch.fused_projections)

@@ -30,6 +30,8 @@ _LAYER_NAMES = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+#: ... in an architecture that stores them fused (``Architecture.fused_projections``).
+_FUSED_NAMES = {**_LAYER_NAMES, "attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}
 
 
 def read(path: Path | GGUFFile, num_heads: int, num_kv_heads: int) -> dict[str, QuantizedWeight]:
@@ -40,10 +42,11 @@ def read(path: Path | GGUFFile, num_heads: int, num_kv_heads: int) -> dict[str, 
 
     reader = path if isinstance(path, GGUFFile) else GGUFFile(path)
     permuted = permuted_qk(reader)
+    fused = ARCHITECTURES[architecture(reader)].fused_projections
     weights: dict[str, QuantizedWeight] = {}
     for tensor in reader.tensors:
         qtype = SUPPORTED.get(tensor.tensor_type.name)
-        name = hf_name(tensor.name)
+        name = hf_name(tensor.name, fused)
         if qtype is None or name is None:
             continue
         rows = np.asarray(tensor.data)
@@ -67,15 +70,17 @@ def permuted_qk(reader: GGUFFile) -> bool:
     return arch is not None and arch.permuted_qk
 
 
-def hf_name(name: str) -> str | None:
-    """transformers' name of a projection's weight or bias (or of the embedding or output layer)."""
+def hf_name(name: str, fused: bool = False) -> str | None:
+    """transformers' name of a projection's weight or bias (or of the embedding or output layer); ``fused``: in an
+    architecture whose file stores fused projections."""
     if name == "token_embd.weight":
         return "model.embed_tokens.weight"
     if name == "output.weight":
         return "lm_head.weight"
     parts = name.split(".")
-    if len(parts) == 4 and parts[0] == "blk" and parts[2] in _LAYER_NAMES and parts[3] in ("weight", "bias"):
-        return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}.{parts[3]}"
+    names = _FUSED_NAMES if fused else _LAYER_NAMES
+    if len(parts) == 4 and parts[0] == "blk" and parts[2] in names and parts[3] in ("weight", "bias"):
+        return f"model.layers.{parts[1]}.{names[parts[2]]}.{parts[3]}"
     return None
 
 

@@ -279,14 +279,20 @@ class LlamaRunner:
             return None if module is None else _norm_weight(module.weight, layer)
 
         sandwich = arch.output_norms  # Gemma 3 names the norm of the attention's output "post attention"
+        if arch.fused_projections:  # the model holds them fused already (Phi-3)
+            qkv = fused(["self_attn.qkv_proj"], [attn.qkv_proj])
+            gate_up = fused(["mlp.gate_up_proj"], [mlp.gate_up_proj])
+        else:
+            qkv = fused(
+                ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"], [attn.q_proj, attn.k_proj, attn.v_proj]
+            )
+            gate_up = fused(["mlp.gate_proj", "mlp.up_proj"], [mlp.gate_proj, mlp.up_proj])
         return _LlamaLayer(
             norm(layer.input_layernorm),  # type: ignore[arg-type]
-            fused(
-                ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"], [attn.q_proj, attn.k_proj, attn.v_proj]
-            ),
+            qkv,
             fused(["self_attn.o_proj"], [attn.o_proj]),
             norm(layer.pre_feedforward_layernorm if sandwich else layer.post_attention_layernorm),  # type: ignore[arg-type]
-            fused(["mlp.gate_proj", "mlp.up_proj"], [mlp.gate_proj, mlp.up_proj]),
+            gate_up,
             fused(["mlp.down_proj"], [mlp.down_proj]),
             torch.cat([attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias]).detach() if arch.qkv_bias else None,
             norm(attn.q_norm) if arch.qk_norm else None,
@@ -294,7 +300,7 @@ class LlamaRunner:
             norm(layer.post_attention_layernorm) if sandwich else None,
             norm(layer.post_feedforward_layernorm) if sandwich else None,
             arch.activation != "silu",
-            (getattr(attn, "sliding_window", None) or 0) if arch.sliding_window_pattern else 0,
+            _window(attn.config, attn.layer_idx),
             attn.config.layer_types[attn.layer_idx] if arch.sliding_window_pattern else None,
         )
 
@@ -382,6 +388,14 @@ def _gelu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """As ``gelu_mul`` in ``csrc/llama_layer.cpp`` (the same two ATen ops): Gemma's gated MLP."""
     gate, up = gate_up.chunk(2, dim=-1)
     return F.gelu(gate, approximate="tanh") * up
+
+
+def _window(config: object, index: int) -> int:
+    """Layer ``index``'s sliding window (0: none): the config's window in the layers its ``layer_types`` say slide
+    (Gemma 3's local layers), or in every layer where it lists no kinds (Phi-3)."""
+    window = getattr(config, "sliding_window", None) or 0
+    kinds = getattr(config, "layer_types", None)
+    return window if not kinds or kinds[index] == "sliding_attention" else 0
 
 
 def _norm_weight(weight: torch.Tensor, module: torch.nn.Module) -> torch.Tensor:
