@@ -35,7 +35,7 @@ test: install
 # The GGUF a user brings (../shared/tools/user-models.sh assembles it; LLAMA_SERVER=path compares token ids with
 # llama.cpp's server). Opt-in: a 491 MB download and a few minutes.
 test-models: install
-	USER_GGUF=$$(bash ../shared/tools/user-models.sh) HF_HUB_OFFLINE=1 $(PY) -m pytest -q -m user_model tests/test_user_model.py
+	USER_GGUF=$$(bash ../shared/tools/user-models.sh) LLAMA_SERVER=$${LLAMA_SERVER:-} HF_HUB_OFFLINE=1 $(PY) -m pytest -q -m user_model tests/test_user_model.py
 
 soak: install
 	HF_HUB_OFFLINE=1 $(PY) -m pytest -q -s -m soak compat/test_soak.py

@@ -34,8 +34,8 @@ _LAYER = {
     "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
 }  # fmt: skip
 #: Gemma 3's four norms a layer, as its converter names them.
-_GEMMA_LAYER = {**_LAYER, "post_attention_layernorm": "attn_post_norm", "pre_feedforward_layernorm": "ffn_norm",
-                "post_feedforward_layernorm": "ffn_post_norm"}  # fmt: skip
+_GEMMA_LAYER = {**_LAYER, "post_attention_layernorm": "post_attention_norm", "pre_feedforward_layernorm": "ffn_norm",
+                "post_feedforward_layernorm": "post_ffw_norm"}  # fmt: skip
 #: Phi-3's fused projections.
 _PHI3_LAYER = {**_LAYER, "self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up"}
 #: Gemma 3's local layers' window in the tiny model: short, so that a test's prompt slides past it.
@@ -100,6 +100,8 @@ def write_gguf(
     rope = config.rope_parameters.get("full_attention", config.rope_parameters)  # gemma3: the global layers'
     if arch in ("gemma3", "phi3"):
         writer.add_sliding_window(config.sliding_window)
+    if arch == "gemma3":
+        writer.add_rope_freq_base_swa(config.rope_parameters["sliding_attention"]["rope_theta"])
     if arch == "phi3":
         _phi3_keys(model, writer)
     if rope.get("rope_type") == "llama3":
@@ -195,3 +197,57 @@ def _copy_tokenizer(reader: GGUFReader, writer: GGUFWriter) -> None:
             writer.add_array(name, field.contents())
         else:
             writer.add_key_value(name, field.contents(), kind)
+
+
+def save_checkpoint(
+    arch: str, directory: Path, hidden: int = 128, layers: int = 6, dtype: torch.dtype = torch.float32
+) -> PreTrainedModel:
+    """A model of ``arch`` with random weights (``hidden`` wide, ``layers`` deep; Gemma 3 1B's window and pattern,
+    Phi-3-mini-4k's window) and the bundled model's tokenizer, saved in ``directory`` as a HuggingFace checkpoint
+    that llama.cpp's ``convert_hf_to_gguf.py`` converts. Returned."""
+    import json
+
+    from transformers import AutoTokenizer
+
+    from engine.runtime import loader
+
+    gguf = loader._default_gguf()
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    config = tiny_model(arch, vocab=len(tokenizer)).config
+    config.hidden_size, config.intermediate_size, config.num_hidden_layers = hidden, hidden * 3, layers
+    kinds = getattr(config, "layer_types", None)
+    if kinds:  # gemma3's period of 6 (its tiny model has 6 layers); the others' all alike
+        config.layer_types = [kinds[i % len(kinds)] for i in range(layers)]
+    if arch == "gemma3":
+        config.sliding_window = 512
+    if arch == "phi3":
+        config.sliding_window = 2047
+    torch.manual_seed(0)
+    model = _MODELS[arch][1](config).to(dtype).eval()
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if "norm" in name:
+                parameter.uniform_(-0.2, 0.2).add_(0.0 if arch == "gemma3" else 1.0)
+            else:
+                parameter.normal_(0, 0.05)
+    model.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    # The class the converter loads the vocabulary with: phi3's reads a BPE one only under GPT2Tokenizer's name;
+    # for the others, transformers' Qwen2Tokenizer would put its own pre-tokenizer over the file's.
+    tokenizer_class = "GPT2Tokenizer" if arch == "phi3" else "PreTrainedTokenizerFast"
+    settings = directory / "tokenizer_config.json"
+    settings.write_text(json.dumps({**json.loads(settings.read_text()), "tokenizer_class": tokenizer_class}))
+    return model
+
+
+def convert(checkpoint: Path, out: Path, llama_cpp: Path, outtype: str = "f32") -> None:
+    """llama.cpp's own converter run on ``checkpoint`` (its tree at ``llama_cpp``, with its gguf-py)."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "PYTHONPATH": str(llama_cpp / "gguf-py")}
+    command = [sys.executable, str(llama_cpp / "convert_hf_to_gguf.py"), str(checkpoint), "--outfile", str(out)]
+    done = subprocess.run([*command, "--outtype", outtype], env=env, capture_output=True, text=True)
+    if done.returncode:
+        raise RuntimeError(f"convert_hf_to_gguf.py failed: {done.stderr[-2000:]}")

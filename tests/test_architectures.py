@@ -203,6 +203,34 @@ def test_an_architecture_not_served_natively_is_refused_naming_those_that_are(
         load(renamed, tmp_path / "cache")
 
 
+@pytest.mark.parametrize(("renamed", "error"), [
+    ("blk.1.post_ffw_norm.weight", r"llama file's tensor blk.1.post_ffw_norm.weight is not read by the native path"),
+    (None, r"this llama file has no tensor for model.layers.1.post_attention_layernorm.weight"),
+])  # fmt: skip
+def test_a_tensor_the_path_does_not_read_or_a_weight_the_file_lacks_is_refused(
+    renamed: str | None, error: str, tokenizer_file: Path, tmp_path: Path
+) -> None:
+    """A file whose tensor names the path does not know (another converter's, a variant's) fails at start naming
+    the tensor, never serves memory nothing wrote (Gemma 3's output norms went unread this way, under names the
+    converter does not use)."""
+    import gguf
+
+    from engine.core.architectures import NotServedNatively
+
+    add_tensor = gguf.GGUFWriter.add_tensor
+
+    def add(self, name, tensor, raw_shape=None, raw_dtype=None):  # type: ignore[no-untyped-def]
+        if name == "blk.1.ffn_norm.weight":
+            return None if renamed is None else add_tensor(self, renamed, tensor, raw_shape, raw_dtype)
+        return add_tensor(self, name, tensor, raw_shape, raw_dtype)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(gguf.GGUFWriter, "add_tensor", add)
+        write_gguf(tiny_model("llama", vocab=49152), "llama", tmp_path / "odd.gguf", tokenizer_file, {})
+    with pytest.raises(NotServedNatively, match=error):
+        load(tmp_path / "odd.gguf", tmp_path / "cache")
+
+
 def test_a_phi3_file_that_rotates_part_of_each_head_is_refused(tokenizer_file: Path, tmp_path: Path) -> None:
     """Phi-4-mini rotates 3/4 of each head's dims: the native RoPE turns whole heads, so the file is refused by name
     rather than served wrong."""

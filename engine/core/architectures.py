@@ -20,7 +20,7 @@ class Architecture:
     #: Each query and key head is RMS-normalized (its own weights, over the head's dimension) before RoPE.
     qk_norm: bool = False
     #: The attention's and the MLP's outputs are RMS-normalized before they join the residual stream (each with its
-    #: own weights: the file's ``attn_post_norm`` and ``ffn_post_norm``; the MLP's input norm is ``ffn_norm``).
+    #: own weights: the file's ``post_attention_norm`` and ``post_ffw_norm``; the MLP's input norm is ``ffn_norm``).
     output_norms: bool = False
     #: The gated MLP's activation, as transformers names it.
     activation: str = "silu"

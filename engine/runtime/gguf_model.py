@@ -18,7 +18,7 @@ import numpy as np
 import torch
 from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
-from engine.core.architectures import ARCHITECTURES, Architecture
+from engine.core.architectures import ARCHITECTURES, Architecture, NotServedNatively
 from engine.runtime.gguf_file import GGUFFile
 from engine.runtime.gguf_weights import architecture, hf_name, permuted_qk, read, unpermute_rows
 from engine.runtime.quantized_weights import QuantizedWeight
@@ -33,10 +33,14 @@ _NORMS = {
 #: the attention output's, and the MLP's input norm is "pre feedforward".
 _OUTPUT_NORMS = {
     **_NORMS,
-    "attn_post_norm": "post_attention_layernorm",
+    "post_attention_norm": "post_attention_layernorm",
     "ffn_norm": "pre_feedforward_layernorm",
-    "ffn_post_norm": "post_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
 }
+
+
+#: Tensors read for what they say of RoPE (``_rope_factors``, ``gguf_config``), not as parameters.
+_READ_ELSEWHERE = {"rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight"}
 
 
 def build(
@@ -56,8 +60,15 @@ def build(
     _rope_factors(model, reader)
     quantized = read(reader, config.num_attention_heads, config.num_key_value_heads)
     parameters = dict(model.named_parameters(remove_duplicate=False))
-    for name, values in _dense_tensors(reader, config, set(quantized)):
+    written = set(quantized)
+    for name, values in _dense_tensors(reader, config, written):
         parameters[name].data.copy_(values.to(dtype))
+        written.add(name)
+    if config.tie_word_embeddings and "model.embed_tokens.weight" in written:
+        written.add("lm_head.weight")
+    missing = sorted(set(parameters) - written)
+    if missing:  # never serve memory nothing wrote
+        raise NotServedNatively(f"this {architecture(reader)} file has no tensor for {', '.join(missing[:4])}")
     model.eval()
     return model, quantized
 
@@ -98,6 +109,8 @@ def _dense_tensors(reader: GGUFFile, config: PretrainedConfig, skip: set[str]) -
     arch = ARCHITECTURES[architecture(reader)]
     for tensor in reader.tensors:
         name = _name(tensor.name, arch)
+        if name is None and tensor.name not in _READ_ELSEWHERE:
+            raise NotServedNatively(f"this {arch.gguf} file's tensor {tensor.name} is not read by the native path")
         if name is None or name in skip:
             continue
         shape = tuple(int(d) for d in reversed(tensor.shape))  # GGUF lists dimensions innermost first
