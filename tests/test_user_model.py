@@ -108,6 +108,12 @@ def test_token_ids_are_llama_cpp_s(gguf: Path) -> None:
     binary = os.environ.get("LLAMA_SERVER")
     if not binary:
         pytest.skip("LLAMA_SERVER names no llama-server binary")
+    assert_llama_cpp_s_ids(gguf, binary, lambda text: unicodedata.normalize("NFC", text))
+
+
+def assert_llama_cpp_s_ids(gguf: Path, binary: str, normalize=lambda text: text) -> None:  # type: ignore[no-untyped-def]
+    """Both servers up on ``gguf``: each text of ``CORPUS`` tokenized alike (special tokens parsed, the file's BOS
+    added), llama.cpp's side given ``normalize(text)``."""
     import httpx
 
     sys.path.insert(0, str(ROOT / "bench"))
@@ -120,12 +126,43 @@ def test_token_ids_are_llama_cpp_s(gguf: Path) -> None:
     try:
         for text in CORPUS:
             mine = httpx.post(f"{ours_base}/tokenize", json={"model": gguf.stem, "prompt": text}).json()["tokens"]
-            normalized = unicodedata.normalize("NFC", text)
-            theirs = httpx.post(f"{llama_base}/tokenize", json={"content": normalized, "parse_special": True}).json()
-            assert mine == theirs["tokens"], text
+            asked = {"content": normalize(text), "parse_special": True, "add_special": True}
+            assert mine == httpx.post(f"{llama_base}/tokenize", json=asked).json()["tokens"], text
     finally:
         stop_server(ours)
         stop_server(llama)
+
+
+def test_a_sentencepiece_file_s_token_ids_are_llama_cpp_s(tmp_path: Path) -> None:
+    """A SentencePiece vocabulary (Llama 2, Mistral, Phi-3, Gemma files: ``tokenizer.ggml.model`` ``llama``),
+    trained here on the project's own docs and code (BPE, byte fallback), written by llama.cpp's converter: the
+    same ids as its ``/tokenize`` on the corpus, runs of spaces and text after special tokens included
+    (transformers' conversion alone dropped a leading space). Needs ``LLAMA_SERVER`` and sentencepiece."""
+    binary = os.environ.get("LLAMA_SERVER")
+    if not binary:
+        pytest.skip("LLAMA_SERVER names no llama-server binary (its tree holds the converter)")
+    spm = pytest.importorskip("sentencepiece", reason="training the vocabulary needs sentencepiece")
+    import json
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    sys.path.insert(0, str(ROOT / "tests"))
+    from gguf_files import convert
+
+    lines = [line for f in sorted((ROOT / "docs").glob("*.md")) for line in f.read_text().splitlines() if line.strip()]
+    checkpoint = tmp_path / "checkpoint"
+    checkpoint.mkdir()
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(lines), model_prefix=str(checkpoint / "tokenizer"), vocab_size=2000, model_type="bpe",
+        byte_fallback=True, character_coverage=1.0, split_digits=True, allow_whitespace_only_pieces=True,
+        remove_extra_whitespaces=False, normalization_rule_name="identity", pad_id=-1, minloglevel=2,
+    )  # fmt: skip
+    config = LlamaConfig(vocab_size=2000, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1, bos_token_id=1, eos_token_id=2)  # fmt: skip
+    LlamaForCausalLM(config).save_pretrained(checkpoint)
+    (checkpoint / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "LlamaTokenizer"}))
+    convert(checkpoint, tmp_path / "spm.gguf", Path(binary).resolve().parents[2])
+    assert_llama_cpp_s_ids(tmp_path / "spm.gguf", binary)
 
 
 # qwen2: transformers loads this checkpoint's vocabulary as Qwen2Tokenizer, whose own pre-tokenizer the converter

@@ -107,19 +107,19 @@ def _load_blocks(name: str, gguf: Path, described: Path, config: PretrainedConfi
 
 def _described(gguf: Path) -> Path:
     """A directory with the config, generation config and tokenizer of ``gguf``, saved once in the cache."""
-    from engine.runtime import gguf_config
+    from engine.runtime import gguf_config, gguf_tokenizer
     from engine.runtime.gguf_file import GGUFFile
 
-    target = cache_dir() / f"{gguf.stem}-{_file_hash(gguf)[:16]}-v2-config"
+    target = cache_dir() / f"{gguf.stem}-{_file_hash(gguf)[:16]}-v3-config"
     if (target / "config.json").exists():
         return target
     # The config from the file's keys (refusing what is not served natively); the tokenizer and chat template as
-    # transformers converts them.
+    # transformers converts them (SentencePiece files' spaces as llama.cpp reads them).
     config = gguf_config.config_of(GGUFFile(gguf))
     with _fresh(target) as work:
         config.save_pretrained(work)
         GenerationConfig.from_model_config(config).save_pretrained(work)
-        AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(work)
+        gguf_tokenizer.convert(gguf).save_pretrained(work)
     return target
 
 
@@ -188,12 +188,14 @@ def _default_gguf() -> Path:
 
 def _converted(gguf: Path) -> Path:
     """The safetensors copy of ``gguf`` in the cache, made on first use."""
-    target = cache_dir() / f"{gguf.stem}-{_file_hash(gguf)[:16]}"
+    from engine.runtime import gguf_tokenizer
+
+    target = cache_dir() / f"{gguf.stem}-{_file_hash(gguf)[:16]}-v2"
     if (target / "config.json").exists():
         return target
     log.info("converting %s to dense safetensors in %s (once; this takes a while)", gguf, target)
     with _fresh(target) as work:
-        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        tokenizer = gguf_tokenizer.convert(gguf)
         model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
         # The weights are dequantized now; drop the GGUF quantizer so the model saves as plain safetensors.
         del model.config.quantization_config
