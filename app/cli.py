@@ -85,7 +85,8 @@ def _engine_flags(parser: argparse.ArgumentParser, defaults: EngineConfig) -> No
         choices=["auto", "on", "off"],
         default=defaults.batch_invariant,
         help="on: a row's result never depends on its batchmates (one numeric path); off: the fastest path for "
-        "each step; auto: on unless that costs 5%% or more of the throughput at --max-batch-size (measured here)",
+        "each step; auto: on for a model served from its GGUF blocks; for a dense one, on unless its tiles cost 5%% "
+        "or more of the throughput at --max-batch-size (measured here)",
     )
     parser.add_argument(
         "--speculative",

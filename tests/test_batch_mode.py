@@ -22,13 +22,17 @@ def test_auto_keeps_one_path_where_it_is_the_fastest_anyway() -> None:
     assert "batch invariance on (auto; one path for every row count)" in mode.describe()
 
 
-def test_auto_takes_the_fastest_path_per_step_where_invariance_costs_too_much() -> None:
+def test_auto_keeps_one_path_for_a_gguf_s_blocks_even_where_dense_would_be_faster() -> None:
+    """Sapphire Rapids: oneDNN's AMX products outrun the quantized kernel from 16 rows. The default still keeps one
+    numerical path (an evaluation's score must not depend on the load) and makes no dense copy; it says what that
+    costs, and ``off`` takes dense from the crossover."""
     mode = choose("auto", AMX, 128)
-    assert not mode.invariant and mode.dense_from_rows == 16
+    assert mode.invariant and mode.dense_from_rows is None
     assert mode.cost == pytest.approx(1 - 0.0184 / 0.128)
-    assert "dense from 16 rows, quantized below" in mode.describe()
-    # At a batch size where the quantized kernel still wins, auto keeps invariance.
-    assert choose("auto", AMX, 8).invariant
+    assert "batch invariance on (auto; one path for every row count); invariance costs 86%" in mode.describe()
+    off = choose("off", AMX, 128)
+    assert not off.invariant and off.dense_from_rows == 16
+    assert "dense from 16 rows, quantized below" in off.describe()
 
 
 # AMD Zen 4 (AVX-512 with VNNI, no AMX), the Qwen2.5-Coder file, 2026-12-05: dense bfloat16 a little faster from 32

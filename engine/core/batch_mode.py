@@ -10,9 +10,12 @@ dense tiles cost their padding and a pass over the weights per tile. So:
 - ``on``: one path (the quantized kernel for a model served from its blocks, else dense tiles), whatever it costs;
 - ``off``: each step takes the faster path for its rows (quantized below the crossover, dense from it, where dense
   is clearly faster; dense products untiled), and a row's result may change with its batchmates;
-- ``auto`` (the default): ``on`` when it costs under ``AUTO_MAX_COST`` of the matmuls' best throughput at
-  ``--max-batch-size`` rows, or when a model served from its blocks has no crossover (its dense copy nowhere
-  clearly faster: with AVX-512 VNNI on AMD Zen 4, the default model and the Qwen2.5 file), else ``off``.
+- ``auto`` (the default): ``on`` for a model served from its blocks, whatever the probe found: one numerical model
+  for every request whatever the load, and no dense copy in memory (the dense twin is ``off``'s, asked for by name;
+  with AVX-512 VNNI on AMD Zen 4 the quantized kernel is as fast anyway, on Sapphire Rapids oneDNN's AMX products
+  outrun it from ~16 rows: ``describe`` says what invariance costs). A dense model (its invariant path dense tiles)
+  is ``on`` when that costs under ``AUTO_MAX_COST`` of the matmuls' best throughput at ``--max-batch-size`` rows,
+  else ``off``.
 """
 
 from __future__ import annotations
@@ -93,10 +96,7 @@ def choose(requested: str, times: PathTimes | None, batch_size: int) -> BatchMod
         return BatchMode(requested, False, None, None, batch_size)
     invariant, dense = times.at(batch_size)
     cost = max(0.0, 1 - min(invariant, dense) / invariant)
-    # A model served from its blocks whose dense copy is nowhere clearly faster would take the quantized kernel at
-    # every row count anyway: invariance then costs nothing that `off` would gain.
-    one_path = times.quantized and crossover(times) is None
-    on = requested == "on" or (requested == "auto" and (cost < AUTO_MAX_COST or one_path))
+    on = requested == "on" or (requested == "auto" and (times.quantized or cost < AUTO_MAX_COST))
     dense_from = None if on or not times.quantized else crossover(times)
     return BatchMode(requested, on, dense_from, cost, batch_size)
 
