@@ -92,10 +92,22 @@ def test_a_tiny_gguf_scores_text_as_transformers_does(arch: str, mix: str, serve
     if mix == "F32":
         torch.testing.assert_close(got, want, atol=2e-4, rtol=0)
     else:  # measured: mean 0.001-0.02, largest < 0.06; a wrong block, bias, norm or rotation moves whole units
-        # gemma3: six layers, each block's output normalized (its rounding scaled up with it): mean 0.09, largest
-        # 0.28; its window ignored or one RoPE base for both kinds of layer: means of 1.3 and 0.9
-        mean, largest = (0.15, 0.5) if arch == "gemma3" else (0.03, 0.1)
+        # gemma3: six layers, each block's output normalized (the activations' rounding scaled up with it): mean
+        # 0.11-0.15, largest 0.43-0.73, as much with Q8_0 weights as with this mix (two prompts measured); its
+        # window ignored or one RoPE base for both kinds of layer: means of 1.3 and 0.9
+        mean, largest = (0.3, 1.5) if arch == "gemma3" else (0.03, 0.1)
         assert (got - want).abs().mean() < mean and (got - want).abs().max() < largest
+
+
+@pytest.mark.parametrize("arch", list(ARCHITECTURES))
+def test_the_file_s_vocabulary_tokenizes_as_the_file_it_came_from(arch: str, served, tokenizer_file: Path) -> None:
+    """Every tiny file holds the bundled model's byte-level vocabulary: each tokenizes as that file does. transformers
+    reloads a gemma3 file's tokenizer as GemmaTokenizer, whose SentencePiece pipeline split every word into bytes."""
+    from transformers import AutoTokenizer
+
+    _, loaded = served(arch, "F32")
+    bundled = AutoTokenizer.from_pretrained(tokenizer_file.parent, gguf_file=tokenizer_file.name)
+    assert loaded.tokenizer.encode(TEXT) == bundled.encode(TEXT)
 
 
 @pytest.mark.parametrize("arch", ["llama", "phi3"])

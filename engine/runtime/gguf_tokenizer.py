@@ -6,7 +6,13 @@ with a ``Metaspace`` pre-tokenizer that adds the leading "▁" only where the te
 space: ``" x"`` became ``"▁x"``, where SentencePiece makes ``"▁▁x"``, and 32 spaces of indentation came out one
 short. Here the "▁" is prepended to every piece of text between special tokens when the file says so
 (``tokenizer.ggml.add_space_prefix``, true unless given), and every space becomes "▁", as llama.cpp's tokenizer
-does; the ids then equal llama.cpp's ``/tokenize`` and SentencePiece's own."""
+does; the ids then equal llama.cpp's ``/tokenize`` and SentencePiece's own.
+
+``load`` keeps the converted pipeline through transformers' save and load: the class ``AutoTokenizer`` chooses by
+model type (``GemmaTokenizer``, ``Qwen2Tokenizer``) rebuilds its own pipeline when loaded, over whatever vocabulary
+the file holds (a gemma3 file's byte-level vocabulary had every word split into bytes; Qwen2's NFC normalization, which
+llama.cpp does not do, changed decomposed characters' ids). The file's ``tokenizer.*`` keys are the tokenizer, as
+llama.cpp reads them."""
 
 from __future__ import annotations
 
@@ -34,3 +40,11 @@ def convert(gguf: Path) -> Any:
         backend.normalizer = normalizers.Sequence(steps)
         backend.pre_tokenizer = None
     return tokenizer
+
+
+def load(directory: Path) -> Any:
+    """The tokenizer ``convert`` made and ``save_pretrained`` saved in ``directory``, as it was: under transformers'
+    generic class (``AutoTokenizer`` would pick the class of the directory's model type)."""
+    from transformers import PreTrainedTokenizerFast
+
+    return PreTrainedTokenizerFast.from_pretrained(directory)

@@ -36,7 +36,7 @@ from transformers import (
 from engine.core import cpu
 from engine.core.architectures import by_model_type
 from engine.core.config import DEFAULT_GGUF, DEFAULT_MODEL
-from engine.runtime import gguf_model
+from engine.runtime import gguf_model, gguf_tokenizer
 from engine.runtime.quantized_weights import QuantizedWeight
 
 log = logging.getLogger(__name__)
@@ -74,7 +74,10 @@ def load(spec: str, dtype: str = "float32", blocks: bool = False) -> LoadedModel
     torch_dtype = _pick_dtype(device) if dtype == "auto" else getattr(torch, dtype)
     log.info("loading model %s from %s as %s", name, source, torch_dtype)
     offline = not Path(source).exists()
-    tokenizer = AutoTokenizer.from_pretrained(source, local_files_only=offline)
+    if gguf is not None:  # the dense copy of a GGUF: its tokenizer as converted
+        tokenizer = gguf_tokenizer.load(Path(source))
+    else:
+        tokenizer = AutoTokenizer.from_pretrained(source, local_files_only=offline)
     model = AutoModelForCausalLM.from_pretrained(source, dtype=torch_dtype, local_files_only=offline).to(device)
     loaded = LoadedModel(name, model, tokenizer, _eos_token_ids(model, tokenizer), _max_positions(model), _gguf(spec))
     log.info(
@@ -92,7 +95,7 @@ def _load_blocks(name: str, gguf: Path, described: Path, config: PretrainedConfi
     started = time.perf_counter()
     torch_dtype = _pick_dtype(torch.device("cpu")) if dtype == "auto" else getattr(torch, dtype)
     log.info("loading model %s from %s as its own blocks, other tensors %s", name, gguf, torch_dtype)
-    tokenizer = AutoTokenizer.from_pretrained(described)
+    tokenizer = gguf_tokenizer.load(described)
     model, quantized = gguf_model.build(gguf, config, torch_dtype)
     model.generation_config = GenerationConfig.from_pretrained(described)
     loaded = LoadedModel(
@@ -107,10 +110,10 @@ def _load_blocks(name: str, gguf: Path, described: Path, config: PretrainedConfi
 
 def _described(gguf: Path) -> Path:
     """A directory with the config, generation config and tokenizer of ``gguf``, saved once in the cache."""
-    from engine.runtime import gguf_config, gguf_tokenizer
+    from engine.runtime import gguf_config
     from engine.runtime.gguf_file import GGUFFile
 
-    target = cache_dir() / f"{gguf.stem}-{_file_hash(gguf)[:16]}-v3-config"
+    target = cache_dir() / f"{gguf.stem}-{_file_hash(gguf)[:16]}-v4-config"
     if (target / "config.json").exists():
         return target
     # The config from the file's keys (refusing what is not served natively); the tokenizer and chat template as
@@ -188,9 +191,7 @@ def _default_gguf() -> Path:
 
 def _converted(gguf: Path) -> Path:
     """The safetensors copy of ``gguf`` in the cache, made on first use."""
-    from engine.runtime import gguf_tokenizer
-
-    target = cache_dir() / f"{gguf.stem}-{_file_hash(gguf)[:16]}-v2"
+    target = cache_dir() / f"{gguf.stem}-{_file_hash(gguf)[:16]}-v3"
     if (target / "config.json").exists():
         return target
     log.info("converting %s to dense safetensors in %s (once; this takes a while)", gguf, target)
