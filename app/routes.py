@@ -10,6 +10,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from app import infill as fill
 from app.openai.chat import ChatFormat
 from app.openai.completions import CompletionFormat
 from app.openai.models import model_list
@@ -99,6 +100,19 @@ async def response_input_items(request: Request) -> Response:
     return JSONResponse(input_item_list(stored.input_items, request.query_params))
 
 
+async def infill(request: Request) -> Response:
+    """llama.cpp's fill-in-the-middle endpoint (``app/infill.py``)."""
+    arrived = time.perf_counter()
+    state = server_state(request)
+    raw = await request.body()
+    req, prompt = await state.prepare(lambda: fill.prepare(state, raw), len(raw))
+    generation = await state.generation(
+        CompletionFormat(state.tokenizer, [prompt]), req.completion.options, [prompt], None, arrived
+    )
+    answer, events = (lambda: fill.answer(state, req, generation)), (lambda: fill.events(state, req, generation))
+    return await state.respond(request, generation, answer, events)
+
+
 async def tokenize(request: Request) -> Response:
     state = server_state(request)
     raw = await request.body()
@@ -126,6 +140,7 @@ ROUTES = [
     Route("/v1/responses/{response_id}", get_response, methods=["GET"]),
     Route("/v1/responses/{response_id}", delete_response, methods=["DELETE"]),
     Route("/v1/responses/{response_id}/input_items", response_input_items, methods=["GET"]),
+    Route("/infill", infill, methods=["POST"]),
     Route("/tokenize", tokenize, methods=["POST"]),
     Route("/detokenize", detokenize, methods=["POST"]),
 ]

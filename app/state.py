@@ -7,7 +7,7 @@ import asyncio
 import dataclasses
 import json
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
@@ -18,6 +18,7 @@ from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from app import infill
 from app.backend import Backend, LocalBackend
 from app.embeddings import MAX_INPUTS, EmbeddingService
 from app.generation import Generation
@@ -210,6 +211,8 @@ class ServerState:
             if isinstance(prompt, str):
                 param = "prompt" if len(req.prompts) == 1 else f"prompt[{index}]"
                 check_text([prompt], self.max_chars, self.max_model_len, param)
+        if req.suffix is not None:
+            return infill.with_suffix(self, req)
         prompts = [self.prompt_ids(p) for p in req.prompts]
         echo_texts = None
         if req.echo:
@@ -378,8 +381,12 @@ class ServerState:
                     raise bad_request(f"{param}: {exc}", param) from None
             raise
 
-    async def respond(self, request: Request, generation: Generation) -> Response:
-        """Queue the generation's sequences and answer: a stream of events, or JSON when all are done."""
+    async def respond(
+        self, request: Request, generation: Generation, complete: Callable[[], Awaitable[dict[str, Any]]] | None = None,
+        events: Callable[[], AsyncIterator[str]] | None = None,
+    ) -> Response:  # fmt: skip
+        """Queue the generation's sequences and answer: a stream of events, or JSON when all are done (the
+        endpoint's shapes: ``complete`` and ``events``, the OpenAI ones by default)."""
         if self.draining:
             raise APIError(503, "The server is shutting down; retry on another instance.", code="shutting_down")
         try:
@@ -390,21 +397,21 @@ class ServerState:
         request.state.usage = (generation.num_prompt_tokens, 0, 0, 0)
         request.state.replica = generation.replicas
         if generation.options.stream:
-            events = _logged(request, generation, generation.events())
-            return EventSourceResponse(events, sep="\n", ping=self.sse_ping)
-        complete = asyncio.ensure_future(generation.complete())
+            stream = _logged(request, generation, (events or generation.events)())
+            return EventSourceResponse(stream, sep="\n", ping=self.sse_ping)
+        done = asyncio.ensure_future((complete or generation.complete)())
         hangup = asyncio.ensure_future(_wait_for_disconnect(request))
         try:
-            await asyncio.wait({complete, hangup}, return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait({done, hangup}, return_when=asyncio.FIRST_COMPLETED)
         finally:
             hangup.cancel()
-            if not complete.done():
-                complete.cancel()
+            if not done.done():
+                done.cancel()
             generation.abort()
         request.state.usage = _usage_for_log(generation)
-        if not complete.done() or complete.cancelled():
+        if not done.done() or done.cancelled():
             return Response(status_code=499)  # the client left; nobody is listening
-        return JSONResponse(complete.result())
+        return JSONResponse(done.result())
 
 
 async def _logged(request: Request, generation: Generation, events: AsyncIterator[str]) -> AsyncIterator[str]:

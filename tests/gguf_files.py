@@ -89,7 +89,8 @@ def tiny_model(arch: str, vocab: int, seed: int = 0, long_rope: bool = False) ->
 
 
 def write_gguf(
-    model: PreTrainedModel, arch: str, path: Path, tokenizer_from: Path, types: dict[str, GGMLQuantizationType]
+    model: PreTrainedModel, arch: str, path: Path, tokenizer_from: Path, types: dict[str, GGMLQuantizationType],
+    renamed: dict[int, str] | None = None,
 ) -> PreTrainedModel:
     """``model`` as a GGUF at ``path``: each matrix in ``types[its GGUF name's kind]`` (``attn_q``, ``ffn_down``,
     ``token_embd``, ``output``, ...; F32 where absent), vectors F32; a llama3 RoPE scaling as the converter writes it
@@ -120,7 +121,7 @@ def write_gguf(
     writer.add_key_length(head_dim)
     writer.add_value_length(head_dim)
     writer.add_file_type(1)
-    _copy_tokenizer(GGUFReader(tokenizer_from), writer)
+    _copy_tokenizer(GGUFReader(tokenizer_from), writer, renamed or {})
     with torch.no_grad():
         for name, parameter in model.named_parameters():
             gguf_name = _gguf_name(name, arch)
@@ -188,9 +189,21 @@ def _unpermute(rows: np.ndarray, heads: int) -> np.ndarray:
     return rows.reshape(heads, rows.shape[0] // heads // 2, 2, *rows.shape[1:]).swapaxes(2, 1).reshape(rows.shape)
 
 
-def _copy_tokenizer(reader: GGUFReader, writer: GGUFWriter) -> None:
+#: The bundled vocabulary's unused special tokens renamed to Qwen2.5-Coder's FIM tokens (``renamed``).
+QWEN_FIM = {7: "<|fim_prefix|>", 8: "<|fim_suffix|>", 9: "<|fim_middle|>", 10: "<|fim_pad|>", 3: "<|repo_name|>",
+            5: "<|file_sep|>"}  # fmt: skip
+
+
+def _copy_tokenizer(reader: GGUFReader, writer: GGUFWriter, renamed: dict[int, str]) -> None:
+    """The tokenizer's keys, the special tokens ``renamed`` by id."""
     for name, field in reader.fields.items():
         if not name.startswith("tokenizer."):
+            continue
+        if name == "tokenizer.ggml.tokens" and renamed:
+            tokens = list(field.contents())
+            for index, token in renamed.items():
+                tokens[index] = token
+            writer.add_array(name, tokens)
             continue
         kind = field.types[0]
         if kind == GGUFValueType.ARRAY:

@@ -6,7 +6,6 @@ from __future__ import annotations
 import math
 import os
 import sys
-import unicodedata
 from pathlib import Path
 
 import pytest
@@ -102,18 +101,18 @@ CORPUS = [
 
 def test_token_ids_are_llama_cpp_s(gguf: Path) -> None:
     """The tokenizer converted from the file gives the ids llama.cpp's server's ``/tokenize`` gives (special tokens
-    parsed as such), on prose, code, whitespace, Unicode and special tokens. One documented difference: Qwen2's own
-    tokenizer (and so transformers' conversion) normalizes text to NFC first, llama.cpp does not; a decomposed
-    character (``e`` + U+0301) is one token here, as the model was trained, and two there. Needs ``LLAMA_SERVER``."""
+    parsed as such), on prose, code, whitespace, Unicode and special tokens, a decomposed character (``e`` + U+0301)
+    included: the file's tokenizer, not transformers' Qwen2Tokenizer, which normalizes to NFC first (and so made it
+    one token where llama.cpp makes two). Needs ``LLAMA_SERVER``."""
     binary = os.environ.get("LLAMA_SERVER")
     if not binary:
         pytest.skip("LLAMA_SERVER names no llama-server binary")
-    assert_llama_cpp_s_ids(gguf, binary, lambda text: unicodedata.normalize("NFC", text))
+    assert_llama_cpp_s_ids(gguf, binary)
 
 
-def assert_llama_cpp_s_ids(gguf: Path, binary: str, normalize=lambda text: text) -> None:  # type: ignore[no-untyped-def]
+def assert_llama_cpp_s_ids(gguf: Path, binary: str) -> None:
     """Both servers up on ``gguf``: each text of ``CORPUS`` tokenized alike (special tokens parsed, the file's BOS
-    added), llama.cpp's side given ``normalize(text)``."""
+    added)."""
     import httpx
 
     sys.path.insert(0, str(ROOT / "bench"))
@@ -126,7 +125,7 @@ def assert_llama_cpp_s_ids(gguf: Path, binary: str, normalize=lambda text: text)
     try:
         for text in CORPUS:
             mine = httpx.post(f"{ours_base}/tokenize", json={"model": gguf.stem, "prompt": text}).json()["tokens"]
-            asked = {"content": normalize(text), "parse_special": True, "add_special": True}
+            asked = {"content": text, "parse_special": True, "add_special": True}
             assert mine == httpx.post(f"{llama_base}/tokenize", json=asked).json()["tokens"], text
     finally:
         stop_server(ours)
@@ -187,3 +186,42 @@ def test_a_file_from_llama_cpp_s_own_converter_scores_text_as_transformers_does(
     prompt = tuple(loaded.tokenizer.encode(TEXT))
     got, want = scored(loaded.model, loaded.eos_token_ids, loaded.blocks, prompt), reference(model, prompt)
     torch.testing.assert_close(got, want, atol=5e-4, rtol=0)
+
+
+def test_fill_in_the_middle_as_llama_cpp_fills_it(gguf: Path) -> None:
+    """Qwen2.5-Coder's FIM tokens: ``/infill`` (as llama.vscode sends it, with and without other files) builds
+    llama.cpp's prompt token for token and, greedy, fills the gap as llama.cpp does; ``suffix`` on
+    ``/v1/completions`` fills it from the plain layout. Needs ``LLAMA_SERVER``."""
+    binary = os.environ.get("LLAMA_SERVER")
+    if not binary:
+        pytest.skip("LLAMA_SERVER names no llama-server binary")
+    import httpx
+
+    sys.path.insert(0, str(ROOT / "bench"))
+    from llama import start_llama
+
+    from compat.conftest import start_server, stop_server
+
+    body = {"input_prefix": "def fibonacci(n):\n", "input_suffix": "\n\nprint(fibonacci(10))\n", "prompt": "    ",
+            "input_extra": [{"filename": "util.py", "text": "def square(x):\n    return x * x\n"}],
+            "n_predict": 48, "top_k": 1, "temperature": 0, "samplers": ["top_k", "top_p", "infill"],
+            "cache_prompt": True, "t_max_prompt_ms": 500}  # fmt: skip
+    ours, ours_base = start_server("--model", str(gguf), "--embedding-model", "none", "--kv-cache-gib", "1")
+    llama, llama_base = start_llama(binary, 1, context=4096, gguf=gguf)
+    try:
+        pairs = [
+            (httpx.post(f"{ours_base}/infill", json=b, timeout=120).json(),
+             httpx.post(f"{llama_base}/infill", json={**b, "samplers": ["top_k"]}, timeout=120).json())
+            for b in (body, {**body, "input_extra": []})
+        ]  # fmt: skip
+        completion = {"model": gguf.stem, "prompt": body["input_prefix"] + body["prompt"],
+                      "suffix": body["input_suffix"], "max_tokens": 48, "temperature": 0}  # fmt: skip
+        filled = httpx.post(f"{ours_base}/v1/completions", json=completion, timeout=120).json()["choices"][0]
+    finally:
+        stop_server(ours)
+        stop_server(llama)
+    for mine, theirs in pairs:
+        assert mine["prompt"] == theirs["prompt"] and mine["tokens_evaluated"] == theirs["tokens_evaluated"]
+        assert mine["content"] == theirs["content"] and mine["stop_type"] == theirs["stop_type"]
+        assert mine["content"].startswith("if n <= 0") or mine["content"].startswith("return ")
+    assert filled["text"].strip()

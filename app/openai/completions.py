@@ -15,6 +15,7 @@ from typing import Annotated, Any
 from pydantic import Field, field_validator
 
 from app.openai.choices import Choice, TextOffsets, token_string
+from app.openai.errors import bad_request
 from app.openai.request import is_token, validated
 from app.openai.sampling import MAX_LOGPROBS, GenerationOptions, SamplingBody, generation_options, reject_unsupported
 from engine.core.streams import Delta
@@ -28,6 +29,8 @@ class CompletionBody(SamplingBody):
     prompt: Any = Field(None, validate_default=True)  # checked below: a union whose errors should name the prompt
     echo: bool | None = None
     logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    #: Fill-in-the-middle: the text after the gap the completion fills (the prompt is the text before it).
+    suffix: str | None = None
 
     @field_validator("prompt")
     @classmethod
@@ -61,6 +64,7 @@ class CompletionRequest:
     prompts: list[Prompt]
     echo: bool
     options: GenerationOptions
+    suffix: str | None = None
 
 
 def parse_completion_request(body: dict[str, Any]) -> CompletionRequest:
@@ -68,7 +72,9 @@ def parse_completion_request(body: dict[str, Any]) -> CompletionRequest:
     req: CompletionBody = validated(CompletionBody, body)
     echo = bool(req.echo)
     options = generation_options(req, req.max_tokens, "max_tokens", req.logprobs, allow_zero=echo)
-    return CompletionRequest(req.model, req.prompt, echo, options)
+    if req.suffix is not None and echo:
+        raise bad_request("echo cannot be combined with suffix (fill-in-the-middle answers the middle only)", "echo")
+    return CompletionRequest(req.model, req.prompt, echo, options, req.suffix)
 
 
 @dataclass(slots=True)

@@ -157,7 +157,8 @@ _CHAT_ONLY = ("tools", "tool_choice", "parallel_tool_calls")
 
 
 def reject_unsupported(body: dict[str, Any], chat: bool) -> None:
-    for name in _UNSUPPORTED if chat else _UNSUPPORTED + _CHAT_ONLY:
+    # suffix: completions' fill-in-the-middle (models with FIM tokens: app/state.py); not a chat field
+    for name in _UNSUPPORTED if chat else tuple(n for n in _UNSUPPORTED if n != "suffix") + _CHAT_ONLY:
         value = body.get(name)
         if value is not None and value != []:  # clients may send empty tools
             hint = "" if chat else " (tools are a chat completions feature)"

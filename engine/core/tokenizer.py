@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
+from engine.core import fim
+from engine.core.fim import Fim
+
 
 class Tokenizer(Protocol):
     eos_token_ids: frozenset[int]
@@ -11,6 +14,10 @@ class Tokenizer(Protocol):
     #: Most characters one token's spelling holds (special tokens included): text of ``n`` characters other than
     #: white space needs at least ``n / max_token_chars`` tokens, a bound that costs no tokenizing.
     max_token_chars: int
+    #: The vocabulary's fill-in-the-middle tokens (``engine/core/fim.py``); None: it has none.
+    fim: Fim | None
+    #: What ``encode`` puts before a text's tokens (the model's BOS where it adds one).
+    start_ids: list[int]
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
 
@@ -44,7 +51,11 @@ class HFTokenizer:
         self._bytes: dict[int, bytes] = {}
         # A vocabulary entry's spelling is at least as long as the text it decodes to: a byte-level one spells each
         # byte as a character, a SentencePiece one adds its word marker or spells a byte <0xE6>.
-        self.max_token_chars = max(map(len, hf_tokenizer.get_vocab()), default=1)
+        vocab = hf_tokenizer.get_vocab()
+        self.max_token_chars = max(map(len, vocab), default=1)
+        self.fim = fim.find(vocab)
+        bos = hf_tokenizer.bos_token_id
+        self.start_ids = [t for t in hf_tokenizer.encode("", add_special_tokens=True) if t == bos]
 
     @property
     def hf_tokenizer(self) -> Any:
@@ -101,6 +112,8 @@ class ByteTokenizer:
         self.eos_token_ids = frozenset({self.EOS})
         self.vocab_size = 257
         self.max_token_chars = 1  # a character is one to four tokens
+        self.fim: Fim | None = None
+        self.start_ids: list[int] = []
 
     EOS_TEXT = "<eos>"
 
