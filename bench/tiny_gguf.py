@@ -31,10 +31,13 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=512)
     parser.add_argument("--layers", type=int, default=12)
     parser.add_argument("--out", type=Path, default=Path(tempfile.gettempdir()))
+    parser.add_argument("--shape", nargs="*", default=[], help="config fields, e.g. head_dim=256 num_key_value_heads=1")
     args = parser.parse_args()
-    out = args.out / f"tiny-{args.arch}-{args.hidden}x{args.layers}-{args.type}.gguf"
+    shape = {name: int(value) for name, value in (item.split("=") for item in args.shape)}
+    label = "".join(f"-{name}{value}" for name, value in shape.items())
+    out = args.out / f"tiny-{args.arch}-{args.hidden}x{args.layers}{label}-{args.type}.gguf"
     with tempfile.TemporaryDirectory() as work:
-        save_checkpoint(args.arch, Path(work), args.hidden, args.layers, torch.bfloat16)
+        save_checkpoint(args.arch, Path(work), args.hidden, args.layers, torch.bfloat16, **shape)
         dense = Path(work) / "model-f16.gguf"
         convert(Path(work), dense, args.llama_cpp, "f16")
         quantize = args.llama_cpp / "build" / "bin" / "llama-quantize"

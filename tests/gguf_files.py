@@ -213,7 +213,8 @@ def _copy_tokenizer(reader: GGUFReader, writer: GGUFWriter, renamed: dict[int, s
 
 
 def save_checkpoint(
-    arch: str, directory: Path, hidden: int = 128, layers: int = 6, dtype: torch.dtype = torch.float32
+    arch: str, directory: Path, hidden: int = 128, layers: int = 6, dtype: torch.dtype = torch.float32,
+    **shape: int,
 ) -> PreTrainedModel:
     """A model of ``arch`` with random weights (``hidden`` wide, ``layers`` deep; Gemma 3 1B's window and pattern,
     Phi-3-mini-4k's window) and the bundled model's tokenizer, saved in ``directory`` as a HuggingFace checkpoint
@@ -228,6 +229,8 @@ def save_checkpoint(
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     config = tiny_model(arch, vocab=len(tokenizer)).config
     config.hidden_size, config.intermediate_size, config.num_hidden_layers = hidden, hidden * 3, layers
+    for name, value in shape.items():  # e.g. num_attention_heads, num_key_value_heads, head_dim, intermediate_size
+        setattr(config, name, value)
     kinds = getattr(config, "layer_types", None)
     if kinds:  # gemma3's period of 6 (its tiny model has 6 layers); the others' all alike
         config.layer_types = [kinds[i % len(kinds)] for i in range(layers)]
