@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 from engine.runtime import kernels
 from engine.runtime.kv_cache import KEY_TILE, tile_keys, untile_keys
-from engine.runtime.model_runner import _add_norm, _rope, _silu_mul
+from engine.runtime.model_runner import _add_norm, _gelu_mul, _rope, _silu_mul
 
 
 def _reference(
@@ -46,9 +46,11 @@ def _paged(per_row: torch.Tensor, physical: torch.Tensor, pool_positions: int) -
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-# Query heads per KV head past what one pass holds in registers (4 at dim 64, 2 at 128), and a head size the
+# Query heads per KV head past what one pass holds in registers (4 at dim 64, 2 at 128, 1 at 256), and a head size the
 # kernel has no specialization for.
-@pytest.mark.parametrize(("kv_heads", "groups", "dim"), [(3, 3, 64), (1, 6, 64), (2, 1, 128), (1, 3, 128), (1, 4, 24)])
+@pytest.mark.parametrize(
+    ("kv_heads", "groups", "dim"), [(3, 3, 64), (1, 6, 64), (2, 1, 128), (1, 3, 128), (1, 4, 24), (1, 4, 256)]
+)
 @pytest.mark.parametrize("block_size", [16, 32])
 def test_kernel_matches_torch_attention(
     dtype: torch.dtype, kv_heads: int, groups: int, dim: int, block_size: int
@@ -76,7 +78,7 @@ def test_kernel_matches_torch_attention(
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize(("kv_heads", "groups", "dim"), [(2, 2, 64), (1, 3, 128), (1, 2, 24)])
+@pytest.mark.parametrize(("kv_heads", "groups", "dim"), [(2, 2, 64), (1, 3, 128), (1, 2, 24), (1, 4, 256)])
 @pytest.mark.parametrize("window", [1, 5, 16, 17, 40, 512])
 def test_a_sliding_window_attends_only_each_row_s_last_positions(
     dtype: torch.dtype, kv_heads: int, groups: int, dim: int, window: int
@@ -144,6 +146,15 @@ def test_fused_element_wise_ops_match_torch(rows: int, dtype: torch.dtype) -> No
     torch.testing.assert_close(ops.rope(heads, cos, sin), _rope(heads, cos, sin), **close)
     gate_up = torch.randn(rows, 2 * 1536, dtype=dtype)
     torch.testing.assert_close(ops.silu_mul(gate_up), _silu_mul(gate_up), **close)
+    torch.testing.assert_close(ops.gelu_mul(gate_up), _gelu_mul(gate_up), **close)  # Gemma's
+    # Gemma 3: the block's output normalized by its own weights before it joins the residual stream.
+    delta_weight = torch.rand(576).to(dtype) + 0.5
+    expected = _add_norm(hidden, delta * 30, weight.to(dtype), 1e-5, delta_weight)
+    # One rounding of a normalized output of ~2-4 is 1/64: where the sum cancels, that is its whole error.
+    summed = {**close, "atol": 2e-2} if dtype == torch.bfloat16 else close
+    for got, want in zip(ops.add_rms_norm(hidden, delta * 30, weight.to(dtype), 1e-5, delta_weight), expected,
+                         strict=True):  # fmt: skip
+        torch.testing.assert_close(got, want, **summed)
 
 
 def test_fused_ops_reject_other_dtypes() -> None:

@@ -254,6 +254,7 @@ class LlamaRunner:
         self._add_norm = _add_norm if ops is None else ops.add_rms_norm
         self._rope = _rope if ops is None else ops.rope
         self._silu_mul = _silu_mul if ops is None else ops.silu_mul
+        self._gelu_mul = _gelu_mul if ops is None else ops.gelu_mul
         # Every projection quantized: each layer in one native call where the cache's native attention serves
         # the step (``csrc/llama_layer.cpp``: the same ops, without their Python dispatch between them).
         packed = [layer.packed() for layer in self.layers]
@@ -361,20 +362,19 @@ class LlamaRunner:
         q, k, v = qk[:, : self.num_heads], qk[:, self.num_heads :], heads[:, self.num_heads + self.num_kv_heads :]
         attended = attend(batch, index, q, k, v, self.scale, layer.window)
         output = linear(attended.reshape(hidden.shape[0], -1), layer.o, tile)
-        if layer.attn_out_norm is not None:
-            output = _rms_norm(output, layer.attn_out_norm, self.eps)
-        hidden, normed = self._add_norm(hidden, output, layer.post_norm, self.eps)
+        hidden, normed = self._add_norm(hidden, output, layer.post_norm, self.eps, layer.attn_out_norm)
         gate_up = linear(normed, layer.gate_up, tile)
-        output = linear(_gelu_mul(gate_up) if layer.gelu else self._silu_mul(gate_up), layer.down, tile)
-        if layer.ffn_out_norm is not None:
-            output = _rms_norm(output, layer.ffn_out_norm, self.eps)
-        return self._add_norm(hidden, output, next_norm, self.eps)
+        output = linear(self._gelu_mul(gate_up) if layer.gelu else self._silu_mul(gate_up), layer.down, tile)
+        return self._add_norm(hidden, output, next_norm, self.eps, layer.ffn_out_norm)
 
 
 def _add_norm(
-    hidden: torch.Tensor, output: torch.Tensor, norm: torch.Tensor, eps: float
+    hidden: torch.Tensor, output: torch.Tensor, norm: torch.Tensor, eps: float, output_norm: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The residual stream after adding a block's output, and its normalization for the next block."""
+    """The residual stream after adding a block's output (first normalized by ``output_norm``: Gemma 3), and its
+    normalization for the next block."""
+    if output_norm is not None:
+        output = _rms_norm(output, output_norm, eps)
     hidden = hidden + output
     return hidden, _rms_norm(hidden, norm, eps)
 
@@ -385,7 +385,7 @@ def _silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 def _gelu_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """As ``gelu_mul`` in ``csrc/llama_layer.cpp`` (the same two ATen ops): Gemma's gated MLP."""
+    """Gemma's gated MLP (GELU's tanh approximation), where the native ``gelu_mul`` does not build."""
     gate, up = gate_up.chunk(2, dim=-1)
     return F.gelu(gate, approximate="tanh") * up
 

@@ -265,13 +265,15 @@ void attend_paired(const bf16* query, const bf16* keys, const bf16* values, bf16
 template <int64_t Dim>
 void attend_paired_groups(const bf16* query, const bf16* keys, const bf16* values, bf16* out, int64_t groups,
                           int64_t /*dim*/, int64_t length, const int64_t* tiles, float scale, int64_t skip) {
-  constexpr int kMost = Dim == 64 ? 4 : 2;
+  constexpr int kMost = Dim == 64 ? 4 : Dim == 128 ? 2 : 1;  // 16 sums a row at 256 (Gemma's heads)
   for (int64_t first = 0; first < groups; first += kMost) {
     const int64_t n = std::min<int64_t>(kMost, groups - first);
     const bf16* q = query + first * Dim;
     bf16* o = out + first * Dim;
     if (n == 1) attend_paired<Dim, 1>(q, keys, values, o, length, tiles, scale, skip);
-    if (n == 2) attend_paired<Dim, 2>(q, keys, values, o, length, tiles, scale, skip);
+    if constexpr (kMost >= 2) {
+      if (n == 2) attend_paired<Dim, 2>(q, keys, values, o, length, tiles, scale, skip);
+    }
     if constexpr (kMost == 4) {
       if (n == 3) attend_paired<Dim, 3>(q, keys, values, o, length, tiles, scale, skip);
       if (n == 4) attend_paired<Dim, 4>(q, keys, values, o, length, tiles, scale, skip);
@@ -289,6 +291,7 @@ auto pick_kernel(int64_t dim) {
   if constexpr (std::is_same_v<T, bf16>) {
     if (dim == 64) return attend_paired_groups<64>;
     if (dim == 128) return attend_paired_groups<128>;
+    if (dim == 256) return attend_paired_groups<256>;
   }
 #endif
   return static_cast<Kernel>(dim == 64 ? attend_one<T, 64> : dim == 128 ? attend_one<T, 128> : attend_one<T, 0>);

@@ -63,16 +63,20 @@ namespace smolserve {
 
 // hidden + delta, and that sum RMS-normalized and scaled by weight: (residual stream, next block's input).
 std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& hidden, const at::Tensor& delta,
-                                                const at::Tensor& weight, double eps) {
+                                                const at::Tensor& weight, double eps,
+                                                const std::optional<at::Tensor>& delta_weight) {
   const at::ScalarType dtype = hidden.scalar_type();
   check_rows(hidden, "hidden", dtype);
   check_rows(delta, "delta", dtype);
   TORCH_CHECK(delta.sizes() == hidden.sizes(), "delta must match hidden");
-  TORCH_CHECK(weight.scalar_type() == dtype && weight.dim() == 1 && weight.size(0) == hidden.size(1),
-              "weight must be a [width] tensor of the rows' dtype");
+  for (const at::Tensor* w : {&weight, delta_weight.has_value() ? &*delta_weight : &weight}) {
+    TORCH_CHECK(w->scalar_type() == dtype && w->dim() == 1 && w->size(0) == hidden.size(1),
+                "weights must be [width] tensors of the rows' dtype");
+  }
   const int64_t rows = hidden.size(0), width = hidden.size(1);
   at::Tensor sum = at::empty_like(hidden), normed = at::empty_like(hidden);
   const at::Tensor w_contiguous = weight.contiguous();
+  const at::Tensor dw_contiguous = delta_weight.has_value() ? delta_weight->contiguous() : at::Tensor();
   dispatch(dtype, [&](auto zero) {
     using T = decltype(zero);
     const T* h = hidden.const_data_ptr<T>();
@@ -80,10 +84,22 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& hidden, const 
     const T* w = w_contiguous.const_data_ptr<T>();
     T* s = sum.mutable_data_ptr<T>();
     T* n = normed.mutable_data_ptr<T>();
+    const T* dw = delta_weight.has_value() ? dw_contiguous.const_data_ptr<T>() : nullptr;
     at::parallel_for(0, rows, grain(width), [&](int64_t begin, int64_t end) {
       for (int64_t r = begin; r < end; ++r) {
         const int64_t o = r * width;
-        for (int64_t i = 0; i < width; ++i) s[o + i] = narrow<T>(widen(h[o + i]) + widen(d[o + i]));
+        if (dw != nullptr) {  // the block's output normalized first (Gemma 3), as the sum is below
+          float delta_squares = 0.0f;
+#pragma omp simd reduction(+ : delta_squares)
+          for (int64_t i = 0; i < width; ++i) delta_squares += widen(d[o + i]) * widen(d[o + i]);
+          const float scale = 1.0f / std::sqrt(delta_squares / static_cast<float>(width) + static_cast<float>(eps));
+          for (int64_t i = 0; i < width; ++i) {
+            const T delta_normed = narrow<T>(widen(dw[i]) * widen(narrow<T>(widen(d[o + i]) * scale)));
+            s[o + i] = narrow<T>(widen(h[o + i]) + widen(delta_normed));
+          }
+        } else {
+          for (int64_t i = 0; i < width; ++i) s[o + i] = narrow<T>(widen(h[o + i]) + widen(d[o + i]));
+        }
         float squares = 0.0f;
 #pragma omp simd reduction(+ : squares)
         for (int64_t i = 0; i < width; ++i) squares += widen(s[o + i]) * widen(s[o + i]);
@@ -139,7 +155,12 @@ at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& si
 }
 
 // silu(gate) * up for gate_up = [gate | up] along the last dim.
-at::Tensor silu_mul(const at::Tensor& gate_up) {
+namespace {
+
+// The gated MLP's activation of the gate, times the up projection: x / (1 + e^-x) (SiLU), or GELU's tanh
+// approximation 0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3))), as transformers' gelu_pytorch_tanh.
+template <bool Gelu>
+at::Tensor gated(const at::Tensor& gate_up) {
   const at::ScalarType dtype = gate_up.scalar_type();
   TORCH_CHECK(dtype == at::kBFloat16 || dtype == at::kFloat, "gate_up must be bfloat16 or float32");
   check_rows(gate_up, "gate_up", dtype);
@@ -156,7 +177,9 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
 #pragma omp simd
         for (int64_t i = 0; i < width; ++i) {
           const float x = widen(gate[i]);
-          o[r * width + i] = narrow<T>(widen(narrow<T>(x / (1.0f + std::exp(-x)))) * widen(up[i]));
+          const float act = Gelu ? 0.5f * x * (1.0f + std::tanh(0.7978845608f * (x + 0.044715f * x * x * x)))
+                                 : x / (1.0f + std::exp(-x));
+          o[r * width + i] = narrow<T>(widen(narrow<T>(act)) * widen(up[i]));
         }
       }
     });
@@ -165,16 +188,26 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
   return out;
 }
 
+}  // namespace
+
+at::Tensor silu_mul(const at::Tensor& gate_up) { return gated<false>(gate_up); }
+
+at::Tensor gelu_mul(const at::Tensor& gate_up) { return gated<true>(gate_up); }
+
 }  // namespace smolserve
 
 TORCH_LIBRARY_FRAGMENT(smolserve, m) {
-  m.def("add_rms_norm(Tensor hidden, Tensor delta, Tensor weight, float eps) -> (Tensor, Tensor)");
+  m.def(
+      "add_rms_norm(Tensor hidden, Tensor delta, Tensor weight, float eps, Tensor? delta_weight=None) -> "
+      "(Tensor, Tensor)");
   m.def("rope(Tensor x, Tensor cos, Tensor sin) -> Tensor");
   m.def("silu_mul(Tensor gate_up) -> Tensor");
+  m.def("gelu_mul(Tensor gate_up) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(smolserve, CPU, m) {
   m.impl("add_rms_norm", &smolserve::add_rms_norm);
   m.impl("rope", &smolserve::rope);
   m.impl("silu_mul", &smolserve::silu_mul);
+  m.impl("gelu_mul", &smolserve::gelu_mul);
 }

@@ -30,17 +30,6 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   return weight * at::rms_norm(x.to(at::kFloat), {x.size(-1)}, std::nullopt, eps).to(x.scalar_type());
 }
 
-// As the runner's _gelu_mul: the gate's GELU (tanh approximation) times the up projection.
-at::Tensor gelu_mul(const at::Tensor& gate_up) {
-  const auto halves = gate_up.chunk(2, -1);
-  return at::gelu(halves[0], "tanh") * halves[1];
-}
-
-// A block's output, normalized where the architecture does so before adding it to the residual stream (Gemma 3).
-at::Tensor maybe_norm(const at::Tensor& output, const std::optional<at::Tensor>& norm, double eps) {
-  return norm.has_value() ? rms_norm(output, *norm, eps) : output;
-}
-
 }  // namespace
 
 // hidden, normed [rows, hidden]: the residual stream and its input norm; returns the residual stream after the
@@ -76,11 +65,11 @@ std::tuple<at::Tensor, at::Tensor> llama_layer(
   const at::Tensor attended =
       decode_attention(grouped, keys, values, block_tables, lengths, block_size, scale, window);
   const at::Tensor output = Projection{o, o_type, o_out}(attended.reshape({rows, -1}));
-  const auto [residual, post_normed] = add_rms_norm(hidden, maybe_norm(output, attn_out_norm, eps), post_norm, eps);
+  const auto [residual, post_normed] = add_rms_norm(hidden, output, post_norm, eps, attn_out_norm);
   const at::Tensor projected_up = Projection{gate_up, gate_up_type, gate_up_out}(post_normed);
   const at::Tensor gated = gelu ? gelu_mul(projected_up) : silu_mul(projected_up);
   const at::Tensor mlp = Projection{down, down_type, down_out}(gated);
-  return add_rms_norm(residual, maybe_norm(mlp, ffn_out_norm, eps), next_norm, eps);
+  return add_rms_norm(residual, mlp, next_norm, eps, ffn_out_norm);
 }
 
 }  // namespace smolserve

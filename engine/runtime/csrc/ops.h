@@ -29,9 +29,11 @@ void write_kv_int8(const at::Tensor& keys, const at::Tensor& values, const at::T
 
 // fused_ops.cpp
 std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& hidden, const at::Tensor& delta,
-                                                const at::Tensor& weight, double eps);
+                                                const at::Tensor& weight, double eps,
+                                                const std::optional<at::Tensor>& delta_weight);
 at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
 at::Tensor silu_mul(const at::Tensor& gate_up);
+at::Tensor gelu_mul(const at::Tensor& gate_up);
 
 // quant_matmul.cpp
 at::Tensor quant_pack(const at::Tensor& weight, int64_t type);
