@@ -18,7 +18,7 @@ from starlette.testclient import TestClient
 from app.server import create_app
 from app.state import ServerConfig
 from engine.chooser import ServedModel
-from engine.core.embedding_batcher import IDLE_BUDGET, MIN_BUDGET, EmbeddingBatcher
+from engine.core.embedding_batcher import IDLE_BUDGET, MIN_BUDGET, YIELD, EmbeddingBatcher
 from engine.core.encoder import FakeEncoder, read_spec
 from engine.core.fake_engine import FakeEngine
 from engine.core.tokenizer import ByteTokenizer
@@ -182,6 +182,31 @@ def test_while_chat_runs_a_batch_takes_about_one_step_of_encoder_time() -> None:
     busy = EmbeddingBatcher(encoder, None, chat_step_seconds=lambda: 0.010)
     assert busy.budget() == 200  # 10 ms at the first guess of 20,000 tokens a second
     assert EmbeddingBatcher(encoder, None, chat_step_seconds=lambda: 0.0001).budget() == MIN_BUDGET
+
+
+@pytest.mark.parametrize("chat_running", [True, False])
+def test_after_each_batch_the_thread_is_left_to_chat_for_longer_than_the_batch(chat_running: bool) -> None:
+    """While chat generates, each batch of ``t`` seconds is followed by ``YIELD * t`` of chat's (embeddings at most
+    40% of the thread, most chat tokens a step after the last); when chat is idle, batches follow one another."""
+    encoder = FakeEncoder()
+    ticks = iter(range(0, 1000, 2))  # each batch takes 2 "seconds" on this clock
+    pauses: list[float] = []
+
+    async def pause(seconds: float) -> None:
+        pauses.append(seconds)
+
+    async def run() -> None:
+        step = (lambda: 0.0001) if chat_running else (lambda: None)
+        batcher = EmbeddingBatcher(encoder, None, step, clock=lambda: next(ticks), pause=pause)
+        await batcher.start()
+        try:
+            for n in range(3):  # three requests one after another: three batches
+                await batcher.encode([encoder.tokenize("x" * (n + 1), None)])
+        finally:
+            await batcher.stop()
+
+    asyncio.run(run())
+    assert pauses == ([YIELD * 2] * 3 if chat_running else [])
 
 
 # -- reading a sentence-transformers folder ------------------------------------------------------------------
