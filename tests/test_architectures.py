@@ -166,6 +166,7 @@ def test_each_layer_in_one_native_call_is_bitwise_the_op_by_op_path(arch: str, s
                 for i in range(3)]  # fmt: skip
     fused = make_engine(loaded.model, loaded.eos_token_ids, quantized=loaded.blocks, max_num_batched_tokens=24)
     assert fused._runner._layer_op is not None
+    assert fused._facts["weights"].startswith(f"{arch}, GGUF blocks Q8_0 (native kernels)")  # as the file names it
     op_by_op = make_engine(loaded.model, loaded.eos_token_ids, quantized=loaded.blocks, max_num_batched_tokens=24)
     op_by_op._runner._layer_op = None
     assert run_outputs(fused, requests) == run_outputs(op_by_op, requests)

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel
 
+from engine.core.architectures import by_model_type
 from engine.core.batch_mode import INVARIANT, BatchMode
 from engine.core.block_pool import BlockPool
 from engine.core.config import BLOCK_SIZE
@@ -179,9 +180,11 @@ class HFEngine(InferenceEngine):
         blocks = sorted({names[weight.qtype] for weight in (quantized or {}).values()})
         dtype = str(model.dtype).removeprefix("torch.")
         forward = "the native forward" if isinstance(self._runner, LlamaRunner) else "transformers' forward"
-        weights = f"{model.config.model_type}, {forward}, dense {dtype}"
+        arch = by_model_type(model.config.model_type)  # named as GGUF files name it (gemma3, not gemma3_text)
+        kind = arch.gguf if arch is not None else model.config.model_type
+        weights = f"{kind}, {forward}, dense {dtype}"
         if blocks:
-            weights = f"{model.config.model_type}, GGUF blocks {'/'.join(blocks)} (native kernels), activations {dtype}"
+            weights = f"{kind}, GGUF blocks {'/'.join(blocks)} (native kernels), activations {dtype}"
             if self._runner.dense_from_rows is not None:
                 weights += f"; a dense {dtype} copy for steps from {self._runner.dense_from_rows} rows"
         cache, pool = self.cache, self.pool
