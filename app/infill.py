@@ -43,6 +43,7 @@ class ServerState(Protocol):
 
     def check_model(self, model: str | None) -> None: ...
 
+
 #: llama.cpp's sampling defaults (its ``/completion``), where the request names none.
 DEFAULTS = {"temperature": 0.8, "top_k": 40, "top_p": 0.95, "min_p": 0.05}
 #: ``/infill`` fields that map onto a completion's sampling (llama.cpp's name: ours).
@@ -65,8 +66,13 @@ def with_suffix(state: ServerState, req: CompletionRequest) -> tuple[CompletionR
         if not isinstance(prompt, str):
             raise bad_request("suffix (fill-in-the-middle) needs a text prompt, not token ids", "prompt")
         prompts.append(_layout(state, fim.Infill(prompt, req.suffix or ""), "suffix"))
+    return _ending_the_middle(req, fim_tokens), prompts, None
+
+
+def _ending_the_middle(req: CompletionRequest, fim_tokens: fim.Fim) -> CompletionRequest:
+    """``req`` whose sequences also stop at the model's end-of-middle tokens."""
     stops = req.options.stop_token_ids | fim_tokens.ends
-    return dataclasses.replace(req, options=dataclasses.replace(req.options, stop_token_ids=stops)), prompts, None
+    return dataclasses.replace(req, options=dataclasses.replace(req.options, stop_token_ids=stops))
 
 
 def _fim(state: ServerState, param: str) -> fim.Fim:
@@ -116,8 +122,7 @@ def prepare(state: ServerState, raw: bytes) -> tuple[InfillRequest, list[int]]:
     if budget < 8:
         raise bad_request(f"n_predict leaves no room for a prompt in {state.max_model_len} tokens", "n_predict")
     prompt = _layout(state, infill, "input_prefix", budget)
-    stops = req.options.stop_token_ids | fim_tokens.ends
-    req = dataclasses.replace(req, options=dataclasses.replace(req.options, stop_token_ids=stops))
+    req = _ending_the_middle(req, fim_tokens)
     n_indent, limit = _number(body, "n_indent"), _number(body, "t_max_predict_ms")
     text = state.tokenizer.decode(prompt, False)
     return InfillRequest(req, text, int(n_indent), limit, body.get("n_predict", -1)), prompt
@@ -186,9 +191,8 @@ class Cutter:
     def __init__(self, n_indent: int, t_max_predict_ms: float, clock: Any = time.perf_counter) -> None:
         self.n_indent, self.limit_s, self.clock = n_indent, t_max_predict_ms / 1000, clock
         self.started: float | None = None
-        self.after_newline = False  # a line break has come: lines are checked
         self.held = ""  # a line's indentation so far, while it is not known to be deep enough
-        self.checking = False
+        self.checking = False  # after a line break: the line's indentation is not known yet
         self.stopped = False
 
     def feed(self, piece: str) -> str:
@@ -206,7 +210,7 @@ class Cutter:
     def _char(self, char: str) -> str:
         if not self.checking:
             if char == "\n" and self.n_indent:
-                self.after_newline = self.checking = True
+                self.checking = True
             return char
         if char in " \t":
             self.held += char
@@ -221,7 +225,7 @@ class Cutter:
         return released + char
 
 
-async def answer(state: ServerState, req: InfillRequest, generation: Generation) -> dict[str, Any]:
+async def answer(req: InfillRequest, generation: Generation) -> dict[str, Any]:
     """The whole answer: llama.cpp's ``/completion`` object."""
     result = _Result(req, generation)
     async for _ in result.pieces():
@@ -229,7 +233,7 @@ async def answer(state: ServerState, req: InfillRequest, generation: Generation)
     return result.final()
 
 
-async def events(state: ServerState, req: InfillRequest, generation: Generation) -> AsyncIterator[str]:
+async def events(req: InfillRequest, generation: Generation) -> AsyncIterator[str]:
     """One llama.cpp object per piece of text, ``stop`` false, then the final one (no ``[DONE]``, as llama.cpp)."""
     result = _Result(req, generation)
     try:

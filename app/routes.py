@@ -109,7 +109,7 @@ async def infill(request: Request) -> Response:
     generation = await state.generation(
         CompletionFormat(state.tokenizer, [prompt]), req.completion.options, [prompt], None, arrived
     )
-    answer, events = (lambda: fill.answer(state, req, generation)), (lambda: fill.events(state, req, generation))
+    answer, events = (lambda: fill.answer(req, generation)), (lambda: fill.events(req, generation))
     return await state.respond(request, generation, answer, events)
 
 

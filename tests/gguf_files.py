@@ -89,7 +89,11 @@ def tiny_model(arch: str, vocab: int, seed: int = 0, long_rope: bool = False) ->
 
 
 def write_gguf(
-    model: PreTrainedModel, arch: str, path: Path, tokenizer_from: Path, types: dict[str, GGMLQuantizationType],
+    model: PreTrainedModel,
+    arch: str,
+    path: Path,
+    tokenizer_from: Path,
+    types: dict[str, GGMLQuantizationType],
     renamed: dict[int, str] | None = None,
 ) -> PreTrainedModel:
     """``model`` as a GGUF at ``path``: each matrix in ``types[its GGUF name's kind]`` (``attn_q``, ``ffn_down``,
@@ -213,7 +217,11 @@ def _copy_tokenizer(reader: GGUFReader, writer: GGUFWriter, renamed: dict[int, s
 
 
 def save_checkpoint(
-    arch: str, directory: Path, hidden: int = 128, layers: int = 6, dtype: torch.dtype = torch.float32,
+    arch: str,
+    directory: Path,
+    hidden: int = 128,
+    layers: int = 6,
+    dtype: torch.dtype = torch.float32,
     **shape: int,
 ) -> PreTrainedModel:
     """A model of ``arch`` with random weights (``hidden`` wide, ``layers`` deep; Gemma 3 1B's window and pattern,

@@ -78,8 +78,9 @@ def config_of(reader: GGUFFile) -> PretrainedConfig:
 
 def _phi3(reader: GGUFFile, rope: dict, values: dict) -> dict:
     """Phi-3's LongRoPE (its per-frequency factors as the tensors ``rope_factors_long``/``_short``, the pretraining
-    context and attention factor as keys) and its sliding window (every layer; absent, 0 or the whole context:
-    none). A rotation of part of each head (Phi-4-mini) is refused: the native RoPE turns whole heads."""
+    context and attention factor as keys; ``rope`` the file's plain RoPE) and its sliding window (every layer;
+    absent, 0 or the whole context: none). A rotation of part of each head (Phi-4-mini) is refused: the native
+    RoPE turns whole heads."""
     keys = reader.keys
     head_dim = values["hidden_size"] // values["num_attention_heads"]
     rotated = int(keys.get("phi3.rope.dimension_count", head_dim))
@@ -92,12 +93,12 @@ def _phi3(reader: GGUFFile, rope: dict, values: dict) -> dict:
     original = int(keys.get("phi3.rope.scaling.original_context_length", values["max_position_embeddings"]))
     extra: dict = {"original_max_position_embeddings": original}
     if factors:
-        rope.update(
-            rope_type="longrope", long_factor=factors["rope_factors_long.weight"],
-            short_factor=factors["rope_factors_short.weight"], original_max_position_embeddings=original,
-        )  # fmt: skip
+        extra["rope_parameters"] = {
+            **rope, "rope_type": "longrope", "long_factor": factors["rope_factors_long.weight"],
+            "short_factor": factors["rope_factors_short.weight"], "original_max_position_embeddings": original,
+        }  # fmt: skip
         if "phi3.rope.scaling.attn_factor" in keys:
-            rope["attention_factor"] = float(keys["phi3.rope.scaling.attn_factor"])
+            extra["rope_parameters"]["attention_factor"] = float(keys["phi3.rope.scaling.attn_factor"])
     window = int(keys.get("phi3.attention.sliding_window", 0))
     extra["sliding_window"] = window if 0 < window < values["max_position_embeddings"] else None
     return extra

@@ -230,11 +230,12 @@ class LlamaRunner:
             self.embed = embedding.pack()
         self.dtype = model.dtype
         arch = by_model_type(model.config.model_type)
+        assert arch is not None  # supports() holds
         # Gemma multiplies the embedding by sqrt(hidden size), rounded to its dtype as transformers (and Gemma) do.
-        scaled = arch is not None and arch.scaled_embedding
+        scaled = arch.scaled_embedding
         self.embed_scale = torch.tensor(model.config.hidden_size**0.5).to(self.dtype) if scaled else None
         self.ropes = _rope_tables(model, max_positions)
-        self.norm = _norm_weight(model.model.norm.weight, model)
+        self.norm = _norm_weight(model.model.norm.weight, arch.norm_offset)
         head = quantized.get("lm_head.weight")
         # A tied output layer reads the embedding's packed blocks: one copy of them.
         self.lm_head = (
@@ -260,6 +261,7 @@ class LlamaRunner:
         packed = [layer.packed() for layer in self.layers]
         self._layer_op = ops.llama_layer if ops is not None and all(p is not None for p in packed) else None
         self._packed = packed
+        self._extras = [layer.extras() for layer in self.layers]  # built once, not a dict a layer a step
 
     @staticmethod
     def _fuse(layer: torch.nn.Module, prefix: str, quantized: dict[str, QuantizedWeight]) -> _LlamaLayer:
@@ -277,7 +279,7 @@ class LlamaRunner:
         assert arch is not None
 
         def norm(module: torch.nn.Module | None) -> torch.Tensor | None:
-            return None if module is None else _norm_weight(module.weight, layer)
+            return None if module is None else _norm_weight(module.weight, arch.norm_offset)
 
         sandwich = arch.output_norms  # Gemma 3 names the norm of the attention's output "post attention"
         if arch.fused_projections:  # the model holds them fused already (Phi-3)
@@ -325,7 +327,7 @@ class LlamaRunner:
                 hidden, normed = self._layer_op(
                     hidden, normed, *self._packed[index], next_norm, self.eps, cos, sin, self.num_heads,
                     self.num_kv_heads, *kv, batch.slots, batch.block_tables, batch.lengths, batch.cache.block_size,
-                    self.scale, **layer.extras(),
+                    self.scale, **self._extras[index],
                 )  # fmt: skip
                 continue
             hidden, normed = self._layer(layer, next_norm, index, hidden, normed, cos, sin, batch)
@@ -398,12 +400,9 @@ def _window(config: object, index: int) -> int:
     return window if not kinds or kinds[index] == "sliding_attention" else 0
 
 
-def _norm_weight(weight: torch.Tensor, module: torch.nn.Module) -> torch.Tensor:
-    """An RMSNorm's weight as the lean forward multiplies by it: Gemma's norms scale by ``1 + w`` (computed in
-    float32, then rounded to the model's dtype), the others by ``w``."""
-    config = getattr(module, "config", None) or module.self_attn.config  # a model, or one of its decoder layers
-    arch = by_model_type(config.model_type)
-    offset = arch.norm_offset if arch is not None else 0.0
+def _norm_weight(weight: torch.Tensor, offset: float) -> torch.Tensor:
+    """An RMSNorm's weight as the lean forward multiplies by it: ``offset + w`` (Gemma's norms: ``1 + w``, computed
+    in float32, then rounded to the model's dtype), or ``w`` itself."""
     return weight if not offset else (weight.detach().float() + offset).to(weight.dtype)
 
 
