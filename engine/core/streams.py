@@ -46,7 +46,7 @@ class RequestStream:
         self.seq_id: int | None = None
         #: What runs it when there are several engines (a cluster's replica); None in one process.
         self.replica: str | None = None
-        self._detokenizer = IncrementalDetokenizer(tokenizer)
+        self._detokenizer = IncrementalDetokenizer(tokenizer, request.kept_special)
         self._stop = stop
         self._queue: asyncio.Queue[Delta | EngineError] = asyncio.Queue()
 

@@ -68,6 +68,8 @@ class GenerationRequest:
     logprobs: int | None = None
     #: When set, the prompt's tokens get logprobs too (the first has none), with the first output.
     prompt_logprobs: int | None = None
+    #: Special tokens whose spelling stays in the output's text (a tool call's markers); others are left out.
+    kept_special: frozenset[int] = frozenset()
     #: When set, every token is one the constraint allows (this sequence's own, mutable state).
     constraint: Constraint | None = field(default=None, compare=False)
 
