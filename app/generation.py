@@ -42,6 +42,8 @@ class Generation:
     arrived: float
     #: The grammar every sequence's tokens follow (structured output, tool calls), compiled already.
     grammar: str | None = None
+    #: Special tokens whose spelling the text keeps: the markers of the tool calls the reply may hold.
+    kept_special: frozenset[int] = frozenset()
     choices: list[Choice] = field(default_factory=list)
     request_id: str = ""
     created: int = 0  # seconds since the epoch, one value for the whole response
@@ -108,6 +110,7 @@ class Generation:
             min_tokens=opts.min_tokens,
             logprobs=logprobs,
             prompt_logprobs=opts.logprobs if self.scores_prompt else None,
+            kept_special=self.kept_special,
         )
 
     def abort(self) -> None:

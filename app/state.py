@@ -46,7 +46,7 @@ from app.responses import STORE_SIZE, ResponseGeneration, ResponseStore
 from app.tools import ToolCalling
 from app.tools.grammar import call_schema, tool_grammar
 from app.tools.prompt import render
-from app.tools.syntax import OPEN
+from app.tools.syntax import UNSUPPORTED, ToolSyntax, detect
 from engine.chooser import ServedModel
 from engine.core.config import IDLE_RELEASE_S, MAX_QUEUE
 from engine.core.encoder import Encoder
@@ -138,8 +138,8 @@ class ServerState:
         self.backend = backend
         self.metrics = Metrics()
         backend.register_metrics(self.metrics.registry)
-        #: Whether the chat template renders tools itself: it speaks the call syntax (``app/tools.py``).
-        self.native_tools = OPEN in (model.tokenizer.info().get("chat_template") or "")
+        #: The family's tool-call syntax, read from the chat template and the vocabulary (``app/tools/syntax.py``).
+        self.tool_syntax = detect(model.tokenizer.info().get("chat_template"), model.tokenizer.added)
         self.created = int(time.time())
         self.sse_ping = config.sse_keepalive_s or 0  # sse-starlette: 0 sends no pings
         #: Set when shutdown begins: new requests get 503 while in-flight ones finish.
@@ -260,11 +260,10 @@ class ServerState:
         if options.max_tokens is None:  # as chat: up to the context length
             room = self.max_model_len - len(prompt)
             options = dataclasses.replace(options, max_tokens=room, min_tokens=min(options.min_tokens, room))
-        calls = req.tools is not None and req.tools.calls_allowed
         generation = await self.generation(
             ChatFormat(self.tokenizer), options, [prompt], None, arrived, req.tools, kind=ResponseGeneration,
             request=req, store=self.responses if req.store else None, history=messages,
-            stored_items=stored_input_items(req.items), parses_calls=calls, response_id=new_id("resp"),
+            stored_items=stored_input_items(req.items), calls=self.call_syntax(req.tools), response_id=new_id("resp"),
         )  # fmt: skip
         assert isinstance(generation, ResponseGeneration)
         return generation
@@ -294,12 +293,23 @@ class ServerState:
         return self.tokenizer.decode(self.prompt_ids(tokens, "tokens"))
 
     def chat_prompt(self, messages: list[Message], calling: ToolCalling | None = None) -> list[int]:
-        """The conversation through the model's template; tools through the template when it speaks the call
-        syntax, else through the default tool prompt (``app/tools.py``)."""
-        native = calling is not None and self.native_tools
-        rendered = render(messages, calling, native)
+        """The conversation through the model's template; tools through the template when it renders them, else
+        through the default tool prompt (``app/tools/``). Tools for a template whose call syntax this server
+        cannot read back: a 400."""
+        if calling is not None and self.tool_syntax is UNSUPPORTED:
+            raise bad_request(
+                "tools: this model's chat template writes tool calls in a syntax this server cannot read back "
+                "(it reads Hermes <tool_call> JSON, Llama 3.1 JSON and Mistral [TOOL_CALLS]); see docs/api.md",
+                "tools",
+            )
+        rendered = render(messages, calling, self.tool_syntax)
+        native = calling is not None and self.tool_syntax.native
         definitions = calling.definitions() if native and calling is not None else None
         return self.tokenizer.chat_prompt(rendered, definitions or None)
+
+    def call_syntax(self, calling: ToolCalling | None) -> ToolSyntax | None:
+        """The syntax the reply's calls are read in; None where it may make none."""
+        return self.tool_syntax if calling is not None and calling.calls_allowed else None
 
     def prompt_ids(self, prompt: str | list[int], param: str = "prompt") -> list[int]:
         if isinstance(prompt, str):
@@ -340,9 +350,11 @@ class ServerState:
             self.check_context(len(ids), options.max_tokens)
         self.check_tokens(options)
         grammar = await self.grammar(options, calling)
+        syntax = self.call_syntax(calling)
+        kept = syntax.kept_special if syntax is not None else frozenset()
         return kind(
             self.backend, self.metrics, self.tokenizer, self.model_name, fmt, options, prompts, echo_texts, arrived,
-            grammar, **extra,
+            grammar, kept_special=kept, **extra,
         )  # fmt: skip
 
     async def grammar(self, options: GenerationOptions, calling: ToolCalling | None) -> str | None:
@@ -371,12 +383,12 @@ class ServerState:
     async def compile_tools(self, calling: ToolCalling) -> str:
         """The grammar of the calls ``calling`` allows; a 400 naming the tool whose parameters do not compile."""
         try:
-            return await self.compile(StructuredOutput("grammar", tool_grammar(calling), "tools"))
+            return await self.compile(StructuredOutput("grammar", tool_grammar(calling, self.tool_syntax), "tools"))
         except APIError:
             for index, tool in enumerate(calling.tools):
                 param = calling.parameters_param(index)
                 try:
-                    Grammars.check(Grammars.json_schema(call_schema(tool)))
+                    Grammars.check(Grammars.json_schema(call_schema(tool, self.tool_syntax.arguments_key)))
                 except ValueError as exc:
                     raise bad_request(f"{param}: {exc}", param) from None
             raise

@@ -139,13 +139,13 @@ def test_function_calls_conform_and_round_trip(client: OpenAI) -> None:
 
 def test_a_call_cut_by_the_token_limit_is_an_incomplete_call_not_text(client: OpenAI) -> None:
     response = client.responses.create(
-        model=MODEL, input=ASK, tools=[WEATHER], tool_choice="required", max_output_tokens=8, temperature=0
+        model=MODEL, input=ASK, tools=[WEATHER], tool_choice="required", max_output_tokens=14, temperature=0
     )
     assert response.status == "incomplete"
     assert [item.type for item in response.output] == ["function_call"]
     assert response.output[0].status == "incomplete" and "<tool_call>" not in response.output[0].arguments
     chat = client.chat.completions.create(
-        model=MODEL, messages=[{"role": "user", "content": ASK}], max_tokens=8, temperature=0, tool_choice="required",
+        model=MODEL, messages=[{"role": "user", "content": ASK}], max_tokens=14, temperature=0, tool_choice="required",
         tools=[{"type": "function", "function": {k: v for k, v in WEATHER.items() if k != "type"}}],
     )  # fmt: skip
     choice = chat.choices[0]

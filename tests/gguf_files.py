@@ -95,6 +95,7 @@ def write_gguf(
     tokenizer_from: Path,
     types: dict[str, GGMLQuantizationType],
     renamed: dict[int, str] | None = None,
+    template: str | None = None,
 ) -> PreTrainedModel:
     """``model`` as a GGUF at ``path``: each matrix in ``types[its GGUF name's kind]`` (``attn_q``, ``ffn_down``,
     ``token_embd``, ``output``, ...; F32 where absent), vectors F32; a llama3 RoPE scaling as the converter writes it
@@ -125,7 +126,7 @@ def write_gguf(
     writer.add_key_length(head_dim)
     writer.add_value_length(head_dim)
     writer.add_file_type(1)
-    _copy_tokenizer(GGUFReader(tokenizer_from), writer, renamed or {})
+    _copy_tokenizer(GGUFReader(tokenizer_from), writer, renamed or {}, template)
     with torch.no_grad():
         for name, parameter in model.named_parameters():
             gguf_name = _gguf_name(name, arch)
@@ -198,10 +199,13 @@ QWEN_FIM = {7: "<|fim_prefix|>", 8: "<|fim_suffix|>", 9: "<|fim_middle|>", 10: "
             5: "<|file_sep|>"}  # fmt: skip
 
 
-def _copy_tokenizer(reader: GGUFReader, writer: GGUFWriter, renamed: dict[int, str]) -> None:
-    """The tokenizer's keys, the special tokens ``renamed`` by id."""
+def _copy_tokenizer(reader: GGUFReader, writer: GGUFWriter, renamed: dict[int, str], template: str | None) -> None:
+    """The tokenizer's keys, the special tokens ``renamed`` by id, the chat template ``template`` if given."""
     for name, field in reader.fields.items():
         if not name.startswith("tokenizer."):
+            continue
+        if name == "tokenizer.chat_template" and template is not None:
+            writer.add_chat_template(template)
             continue
         if name == "tokenizer.ggml.tokens" and renamed:
             tokens = list(field.contents())

@@ -16,7 +16,7 @@ from app.tools import ToolCalling
 from app.tools.grammar import tool_grammar
 from app.tools.parser import ToolCallParser
 from app.tools.prompt import TOOL_PROMPT, call_text, render
-from app.tools.syntax import CLOSE, OPEN
+from app.tools.syntax import CLOSE, DEFAULT, HERMES, OPEN
 from engine.core.grammar import Grammars
 from engine.core.tokenizer import ByteTokenizer
 
@@ -110,13 +110,14 @@ def test_any_split_of_a_reply_gives_the_same_content_and_calls(before: str, call
 
 def test_a_reply_cut_short_keeps_what_it_has() -> None:
     """max_tokens may end a reply anywhere: inside the trigger (text after all), inside the head (a call with the
-    name so far, never the call syntax as text), or inside the arguments (the call, with the arguments so far)."""
+    name so far, none before a name has begun: never one with an empty name, nor the call syntax as text), or
+    inside the arguments (the call, with the arguments so far)."""
     text = 'Hi <tool_call>\n{"name": "now", "arguments": {"a": [1, 2'
     parser, pieces, deltas = parse(text[: len("Hi <tool_c")])
     assert "".join(pieces) == "Hi <tool_c" and not parser.calls
     for cut, name in (('{"na', ""), ('{"name": "no', "no"), ('{"name": "now", "argu', "now")):
         parser, pieces, deltas = parse("Hi <tool_call>\n" + cut)
-        assert "".join(pieces) == "Hi " and assembled(deltas) == [{"name": name, "arguments": ""}]
+        assert "".join(pieces) == "Hi " and assembled(deltas) == ([{"name": name, "arguments": ""}] if name else [])
         assert parser.text == "Hi "
     parser, pieces, deltas = parse(text)
     assert "".join(pieces) == "Hi " and assembled(deltas) == [{"name": "now", "arguments": '{"a": [1, 2'}]
@@ -210,7 +211,7 @@ def test_tools_and_tool_traffic_are_written_into_the_conversation() -> None:
         {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
         {"role": "tool", "tool_call_id": "call_2", "content": [{"type": "text", "text": "noon"}]},
     )
-    rendered = render(conversation, ToolCalling((WEATHER, NOW), "auto"), native=False)
+    rendered = render(conversation, ToolCalling((WEATHER, NOW), "auto"), DEFAULT)
     assert [m["role"] for m in rendered] == ["system", "user", "assistant", "user"]
     tools = "\n".join(json.dumps(t.model_dump(exclude_none=True)) for t in (WEATHER, NOW))
     assert rendered[0]["content"] == "Be brief.\n\n" + TOOL_PROMPT.format(tools=tools)
@@ -225,7 +226,7 @@ def test_the_tool_prompt_comes_first_without_a_system_message_and_for_none_too()
     """``none`` keeps the tools visible, as OpenAI and vLLM do: only calls are refused (by the grammar)."""
     conversation = messages({"role": "user", "content": "hi"})
     for choice in ("required", "none"):
-        rendered = render(conversation, ToolCalling((NOW,), choice), native=False)
+        rendered = render(conversation, ToolCalling((NOW,), choice), DEFAULT)
         assert rendered[0]["role"] == "system" and '"name": "now"' in rendered[0]["content"]
 
 
@@ -235,6 +236,6 @@ def test_a_native_template_gets_arguments_as_objects() -> None:
         {"role": "assistant", "tool_calls": [{"id": "c", "function": {"name": "now", "arguments": '{"a": 1}'}}]},
         {"role": "tool", "tool_call_id": "c", "content": "noon"},
     )
-    rendered = render(conversation, ToolCalling((NOW,), "auto"), native=True)
+    rendered = render(conversation, ToolCalling((NOW,), "auto"), HERMES)
     assert rendered[1]["tool_calls"][0]["function"]["arguments"] == {"a": 1}
     assert rendered[2] == {"role": "tool", "content": "noon", "tool_call_id": "c"}

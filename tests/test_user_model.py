@@ -3,6 +3,7 @@ QKV biases and a separate output layer), as `make serve` loads it: `make test-mo
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import sys
@@ -225,3 +226,50 @@ def test_fill_in_the_middle_as_llama_cpp_fills_it(gguf: Path) -> None:
         assert mine["content"] == theirs["content"] and mine["stop_type"] == theirs["stop_type"]
         assert mine["content"].startswith("if n <= 0") or mine["content"].startswith("return ")
     assert filled["text"].strip()
+
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Get the current weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}, "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
+            "required": ["city"],
+        },
+    },
+}
+
+
+def test_tool_calls_in_qwen_s_own_syntax_through_the_openai_sdk(gguf: Path) -> None:
+    """Qwen2.5-Coder's calls (``<tool_call>`` tokens 151657/151658 under ``required`` and a named choice; the bare
+    JSON object it writes under ``auto``): ``tool_calls`` every time, streamed too, never content; a tool result
+    goes back through its template and the conversation goes on."""
+    from openai import OpenAI
+
+    from compat.conftest import start_server, stop_server
+
+    server, base = start_server("--model", str(gguf), "--embedding-model", "none", "--kv-cache-gib", "1")
+    try:
+        client = OpenAI(base_url=f"{base}/v1", api_key="none")
+        ask = [{"role": "user", "content": "What's the weather like in Paris today?"}]
+        named = {"type": "function", "function": {"name": "get_weather"}}
+        for choice in ("auto", "required", named):
+            reply = client.chat.completions.create(
+                model=gguf.stem, messages=ask, tools=[WEATHER], tool_choice=choice, temperature=0, max_tokens=200
+            ).choices[0]
+            assert reply.finish_reason == "tool_calls" and reply.message.content is None
+            [call] = reply.message.tool_calls
+            assert call.function.name == "get_weather" and json.loads(call.function.arguments)["city"] == "Paris"
+        with client.chat.completions.stream(
+            model=gguf.stem, messages=ask, tools=[WEATHER], temperature=0, max_tokens=200
+        ) as stream:
+            final = stream.get_final_completion().choices[0]
+        assert final.message.tool_calls[0].function.arguments == call.function.arguments
+        result = {"role": "tool", "tool_call_id": call.id, "content": '{"temp": 18, "sky": "sunny"}'}
+        turn = [*ask, final.message.model_dump(exclude_none=True), result]
+        after = client.chat.completions.create(model=gguf.stem, messages=turn, tools=[WEATHER], max_tokens=40)
+        assert after.choices[0].finish_reason in ("stop", "length", "tool_calls")
+    finally:
+        stop_server(server)

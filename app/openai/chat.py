@@ -17,6 +17,7 @@ from app.openai.request import validated
 from app.openai.sampling import MAX_LOGPROBS, GenerationOptions, SamplingBody, generation_options, reject_unsupported
 from app.tools import ToolCalling, tool_calling
 from app.tools.parser import ToolCallParser
+from app.tools.syntax import ToolSyntax
 from engine.core.streams import Delta
 from engine.core.tokenizer import Tokenizer
 from engine.core.types import TokenLogprob
@@ -79,8 +80,9 @@ def _with_calls(finish_reason: str | None) -> str | None:
 @dataclass(slots=True)
 class ChatFormat:
     tokenizer: Tokenizer
-    #: Whether the reply may hold tool calls, which become ``tool_calls`` (``app/tools.py``) and not content.
-    parses_tool_calls: bool = False
+    #: The syntax of the tool calls the reply may hold, which become ``tool_calls`` (``app/tools/``) and not
+    #: content; None: it holds none.
+    calls: ToolSyntax | None = None
     object_name: str = "chat.completion"
     chunk_object_name: str = "chat.completion.chunk"
     id_prefix: str = "chatcmpl"
@@ -89,8 +91,8 @@ class ChatFormat:
     def choice(self, index: int, choice: Choice, want_logprobs: bool) -> dict[str, Any]:
         message: dict[str, Any] = {"role": "assistant", "content": choice.text}
         finish_reason: str | None = choice.finish_reason
-        if self.parses_tool_calls:
-            parser = ToolCallParser()
+        if self.calls is not None:
+            parser = ToolCallParser(self.calls)
             parser.feed(choice.text)
             parser.finish()  # what it held back joins the content or the calls
             message["content"] = parser.text
@@ -108,8 +110,8 @@ class ChatFormat:
         self, index: int, choice: Choice, delta: Delta, want_logprobs: bool, first: bool
     ) -> dict[str, Any] | None:
         text, calls, finish_reason = delta.text, [], delta.finish_reason
-        if self.parses_tool_calls:
-            parser = self._parsers.setdefault(index, ToolCallParser())
+        if self.calls is not None:
+            parser = self._parsers.setdefault(index, ToolCallParser(self.calls))
             text, calls = parser.feed(delta.text)
             if finish_reason is not None:
                 rest, more = parser.finish()

@@ -14,6 +14,7 @@ from typing import Any
 from app.openai.chat import token_logprobs
 from app.openai.responses import call_item, message_item, new_id, output_text_part
 from app.tools.parser import ToolCallParser
+from app.tools.syntax import ToolSyntax
 from engine.core.tokenizer import Tokenizer
 from engine.core.types import FinishReason, TokenLogprob
 
@@ -40,8 +41,9 @@ class ResponseEvents:
     """Feed it the deltas of one sequence; it returns the events each one makes, and keeps the output items."""
 
     tokenizer: Tokenizer
-    #: Whether the reply may hold calls (tools offered and allowed): then its text goes through the call parser.
-    parses_calls: bool
+    #: The syntax of the calls the reply may hold (tools offered and allowed): then its text goes through the call
+    #: parser. None: it holds none.
+    calls: ToolSyntax | None
     #: ``include: ["message.output_text.logprobs"]``: the output text's logprobs, in items and deltas.
     logprobs: bool
     output: list[dict[str, Any]] = field(default_factory=list)
@@ -51,8 +53,8 @@ class ResponseEvents:
     _call: _Call | None = None
 
     def __post_init__(self) -> None:
-        if self.parses_calls:
-            self._parser = ToolCallParser()
+        if self.calls is not None:
+            self._parser = ToolCallParser(self.calls)
 
     def event(self, kind: str, **fields: Any) -> dict[str, Any]:
         event = {"type": kind, "sequence_number": self.sequence_number, **fields}

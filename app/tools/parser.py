@@ -1,4 +1,5 @@
-"""Calls read back out of a reply's text, whole or delta by delta as it streams."""
+"""Calls read back out of a reply's text, whole or delta by delta as it streams, in the model's family's syntax
+(``app/tools/syntax.py``): the text keeps the spelling of the markers the model wrote as special tokens."""
 
 from __future__ import annotations
 
@@ -8,10 +9,13 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from app.tools.syntax import CLOSE, OPEN
+from app.tools.syntax import HERMES, ToolSyntax
 
-_PARTIAL_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*\\?)')
-_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"arguments"\s*:\s*')
+# A call's object up to its arguments' value (a mistral call may open the array; llama3 says "parameters").
+_PARTIAL_HEAD = re.compile(r'\s*\[?\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*\\?)')
+_HEAD = re.compile(r'\s*\[?\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"(?:arguments|parameters)"\s*:\s*')
+#: What a llama3 reply that is a call begins with (white space aside).
+_CALL_START = '{"name":"'
 
 
 @dataclass(slots=True)
@@ -31,6 +35,7 @@ class ToolCallParser:
     type and name, later ones fragments of its arguments, which concatenate to the whole. Fed the same text
     in any split, it releases the same content and calls."""
 
+    syntax: ToolSyntax = HERMES
     calls: list[ParsedCall] = field(default_factory=list)
     content: list[str] = field(default_factory=list)
     _pending: str = ""
@@ -39,6 +44,7 @@ class ToolCallParser:
     _in_string: bool = False
     _escaped: bool = False
     _said: bool = False  # content other than white space has been released
+    _bare: bool = False  # the calls began the reply without the marker (``ToolSyntax.at_start``)
 
     def feed(self, text: str) -> tuple[str, list[dict[str, Any]]]:
         self._pending += text
@@ -53,7 +59,7 @@ class ToolCallParser:
         """One move of the state machine over the pending text; False when it must wait for more."""
         match self._state:
             case "text":
-                return self._text(released, deltas)
+                return self._text(released)
             case "head":
                 return self._head(deltas)
             case "arguments":
@@ -68,8 +74,8 @@ class ToolCallParser:
         rest, deltas = "", []
         if self._state == "text":
             rest = self._pending if not self.calls or self._pending.strip() else ""
-        elif self._state == "head":
-            call = ParsedCall(f"call_{uuid.uuid4().hex[:24]}", _partial_name(self._pending))
+        elif self._state == "head" and _partial_name(self._pending):
+            call = ParsedCall(self._new_id(), _partial_name(self._pending))
             deltas.append({"index": len(self.calls), **call.as_dict()})
             self.calls.append(call)
         self._pending = ""
@@ -82,18 +88,31 @@ class ToolCallParser:
         content = "".join(self.content)
         return None if self.calls and not content else content
 
-    def _text(self, released: list[str], deltas: list[dict[str, Any]]) -> bool:
-        start = self._pending.find(OPEN)
+    def _text(self, released: list[str]) -> bool:
+        if self.syntax.at_start and not self._said and not self.calls:
+            begun = self._begins_call()
+            if begun is not None:
+                return begun
+        start = self._pending.find(self.syntax.open)
         if start < 0:
-            cut = len(self._pending) - _partial_suffix(self._pending, OPEN)
+            cut = len(self._pending) - _partial_suffix(self._pending, self.syntax.open)
             if self._said or self._pending[:cut].strip():  # leading white space waits: a call may follow
                 self._release(self._pending[:cut], released)
                 self._pending = self._pending[cut:]
             return False
         self._release(self._pending[:start], released)
-        self._pending = self._pending[start + len(OPEN) :]
+        self._pending = self._pending[start + len(self.syntax.open) :]
         self._state = "head"
         return True
+
+    def _begins_call(self) -> bool | None:
+        """Before anything is said: a reply that begins ``{"name": "`` is a call (True: its head is next);
+        False: it may yet (wait); None: it is text."""
+        squeezed = "".join(self._pending.split())
+        if squeezed.startswith(_CALL_START):
+            self._state, self._bare = "head", True
+            return True
+        return False if _CALL_START.startswith(squeezed) else None
 
     def _release(self, text: str, released: list[str]) -> None:
         """Content, but not white space before the first call or between calls."""
@@ -101,11 +120,17 @@ class ToolCallParser:
             released.append(text)
             self._said = True
 
+    def _new_id(self) -> str:
+        """A call's id; as the template requires where it does (mistral: 9 letters and digits)."""
+        if self.syntax.id_length:
+            return uuid.uuid4().hex[: self.syntax.id_length]
+        return f"call_{uuid.uuid4().hex[:24]}"
+
     def _head(self, deltas: list[dict[str, Any]]) -> bool:
         match = _HEAD.match(self._pending)
         if match is None:
             return False  # wait for more text
-        call = ParsedCall(f"call_{uuid.uuid4().hex[:24]}", json.loads(match.group(1)))
+        call = ParsedCall(self._new_id(), json.loads(match.group(1)))
         deltas.append({"index": len(self.calls), **call.as_dict()})
         self.calls.append(call)
         self._pending = self._pending[match.end() :]
@@ -142,11 +167,24 @@ class ToolCallParser:
         return True
 
     def _tail(self) -> bool:
-        end = self._pending.find(CLOSE)
-        if end < 0:
+        """After a call's arguments: hermes, to the end of its block; else to the next call (the separator), the
+        end of mistral's array, or text."""
+        if self.syntax.close and not self._bare:
+            end = self._pending.find(self.syntax.close)
+            if end < 0:
+                return False
+            self._pending = self._pending[end + len(self.syntax.close) :]
+            self._state = "text"
+            return True
+        rest = self._pending.lstrip()
+        if rest[:1] == "}":
+            rest = rest[1:].lstrip()
+        if not rest:
             return False
-        self._pending = self._pending[end + len(CLOSE) :]
-        self._state = "text"
+        if rest[0] == self.syntax.separator.strip():
+            self._pending, self._state = rest[1:], "head"
+        else:
+            self._pending, self._state = rest[1:] if self.syntax.array and rest[0] == "]" else rest, "text"
         return True
 
 

@@ -3,12 +3,13 @@ earlier calls and tool results written in the call syntax (or passed to a templa
 
 from __future__ import annotations
 
+import hashlib
 import json
 from typing import Any
 
 from app.openai.messages import Message
 from app.tools import ToolCalling
-from app.tools.syntax import CLOSE, OPEN
+from app.tools.syntax import CLOSE, OPEN, ToolSyntax
 
 TOOL_PROMPT = """# Tools
 
@@ -25,11 +26,12 @@ For each function call, return a json object with function name and arguments wi
 </tool_call>"""
 
 
-def render(messages: list[Message], calling: ToolCalling | None, native: bool) -> list[dict[str, Any]]:
-    """The conversation as a chat template takes it. ``native``: the template renders tools and tool traffic
-    itself (arguments as objects, as Hermes-style templates expect); else it is written out as text here."""
-    if native:
-        return [_native(message) for message in messages]
+def render(messages: list[Message], calling: ToolCalling | None, syntax: ToolSyntax) -> list[dict[str, Any]]:
+    """The conversation as a chat template takes it. A template that renders tools and tool traffic itself
+    (``syntax.native``) gets arguments as objects, as the templates expect, and call ids as it requires them;
+    else they are written out as text here, in the default prompt's syntax."""
+    if calling is not None and syntax.native:
+        return [_native(message, syntax.id_length) for message in messages]
     turns = _as_text(messages)
     tools = calling.definitions() if calling is not None else []
     if tools:
@@ -71,16 +73,25 @@ def call_text(name: str, arguments: str) -> str:
     return f'{OPEN}\n{{"name": {json.dumps(name, ensure_ascii=False)}, "arguments": {args}}}\n{CLOSE}'
 
 
-def _native(message: Message) -> dict[str, Any]:
+def _native(message: Message, id_length: int) -> dict[str, Any]:
     rendered: dict[str, Any] = {"role": message.role, "content": message.text}
     if message.tool_calls:
         rendered["tool_calls"] = [
-            {"id": c.id, "type": "function", "function": {"name": c.function.name, "arguments": _loads(c)}}
+            {"id": _call_id(c.id, id_length), "type": "function",
+             "function": {"name": c.function.name, "arguments": _loads(c)}}
             for c in message.tool_calls
-        ]
+        ]  # fmt: skip
     if message.tool_call_id is not None:
-        rendered["tool_call_id"] = message.tool_call_id
+        rendered["tool_call_id"] = _call_id(message.tool_call_id, id_length)
     return rendered
+
+
+def _call_id(call_id: str, length: int) -> str:
+    """A call's id as the template requires it (Mistral's: 9 letters and digits): the id itself where it fits,
+    else one made from it, the same for the call and its result."""
+    if not length or (len(call_id) == length and call_id.isascii() and call_id.isalnum()):
+        return call_id
+    return hashlib.sha256(call_id.encode()).hexdigest()[:length]
 
 
 def _loads(call: Any) -> Any:

@@ -18,6 +18,8 @@ class Tokenizer(Protocol):
     fim: Fim | None
     #: What ``encode`` puts before a text's tokens (the model's BOS where it adds one).
     start_ids: list[int]
+    #: The vocabulary's added tokens (special or not) by spelling: chat markers, tool-call markers, FIM tokens.
+    added: dict[str, int]
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
 
@@ -48,6 +50,7 @@ class HFTokenizer:
         backend = getattr(hf_tokenizer, "backend_tokenizer", None)
         self._byte_level = type(getattr(backend, "decoder", None)).__name__ == "ByteLevel"
         self._added = frozenset(hf_tokenizer.added_tokens_decoder)  # special and added tokens: text, not bytes
+        self.added = {token.content: token_id for token_id, token in hf_tokenizer.added_tokens_decoder.items()}
         self._bytes: dict[int, bytes] = {}
         # A vocabulary entry's spelling is at least as long as the text it decodes to: a byte-level one spells each
         # byte as a character, a SentencePiece one adds its word marker or spells a byte <0xE6>.
@@ -114,6 +117,7 @@ class ByteTokenizer:
         self.max_token_chars = 1  # a character is one to four tokens
         self.fim: Fim | None = None
         self.start_ids: list[int] = []
+        self.added: dict[str, int] = {}
 
     EOS_TEXT = "<eos>"
 

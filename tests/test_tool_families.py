@@ -1,0 +1,350 @@
+"""Each family's tool-call syntax (``app/tools/syntax.py``): found from the makers' chat templates
+(``tests/templates/``), read back out of replies in any split, forced by the grammar with the family's marker
+tokens as tokens, and end to end over HTTP on tiny models whose vocabularies and templates are each family's:
+the markers the model writes as special tokens reach the parser, calls are never left in the content, every call
+has a name and arguments that parse, and earlier calls and tool results go back through the family's template."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from app.tools import ToolCalling
+from app.tools.grammar import tool_grammar
+from app.tools.parser import ToolCallParser
+from app.tools.syntax import DEFAULT, HERMES, LLAMA3, MISTRAL, UNSUPPORTED, ToolSyntax, detect
+
+TEMPLATES = Path(__file__).parent / "templates"
+
+
+def template(name: str) -> str:
+    return (TEMPLATES / f"{name}.jinja").read_text()
+
+
+@pytest.mark.parametrize(
+    ("name", "family", "native"),
+    [("qwen2.5", "hermes", True), ("qwen3", "hermes", True), ("llama3.1", "llama3", True),
+     ("mistral-nemo", "mistral", True), ("qwen3-coder", "unsupported", False),
+     ("r1-distill-qwen", "hermes", False)],
+)  # fmt: skip
+def test_each_template_s_family_is_found(name: str, family: str, native: bool) -> None:
+    syntax = detect(template(name), {"<tool_call>": 7, "</tool_call>": 8, "[TOOL_CALLS]": 9, "<|python_tag|>": 10})
+    assert (syntax.family, syntax.native) == (family, native)
+    if family in ("hermes", "mistral", "llama3") and native:
+        assert syntax.open_id is not None  # the vocabulary's marker token is used as a token
+
+
+def test_a_template_without_tools_gets_the_default_prompt_and_one_with_an_unknown_syntax_none() -> None:
+    assert detect("{% for m in messages %}{{ m.content }}{% endfor %}", {}) is DEFAULT
+    assert detect("{% if tools %}{{ tools | tojson }}{% endif %}", {}) is UNSUPPORTED
+
+
+# -- the parser, per family -----------------------------------------------------------------------------------
+
+
+def written(syntax: ToolSyntax, calls: list[tuple[str, dict[str, Any]]]) -> str:
+    """Calls as the family's model writes them; no calls: a plain answer."""
+    if not calls:
+        return "It is sunny."
+    objects = [f'{{"name": {json.dumps(n)}, "{syntax.arguments_key}": {json.dumps(a)}}}' for n, a in calls]
+    if syntax.family == "mistral":
+        return f"{syntax.open}[{', '.join(objects)}]"
+    if syntax.family == "llama3":
+        return "; ".join(objects)
+    return "\n".join(f"{syntax.open}\n{o}\n{syntax.close}" for o in objects)
+
+
+def parse(syntax: ToolSyntax, text: str, splits: list[int]) -> tuple[ToolCallParser, str, list[dict[str, Any]]]:
+    parser, pieces, deltas, start = ToolCallParser(syntax), [], [], 0
+    for end in [*sorted(splits), len(text)]:
+        piece, more = parser.feed(text[start:end])
+        pieces.append(piece)
+        deltas += more
+        start = max(start, end)
+    rest, more = parser.finish()
+    return parser, "".join(pieces) + rest, deltas + more
+
+
+json_values = st.recursive(
+    st.none() | st.integers() | st.text(alphabet=st.sampled_from('ab{}[];,"\\<>_ é\n'), max_size=10),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=4), inner, max_size=3),
+    max_leaves=6,
+)
+names = st.from_regex(r"[A-Za-z0-9_-]{1,12}", fullmatch=True)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    family=st.sampled_from([HERMES, LLAMA3, MISTRAL]),
+    calls=st.lists(st.tuples(names, st.dictionaries(st.text(max_size=4), json_values, max_size=3)), max_size=3),
+    data=st.data(),
+)
+def test_each_family_s_calls_come_back_whole_in_any_split(family: ToolSyntax, calls: list, data: st.DataObject) -> None:
+    text = written(family, calls)
+    splits = data.draw(st.lists(st.integers(0, len(text)), max_size=8))
+    parser, content, deltas = parse(family, text, splits)
+    got = [(call.name, json.loads(call.arguments)) for call in parser.calls]
+    assert got == [(n, a) for n, a in calls]
+    assert content == ("" if calls else text) and all(call.name for call in parser.calls)
+    ids = [delta["id"] for delta in deltas if "id" in delta]
+    if family is MISTRAL:  # as its template requires
+        assert all(len(i) == 9 and i.isalnum() for i in ids)
+
+
+def test_llama3_text_that_is_not_a_call_is_content() -> None:
+    for text in ('{"answer": 42}', "Paris is sunny.", '  {"nam', "{"):
+        parser, content, _ = parse(LLAMA3, text, [2])
+        assert content == text and not parser.calls
+
+
+# -- the grammars: markers as tokens ---------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    """SmolLM2's vocabulary with the families' markers added as special tokens."""
+    from engine.core.tokenizer import HFTokenizer
+    from engine.runtime import loader
+    from engine.runtime.gguf_tokenizer import convert
+
+    hf = convert(loader._default_gguf())
+    hf.add_special_tokens({"additional_special_tokens": ["<tool_call>", "</tool_call>", "[TOOL_CALLS]",
+                                                         "<|python_tag|>"]})  # fmt: skip
+    return HFTokenizer(hf, frozenset({2}))
+
+
+def allowed(matcher, token: int) -> bool:
+    mask = np.frombuffer(matcher.allowed_tokens(), dtype=np.uint32)
+    return bool(mask[token // 32] >> (token % 32) & 1)
+
+
+def test_marker_tokens_are_forced_as_tokens_and_their_spelling_is_refused(tokenizer) -> None:
+    from app.openai.messages import Tool
+    from engine.core.grammar import Grammars
+
+    tool = Tool.model_validate({"type": "function", "function": {"name": "now"}})
+    grammars = Grammars(tokenizer)
+    for family in (HERMES, MISTRAL):
+        syntax = detect(family.open + ' {"name"' + (family.close or ""), tokenizer.added)
+        assert syntax.open_id == tokenizer.added[family.open]
+        matcher = grammars.matcher(grammars.lark(tool_grammar(ToolCalling((tool,), "required"), syntax)))
+        assert allowed(matcher, syntax.open_id)
+        assert not any(allowed(matcher, t) for t in tokenizer.encode(family.open[0], False))  # not as text
+        auto = grammars.matcher(grammars.lark(tool_grammar(ToolCalling((tool,), "auto"), syntax)))
+        for token in tokenizer.encode("Let me see. ", False):
+            assert allowed(auto, token)
+            auto.accept(token)
+        assert allowed(auto, syntax.open_id)
+
+
+# -- over HTTP, on tiny models with each family's vocabulary and template ------------------------------------------
+
+FAMILIES = {  # the template, and SmolLM2's special tokens renamed to the family's (id 1: BOS, 2: EOS)
+    "qwen2.5": {1: "<|im_start|>", 2: "<|im_end|>", 3: "<tool_call>", 4: "</tool_call>"},
+    "llama3.1": {1: "<|begin_of_text|>", 2: "<|eot_id|>", 3: "<|start_header_id|>", 4: "<|end_header_id|>",
+                 5: "<|python_tag|>", 6: "<|eom_id|>"},
+    "mistral-nemo": {1: "<s>", 2: "</s>", 3: "[INST]", 4: "[/INST]", 5: "[TOOL_CALLS]", 6: "[AVAILABLE_TOOLS]",
+                     7: "[/AVAILABLE_TOOLS]", 8: "[TOOL_RESULTS]", 9: "[/TOOL_RESULTS]"},
+    "qwen3-coder": {1: "<|im_start|>", 2: "<|im_end|>", 3: "<tool_call>", 4: "</tool_call>"},
+}  # fmt: skip
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "maxLength": 12}, "unit": {"enum": ["C", "F"]}},
+            "required": ["city", "unit"],
+            "additionalProperties": False,
+        },
+    },
+}
+ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+@pytest.fixture(scope="module", params=["qwen2.5", "llama3.1", "mistral-nemo"])
+def family_client(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
+    yield from _client(request.param, tmp_path_factory)
+
+
+def _client(name: str, tmp_path_factory: pytest.TempPathFactory):
+    from gguf import GGMLQuantizationType as T
+    from gguf_files import tiny_model, write_gguf
+    from starlette.testclient import TestClient
+
+    from app.server import create_app
+    from app.state import ServerConfig
+    from engine.chooser import build
+    from engine.core.config import EngineConfig
+    from engine.runtime import loader
+
+    root = tmp_path_factory.mktemp(name)
+    path = root / f"tiny-{name}.gguf"
+    types = {kind: T.Q8_0 for kind in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")}
+    model = tiny_model("llama", vocab=49152, seed=3)
+    write_gguf(model, "llama", path, loader._default_gguf(), types, renamed=FAMILIES[name], template=template(name))
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("SMOLSERVE_CACHE_DIR", str(root / "cache"))
+        served = build(EngineConfig(model=str(path), kv_cache_gib=0.25, max_model_len=1024, embedding_model="none"))
+    with TestClient(create_app(served, ServerConfig())) as client:
+        yield client, served, name
+
+
+def chat(client, **body: Any) -> dict[str, Any]:
+    response = client.post("/v1/chat/completions", json={"messages": ASK, "tools": [WEATHER], **body})
+    assert response.status_code == 200, response.text
+    return response.json()["choices"][0]
+
+
+def marker_id(served, name: str) -> int:
+    return next(i for i, text in FAMILIES[name].items() if text in ("<tool_call>", "[TOOL_CALLS]", "<|python_tag|>"))
+
+
+def assert_calls_whole(choice: dict[str, Any]) -> list[dict[str, Any]]:
+    """Every call has the tool's name and arguments that parse to the tool's schema; no syntax left in content."""
+    calls = choice["message"].get("tool_calls") or []
+    for call in calls:
+        arguments = json.loads(call["function"]["arguments"])
+        assert call["function"]["name"] == "get_weather" and set(arguments) == {"city", "unit"}
+    content = choice["message"]["content"] or ""
+    assert not any(marker in content for marker in ("<tool_call>", "[TOOL_CALLS]", "<|python_tag|>", '"name"'))
+    return calls
+
+
+def test_required_and_named_calls_come_in_the_family_s_syntax(family_client) -> None:
+    client, served, name = family_client
+    for choice in (
+        {"tool_choice": "required"},
+        {"tool_choice": {"type": "function", "function": {"name": "get_weather"}}},
+    ):
+        got = chat(client, temperature=0, max_tokens=80, logprobs=True, parallel_tool_calls=False, **choice)
+        calls = assert_calls_whole(got)
+        assert got["finish_reason"] == "tool_calls" and calls and got["message"]["content"] is None
+        first = got["logprobs"]["content"][0]["token"]
+        if name != "llama3.1":  # the marker came as its token (llama3's forced call is the bare JSON)
+            assert first == FAMILIES[name][marker_id(served, name)]
+        if name == "mistral-nemo":
+            assert all(len(call["id"]) == 9 and call["id"].isalnum() for call in calls)
+
+
+def test_auto_reads_a_call_the_model_starts_with_its_marker_token(family_client) -> None:
+    """With the marker token pushed up (a random model rarely calls on its own), the call it starts is read from
+    token ids whose text the detokenizer would drop: a call, never content."""
+    client, served, name = family_client
+    bias = {str(marker_id(served, name)): 100}
+    got = chat(client, temperature=0, max_tokens=80, logit_bias=bias, parallel_tool_calls=False)
+    assert assert_calls_whole(got) and got["finish_reason"] == "tool_calls"
+    plain = chat(client, temperature=0, max_tokens=8, tool_choice="none", logit_bias=bias)
+    assert "tool_calls" not in plain["message"] and plain["finish_reason"] == "length"
+
+
+def test_streamed_calls_assemble_to_the_whole_answer(family_client) -> None:
+    client, _, _ = family_client
+    whole = chat(client, temperature=0, max_tokens=80, tool_choice="required", parallel_tool_calls=False)
+    body = {"messages": ASK, "tools": [WEATHER], "temperature": 0, "max_tokens": 80, "tool_choice": "required",
+            "parallel_tool_calls": False, "stream": True}  # fmt: skip
+    calls: list[dict[str, str]] = []
+    content, finish = "", None
+    with client.stream("POST", "/v1/chat/completions", json=body) as response:
+        for line in response.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            choice = json.loads(line[6:])["choices"][0]
+            content += choice["delta"].get("content") or ""
+            for delta in choice["delta"].get("tool_calls") or []:
+                if "id" in delta:
+                    calls.append({"name": delta["function"]["name"], "arguments": ""})
+                calls[delta["index"]]["arguments"] += delta["function"].get("arguments", "")
+            finish = choice["finish_reason"] or finish
+    expected = [{"name": c["function"]["name"], "arguments": c["function"]["arguments"]}
+                for c in whole["message"]["tool_calls"]]  # fmt: skip
+    assert calls == expected and content == "" and finish == "tool_calls"
+
+
+def test_a_tool_result_goes_back_through_the_family_s_template(family_client) -> None:
+    """The client's ids (not Mistral's 9 characters) and arguments as a JSON string: rendered as the template
+    writes a call and its result, and the conversation goes on."""
+    client, served, name = family_client
+    call = {"id": "call_5f1b2c3d4e5f60718293a4b5", "type": "function",
+            "function": {"name": "get_weather", "arguments": '{"city": "Paris", "unit": "C"}'}}  # fmt: skip
+    messages = [*ASK, {"role": "assistant", "content": None, "tool_calls": [call]},
+                {"role": "tool", "tool_call_id": call["id"], "content": "18 C, sunny"}]  # fmt: skip
+    tokens = client.post("/tokenize", json={"messages": messages, "tools": [WEATHER]}).json()["tokens"]
+    text = served.tokenizer.decode(tokens, skip_special_tokens=False)
+    expected = {
+        "qwen2.5": '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "C"}}\n</tool_call>',
+        "llama3.1": '{"name": "get_weather", "parameters": {"city": "Paris", "unit": "C"}}<|eot_id|>',
+        "mistral-nemo": '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris", "unit": "C"}, "id": "',
+    }[name]
+    assert expected in text and "18 C, sunny" in text
+    got = chat(client, messages=messages, temperature=0, max_tokens=4)
+    assert got["finish_reason"] in ("length", "stop", "tool_calls")
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    seed=st.integers(0, 2**31), temperature=st.sampled_from([0.0, 0.7, 1.5]), mode=st.sampled_from(["required", "auto"])
+)
+def test_no_call_has_an_empty_name_or_arguments_that_do_not_parse(family_client, seed: int, temperature: float,
+                                                                   mode: str) -> None:  # fmt: skip
+    client, served, name = family_client
+    bias = {str(marker_id(served, name)): 30} if mode == "auto" else None
+    got = chat(client, tool_choice=mode, seed=seed, temperature=temperature, max_tokens=120, logit_bias=bias)
+    if got["finish_reason"] == "tool_calls":
+        assert assert_calls_whole(got)
+    for call in got["message"].get("tool_calls") or []:
+        assert call["function"]["name"] == "get_weather"
+
+
+def test_tools_for_a_template_whose_syntax_cannot_be_read_are_a_400(tmp_path_factory: pytest.TempPathFactory) -> None:
+    for client, _, _ in _client("qwen3-coder", tmp_path_factory):
+        response = client.post("/v1/chat/completions", json={"messages": ASK, "tools": [WEATHER]})
+        assert response.status_code == 400 and response.json()["error"]["param"] == "tools"
+        assert "syntax" in response.json()["error"]["message"]
+        plain = client.post("/v1/chat/completions", json={"messages": ASK, "max_tokens": 2})
+        assert plain.status_code == 200
+
+
+def test_a_hermes_call_without_its_marker_is_a_call_when_it_is_the_whole_reply() -> None:
+    """Qwen2.5-Coder writes its calls as bare JSON when the choice is its own: read as a call, held to the tool's
+    schema by ``auto``'s grammar; a reply that only mentions one later is text."""
+    bare = '{"name": "get_weather", "arguments": {"city": "Paris"}}\n'
+    parser, content, _ = parse(HERMES, bare, [5, 17])
+    assert [(c.name, c.arguments) for c in parser.calls] == [("get_weather", '{"city": "Paris"}')] and content == ""
+    parser, content, _ = parse(HERMES, "Use " + bare, [3])
+    assert not parser.calls and content == "Use " + bare
+
+
+def whole_reply_allowed(grammars, grammar: str, text: str) -> bool:
+    """Whether ``text`` then the end is a reply ``grammar`` allows (one byte a token)."""
+    from engine.core.tokenizer import ByteTokenizer
+
+    matcher = grammars.matcher(grammar)
+    for token in [*text.encode(), ByteTokenizer.EOS]:
+        if not allowed(matcher, token):
+            return False
+        matcher.accept(token)
+    return True
+
+
+def test_auto_holds_a_bare_call_to_the_schema() -> None:
+    from app.openai.messages import Tool
+    from engine.core.grammar import Grammars
+    from engine.core.tokenizer import ByteTokenizer
+
+    grammars = Grammars(ByteTokenizer())
+    tool = Tool.model_validate(WEATHER)
+    for syntax in (HERMES, LLAMA3, DEFAULT):
+        grammar = grammars.lark(tool_grammar(ToolCalling((tool,), "auto"), syntax))
+        key = syntax.arguments_key
+        call = f'{{"name": "get_weather", "{key}": {{"city": "Paris", "unit": "C"}}}}'
+        assert whole_reply_allowed(grammars, grammar, call)
+        assert not whole_reply_allowed(grammars, grammar, f'{{"name": "get_time", "{key}": {{}}}}')  # not offered
+        assert not whole_reply_allowed(grammars, grammar, '{"answer": 42}')  # a reply that begins { is a call
+        assert whole_reply_allowed(grammars, grammar, "It is sunny in Paris.")
