@@ -348,3 +348,21 @@ def test_auto_holds_a_bare_call_to_the_schema() -> None:
         assert not whole_reply_allowed(grammars, grammar, f'{{"name": "get_time", "{key}": {{}}}}')  # not offered
         assert not whole_reply_allowed(grammars, grammar, '{"answer": 42}')  # a reply that begins { is a call
         assert whole_reply_allowed(grammars, grammar, "It is sunny in Paris.")
+
+
+def test_a_bare_call_in_a_json_code_fence_is_a_call() -> None:
+    """Qwen2.5-Coder's other habit: the object in a code fence. Read as a call, and held to the schema."""
+    from app.openai.messages import Tool
+    from engine.core.grammar import Grammars
+    from engine.core.tokenizer import ByteTokenizer
+
+    fenced = '```json\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "C"}}\n```'
+    parser, content, _ = parse(HERMES, fenced, [2, 9, 30])
+    got = [(c.name, json.loads(c.arguments)) for c in parser.calls]
+    assert got == [("get_weather", {"city": "Paris", "unit": "C"})] and content == ""
+    grammars = Grammars(ByteTokenizer())
+    for syntax in (HERMES, LLAMA3):
+        grammar = grammars.lark(tool_grammar(ToolCalling((Tool.model_validate(WEATHER),), "auto"), syntax))
+        assert whole_reply_allowed(grammars, grammar, fenced.replace("arguments", syntax.arguments_key))
+        assert not whole_reply_allowed(grammars, grammar, '```json\n{"answer": 1}\n```')
+        assert whole_reply_allowed(grammars, grammar, "```python\nprint(1)\n```")

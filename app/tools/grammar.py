@@ -61,7 +61,7 @@ def _calls(syntax: ToolSyntax, parallel: bool) -> list[str]:
     call = f'"\\n" body "\\n" {_marker(syntax.close, syntax.close_id)}'
     again = f' ("\\n" {_marker(syntax.open, syntax.open_id)} call)*' if parallel else ""
     # Without the marker, one call (a model that drops it does not write several alike).
-    return [f'calls: call{again} "\\n"?', f"call: {call}", 'bare: body "\\n"?']
+    return [f'calls: call{again} "\\n"?', f"call: {call}", f'bare: (body | {_FENCED}) "\\n"?']
 
 
 def _start(auto: bool, syntax: ToolSyntax) -> list[str]:
@@ -69,7 +69,9 @@ def _start(auto: bool, syntax: ToolSyntax) -> list[str]:
     and hermes without its marker). Text that begins as a call's object must be one."""
     opener = _marker(syntax.open, syntax.open_id)
     if syntax.at_start and not syntax.close:  # llama3: the reply is a call (the tag before it optional)
-        return ["start: calls"] if not auto else [f"start: TEXT | {opener}? calls", f"TEXT: /(?s:.*)/ & {_NOT_A_CALL}"]
+        if not auto:
+            return ["start: calls"]
+        return [f"start: TEXT | {opener}? calls | {_FENCED}", f"TEXT: /(?s:.*)/ & {_NOT_A_CALL}"]
     if not auto:
         return [f"start: {opener} calls"]
     bare, not_a_call = (" | bare", f" & {_NOT_A_CALL}") if syntax.at_start else ("", "")
@@ -79,9 +81,12 @@ def _start(auto: bool, syntax: ToolSyntax) -> list[str]:
     return [f"start: TEXT | trigger calls{bare}", f"trigger[lazy]: TEXT {opener}", f"TEXT: /(.|\\n)*/{not_a_call}"]
 
 
-#: Text that does not begin as a call's object would, with ``{``: the grammar's lexer takes the longest lexeme, so
-#: text that could begin ``{"name"`` would shadow the call's first lexeme. A reply that begins ``{`` is a call.
-_NOT_A_CALL = "~/(?s:\\s*\\{.*)/"
+#: A bare call in a JSON code fence, as Qwen2.5-Coder often writes it.
+_FENCED = '"```json\\n" body "\\n```"'
+#: Text that does not begin as a call's object would, with ``{`` or a JSON code fence: the grammar's lexer takes
+#: the longest lexeme, so text that could begin ``{"name"`` would shadow the call's first lexeme. A reply that
+#: begins so is a call.
+_NOT_A_CALL = "~/(?s:\\s*(\\{|```json).*)/"
 
 
 def _marker(text: str, token: int | None) -> str:

@@ -12,10 +12,12 @@ from typing import Any, Literal
 from app.tools.syntax import HERMES, ToolSyntax
 
 # A call's object up to its arguments' value (a mistral call may open the array; llama3 says "parameters").
-_PARTIAL_HEAD = re.compile(r'\s*\[?\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*\\?)')
-_HEAD = re.compile(r'\s*\[?\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"(?:arguments|parameters)"\s*:\s*')
-#: What a llama3 reply that is a call begins with (white space aside).
-_CALL_START = '{"name":"'
+# A bare call may come in a JSON code fence.
+_OBJECT = r'\s*(?:```json\s*)?\[?\s*\{\s*"name"\s*:\s*'
+_PARTIAL_HEAD = re.compile(_OBJECT + r'"((?:[^"\\]|\\.)*\\?)')
+_HEAD = re.compile(_OBJECT + r'("(?:[^"\\]|\\.)*")\s*,\s*"(?:arguments|parameters)"\s*:\s*')
+#: What a reply that is a bare call begins with (white space aside): its object, or a JSON code fence around it.
+_CALL_STARTS = ('{"name":"', '```json{"name":"')
 
 
 @dataclass(slots=True)
@@ -109,10 +111,10 @@ class ToolCallParser:
         """Before anything is said: a reply that begins ``{"name": "`` is a call (True: its head is next);
         False: it may yet (wait); None: it is text."""
         squeezed = "".join(self._pending.split())
-        if squeezed.startswith(_CALL_START):
+        if squeezed.startswith(_CALL_STARTS):
             self._state, self._bare = "head", True
             return True
-        return False if _CALL_START.startswith(squeezed) else None
+        return False if any(start.startswith(squeezed) for start in _CALL_STARTS) else None
 
     def _release(self, text: str, released: list[str]) -> None:
         """Content, but not white space before the first call or between calls."""
@@ -179,6 +181,10 @@ class ToolCallParser:
         rest = self._pending.lstrip()
         if rest[:1] == "}":
             rest = rest[1:].lstrip()
+        if self._bare and rest.startswith("`"):  # the code fence's end
+            if len(rest) < 3:
+                return False
+            rest = rest.removeprefix("```").lstrip()
         if not rest:
             return False
         if rest[0] == self.syntax.separator.strip():
