@@ -169,10 +169,13 @@ class Planner:
         eos_token_ids: frozenset[int],
         copy_block: Callable[[int, int], None] = lambda src, dst: None,
         draft_rows: DraftBudget | None = None,
+        vocab_size: int | None = None,
     ) -> None:
         """``copy_block(src, dst)`` copies one block's K/V, for a cached prefix shared only in part.
         ``draft_rows``: how many tokens each decoding sequence drafts (speculative decoding,
-        ``engine/core/speculation.py``; None: none)."""
+        ``engine/core/speculation.py``; None: none). ``vocab_size``: the model's embedding rows, which every
+        prompt token id must be below."""
+        self.vocab_size = vocab_size
         self.ledger = ledger
         self.capacity = capacity
         self.max_model_len = max_model_len
@@ -217,7 +220,7 @@ class Planner:
         if len(self.seqs) + len(requests) > self.capacity:
             raise RuntimeError(f"admit of {len(requests)} would exceed capacity {self.capacity}")
         for request in requests:
-            validate_request(request, self.max_model_len)
+            validate_request(request, self.max_model_len, self.vocab_size)
         seqs = []
         for offset, request in enumerate(requests):
             seq = Seq(self._next_seq_id + offset, request, self.ledger.open(), target=len(request.prompt_ids))

@@ -67,10 +67,13 @@ class InferenceEngine(ABC):
         for a while. An engine with no such memory need not override it."""
 
 
-def validate_request(request: GenerationRequest, max_model_len: int) -> None:
-    """The checks every engine makes before admitting anything, so that an impossible request fails alone."""
+def validate_request(request: GenerationRequest, max_model_len: int, vocab_size: int | None = None) -> None:
+    """The checks every engine makes before admitting anything, so that an impossible request fails alone.
+    ``vocab_size``: the model's embedding rows (a tokenizer may have more tokens than the model has rows)."""
     if not request.prompt_ids:
         raise ValueError("the prompt is empty")
+    if vocab_size is not None and max(request.prompt_ids) >= vocab_size:
+        raise ValueError(f"prompt token id {max(request.prompt_ids)} is not in the model's {vocab_size} embeddings")
     if request.max_new_tokens < 1:
         raise ValueError("max_new_tokens must be at least 1")
     total = len(request.prompt_ids) + request.max_new_tokens

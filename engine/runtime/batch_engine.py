@@ -87,6 +87,7 @@ class HFEngine(InferenceEngine):
             eos_token_ids=eos_token_ids,
             copy_block=self.cache.copy_block,
             draft_rows=draft_rows,
+            vocab_size=config.vocab_size,
         )
         self._plan_now: Plan | None = None  # the step being run, for describe_step
         self._facts = self._describe(quantized, model)
