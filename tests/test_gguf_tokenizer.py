@@ -55,3 +55,23 @@ def test_indentation_and_text_after_a_special_token(tokenizer) -> None:
     pieces = tokenizer.convert_ids_to_tokens(tokenizer.encode(" " * 32 + "deep"))
     assert pieces == ["<s>", *[SPACE * 4] * 8, SPACE, "de", "ep"]  # "de" outranks "▁d": merged first
     assert tokenizer.convert_ids_to_tokens(tokenizer.encode("<s>x", add_special_tokens=False)) == ["<s>", SPACE + "x"]
+
+
+def test_byte_level_special_tokens_outside_the_byte_alphabet_keep_their_ids(tmp_path) -> None:
+    """DeepSeek-R1 distills' control tokens (full-width bars, "▁") in a byte-level vocabulary: each is the token of
+    its id, whole in text, left out of decoded text; BOS and EOS are those ids and nothing is appended past the
+    vocabulary (transformers had appended them, and a chat prompt's BOS crashed the model's embedding lookup)."""
+    from gguf_files import tiny_model, write_gguf
+
+    from engine.runtime import gguf_tokenizer, loader
+
+    bar = "\uff5c"
+    names = {1: f"<{bar}begin{SPACE}of{SPACE}sentence{bar}>", 2: f"<{bar}end{SPACE}of{SPACE}sentence{bar}>",
+             5: f"<{bar}User{bar}>", 6: f"<{bar}Assistant{bar}>"}  # fmt: skip
+    path = tmp_path / "r1.gguf"
+    write_gguf(tiny_model("llama", vocab=49152), "llama", path, loader._default_gguf(), {}, renamed=names)
+    converted = gguf_tokenizer.convert(path)
+    assert len(converted) == 49152
+    assert converted.convert_tokens_to_ids([converted.bos_token, converted.eos_token]) == [1, 2]
+    ids = converted.encode(f"{names[5]}Hi{names[6]}", add_special_tokens=False)
+    assert ids[0] == 5 and ids[-1] == 6 and converted.decode(ids, skip_special_tokens=True) == "Hi"

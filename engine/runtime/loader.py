@@ -113,7 +113,7 @@ def _described(gguf: Path) -> Path:
     from engine.runtime import gguf_config
     from engine.runtime.gguf_file import GGUFFile
 
-    target = cache_dir() / f"{gguf.stem}-{_file_hash(gguf)[:16]}-v4-config"
+    target = cache_dir() / f"{gguf.stem}-{_file_hash(gguf)[:16]}-v5-config"
     if (target / "config.json").exists():
         return target
     # The config from the file's keys (refusing what is not served natively); the tokenizer and chat template as
