@@ -21,7 +21,7 @@ from app.openai.errors import APIError, error_body
 from app.openai.messages import Message
 from app.openai.response_events import ResponseEvents
 from app.openai.responses import ResponsesRequest, output_messages, response_object, usage
-from app.tools.syntax import ToolSyntax
+from app.reply import Reading
 from engine.core.streams import EngineError
 
 #: Responses kept for ``previous_response_id`` and retrieval, by default.
@@ -78,7 +78,7 @@ class ResponseGeneration(Generation):
     #: The conversation before the new input's output: stored conversation, then the new input.
     history: list[Message] = field(default_factory=list)
     stored_items: list[dict[str, Any]] = field(default_factory=list)
-    calls: ToolSyntax | None = None  # the syntax of the calls the reply may hold; None: none
+    reading: Reading = field(default_factory=Reading)  # how the reply is read: reasoning, content, calls
     response_id: str = ""
     created_at: int = 0
 
@@ -118,7 +118,7 @@ class ResponseGeneration(Generation):
 
     def _builder(self) -> ResponseEvents:
         assert self.request is not None
-        return ResponseEvents(self.tokenizer, self.calls, self.request.logprobs)
+        return ResponseEvents(self.tokenizer, self.reading, self.request.logprobs)
 
     def _object(self, status: str, output: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
         assert self.request is not None

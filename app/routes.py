@@ -71,7 +71,7 @@ async def chat_completions(request: Request) -> Response:
     if options.max_tokens is None:
         room = max(state.max_model_len - len(prompt), 1)
         options = dataclasses.replace(options, max_tokens=room, min_tokens=min(options.min_tokens, room))
-    fmt = ChatFormat(state.tokenizer, calls=state.call_syntax(req.tools))
+    fmt = ChatFormat(state.tokenizer, reading=state.reading(req.tools, prompt))
     generation = await state.generation(fmt, options, [prompt], None, arrived, req.tools)
     return await state.respond(request, generation)
 

@@ -42,6 +42,10 @@ from app.openai.responses import (
     with_instructions,
 )
 from app.openai.sampling import GenerationOptions, StructuredOutput
+from app.reasoning import CLOSE as THINK_CLOSE
+from app.reasoning import OPEN as THINK_OPEN
+from app.reasoning import reasons, starts_inside
+from app.reply import Reading
 from app.responses import STORE_SIZE, ResponseGeneration, ResponseStore
 from app.tools import ToolCalling
 from app.tools.grammar import call_schema, tool_grammar
@@ -53,7 +57,7 @@ from engine.core.encoder import Encoder
 from engine.core.grammar import Grammars
 from engine.core.heap import trim_heap
 from engine.core.scheduler import QueueFullError, Scheduler
-from engine.core.tokenizer import Tokenizer
+from engine.core.tokenizer import ChatTemplateError, Tokenizer
 
 T = TypeVar("T")
 #: Threads that parse, tokenize and render requests off the event loop: as many as the machine's two cores, so a
@@ -138,8 +142,13 @@ class ServerState:
         self.backend = backend
         self.metrics = Metrics()
         backend.register_metrics(self.metrics.registry)
-        #: The family's tool-call syntax, read from the chat template and the vocabulary (``app/tools/syntax.py``).
-        self.tool_syntax = detect(model.tokenizer.info().get("chat_template"), model.tokenizer.added)
+        #: The family's tool-call syntax, read from the chat template and the vocabulary (``app/tools/syntax.py``),
+        #: and whether it reasons between ``<think>`` tags (``app/reasoning.py``; the tags' tokens kept in text).
+        template = model.tokenizer.info().get("chat_template")
+        self.tool_syntax = detect(template, model.tokenizer.added)
+        self.reasons = reasons(template)
+        think = [model.tokenizer.added.get(tag) for tag in (THINK_OPEN, THINK_CLOSE)]
+        self.think_ids = frozenset(t for t in think if t is not None and self.reasons)
         self.created = int(time.time())
         self.sse_ping = config.sse_keepalive_s or 0  # sse-starlette: 0 sends no pings
         #: Set when shutdown begins: new requests get 503 while in-flight ones finish.
@@ -228,7 +237,7 @@ class ServerState:
         calls = [call.function.arguments for message in req.messages for call in message.tool_calls or ()]
         texts = [message.text for message in req.messages] + calls
         check_text(texts, self.max_chars, self.max_model_len, "messages")
-        return req, self.chat_prompt(req.messages, req.tools)
+        return req, self.chat_prompt(req.messages, req.tools, req.template_kwargs)
 
     def prepare_response(self, raw: bytes) -> tuple[ResponsesRequest, list[int], list[Message]]:
         """On a worker: the request, its prompt (the stored conversation it continues, then its input, with its
@@ -263,7 +272,8 @@ class ServerState:
         generation = await self.generation(
             ChatFormat(self.tokenizer), options, [prompt], None, arrived, req.tools, kind=ResponseGeneration,
             request=req, store=self.responses if req.store else None, history=messages,
-            stored_items=stored_input_items(req.items), calls=self.call_syntax(req.tools), response_id=new_id("resp"),
+            stored_items=stored_input_items(req.items), reading=self.reading(req.tools, prompt),
+            response_id=new_id("resp"),
         )  # fmt: skip
         assert isinstance(generation, ResponseGeneration)
         return generation
@@ -276,8 +286,9 @@ class ServerState:
     def _tokens(self, body: dict[str, Any]) -> list[int]:
         self.check_model(parse_model(body))
         if "messages" in body:
-            chat = parse_chat_request({"messages": body["messages"], "tools": body.get("tools")})
-            return self.chat_prompt(chat.messages, chat.tools)
+            keys = ("messages", "tools", "chat_template_kwargs")
+            chat = parse_chat_request({key: body[key] for key in keys if key in body})
+            return self.chat_prompt(chat.messages, chat.tools, chat.template_kwargs)
         prompts = parse_completion_request({"prompt": body.get("prompt")}).prompts
         if len(prompts) != 1:
             raise bad_request("tokenize takes one prompt", "prompt")
@@ -292,10 +303,12 @@ class ServerState:
         tokens = token_ids(body.get("tokens"), "tokens")
         return self.tokenizer.decode(self.prompt_ids(tokens, "tokens"))
 
-    def chat_prompt(self, messages: list[Message], calling: ToolCalling | None = None) -> list[int]:
+    def chat_prompt(
+        self, messages: list[Message], calling: ToolCalling | None = None, extra: dict[str, Any] | None = None
+    ) -> list[int]:
         """The conversation through the model's template; tools through the template when it renders them, else
-        through the default tool prompt (``app/tools/``). Tools for a template whose call syntax this server
-        cannot read back: a 400."""
+        through the default tool prompt (``app/tools/``); ``extra``: more of the template's variables. Tools for a
+        template whose call syntax this server cannot read back, or a conversation the template refuses: a 400."""
         if calling is not None and self.tool_syntax is UNSUPPORTED:
             raise bad_request(
                 "tools: this model's chat template writes tool calls in a syntax this server cannot read back "
@@ -305,11 +318,21 @@ class ServerState:
         rendered = render(messages, calling, self.tool_syntax)
         native = calling is not None and self.tool_syntax.native
         definitions = calling.definitions() if native and calling is not None else None
-        return self.tokenizer.chat_prompt(rendered, definitions or None)
+        try:
+            return self.tokenizer.chat_prompt(rendered, definitions or None, extra)
+        except ChatTemplateError as exc:
+            message = f"messages: the model's chat template refused the conversation: {exc}"
+            raise bad_request(message, "messages") from None
 
     def call_syntax(self, calling: ToolCalling | None) -> ToolSyntax | None:
         """The syntax the reply's calls are read in; None where it may make none."""
         return self.tool_syntax if calling is not None and calling.calls_allowed else None
+
+    def reading(self, calling: ToolCalling | None, prompt: list[int]) -> Reading:
+        """How the replies to ``prompt`` are read: their calls, and their reasoning (inside it from the start where
+        the prompt opened it)."""
+        inside = self.reasons and starts_inside(self.tokenizer.decode(prompt[-8:], skip_special_tokens=False))
+        return Reading(self.call_syntax(calling), self.reasons, inside)
 
     def prompt_ids(self, prompt: str | list[int], param: str = "prompt") -> list[int]:
         if isinstance(prompt, str):
@@ -351,7 +374,7 @@ class ServerState:
         self.check_tokens(options)
         grammar = await self.grammar(options, calling)
         syntax = self.call_syntax(calling)
-        kept = syntax.kept_special if syntax is not None else frozenset()
+        kept = (syntax.kept_special if syntax is not None else frozenset()) | self.think_ids
         return kind(
             self.backend, self.metrics, self.tokenizer, self.model_name, fmt, options, prompts, echo_texts, arrived,
             grammar, kept_special=kept, **extra,

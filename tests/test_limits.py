@@ -36,9 +36,14 @@ class SpyTokenizer(HFTokenizer):
         self.calls.append(threading.current_thread().name)
         return super().encode(text, add_special_tokens)
 
-    def chat_prompt(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> list[int]:
+    def chat_prompt(
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None = None,
+        extra: dict[str, Any] | None = None,
+    ) -> list[int]:
         self.calls.append(threading.current_thread().name)
-        return super().chat_prompt(messages, tools)
+        return super().chat_prompt(messages, tools, extra)
 
 
 @pytest.fixture(scope="module")

@@ -15,9 +15,8 @@ from app.openai.errors import bad_request
 from app.openai.messages import Message, NamedToolChoice, Tool
 from app.openai.request import validated
 from app.openai.sampling import MAX_LOGPROBS, GenerationOptions, SamplingBody, generation_options, reject_unsupported
+from app.reply import Piece, Reading, ReplyReader
 from app.tools import ToolCalling, tool_calling
-from app.tools.parser import ToolCallParser
-from app.tools.syntax import ToolSyntax
 from engine.core.streams import Delta
 from engine.core.tokenizer import Tokenizer
 from engine.core.types import TokenLogprob
@@ -31,6 +30,14 @@ class ChatBody(SamplingBody):
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+#: The chat template's variables the server sets itself: ``chat_template_kwargs`` may not.
+RESERVED_TEMPLATE_KWARGS = frozenset(
+    {"messages", "tools", "add_generation_prompt", "tokenize", "continue_final_message", "return_dict", "documents",
+     "chat_template", "tools_in_user_message", "custom_tools", "bos_token", "eos_token"}
+)  # fmt: skip
 
 
 @dataclass(slots=True, frozen=True)
@@ -39,6 +46,8 @@ class ChatRequest:
     messages: list[Message]
     options: GenerationOptions
     tools: ToolCalling | None = None  # None: no tools offered
+    #: vLLM's ``chat_template_kwargs``: more variables for the model's template (Qwen3's ``enable_thinking``).
+    template_kwargs: dict[str, Any] = field(default_factory=dict)
 
 
 def parse_chat_request(body: dict[str, Any]) -> ChatRequest:
@@ -60,7 +69,16 @@ def parse_chat_request(body: dict[str, Any]) -> ChatRequest:
             raise bad_request(f"{param} cannot be combined with tool calls (unless tool_choice is none)", param)
         if options.min_tokens:
             raise bad_request("min_tokens cannot hold back the end of a tool call", "min_tokens")
-    return ChatRequest(req.model, list(req.messages), options, calling)
+    return ChatRequest(req.model, list(req.messages), options, calling, template_kwargs(req.chat_template_kwargs))
+
+
+def template_kwargs(kwargs: dict[str, Any] | None) -> dict[str, Any]:
+    """``chat_template_kwargs``, checked: the variables the server sets are not the client's to set."""
+    for key in kwargs or {}:
+        if key in RESERVED_TEMPLATE_KWARGS:
+            param = f"chat_template_kwargs.{key}"
+            raise bad_request(f"{param}: the server sets {key} itself", param)
+    return dict(kwargs or {})
 
 
 def _tool_calling(req: ChatBody) -> ToolCalling | None:
@@ -80,25 +98,25 @@ def _with_calls(finish_reason: str | None) -> str | None:
 @dataclass(slots=True)
 class ChatFormat:
     tokenizer: Tokenizer
-    #: The syntax of the tool calls the reply may hold, which become ``tool_calls`` (``app/tools/``) and not
-    #: content; None: it holds none.
-    calls: ToolSyntax | None = None
+    #: How replies are read: their tool calls become ``tool_calls`` (``app/tools/``), their reasoning
+    #: ``reasoning_content`` (``app/reasoning.py``), and neither is content.
+    reading: Reading = field(default_factory=Reading)
     object_name: str = "chat.completion"
     chunk_object_name: str = "chat.completion.chunk"
     id_prefix: str = "chatcmpl"
-    _parsers: dict[int, ToolCallParser] = field(default_factory=dict)  # a stream's, by choice
+    _readers: dict[int, ReplyReader] = field(default_factory=dict)  # a stream's, by choice
 
     def choice(self, index: int, choice: Choice, want_logprobs: bool) -> dict[str, Any]:
-        message: dict[str, Any] = {"role": "assistant", "content": choice.text}
+        reader = self.reading.reader()
+        reader.feed(choice.text)
+        reader.finish()  # what it held back joins the content, the reasoning or the calls
+        message: dict[str, Any] = {"role": "assistant", "content": reader.content}
+        if self.reading.reasons:
+            message["reasoning_content"] = message["reasoning"] = reader.reasoning
         finish_reason: str | None = choice.finish_reason
-        if self.calls is not None:
-            parser = ToolCallParser(self.calls)
-            parser.feed(choice.text)
-            parser.finish()  # what it held back joins the content or the calls
-            message["content"] = parser.text
-            if parser.calls:
-                message["tool_calls"] = [call.as_dict() for call in parser.calls]
-                finish_reason = _with_calls(finish_reason)
+        if reader.calls:
+            message["tool_calls"] = [call.as_dict() for call in reader.calls]
+            finish_reason = _with_calls(finish_reason)
         return {
             "index": index,
             "message": message,
@@ -109,21 +127,22 @@ class ChatFormat:
     def delta(
         self, index: int, choice: Choice, delta: Delta, want_logprobs: bool, first: bool
     ) -> dict[str, Any] | None:
-        text, calls, finish_reason = delta.text, [], delta.finish_reason
-        if self.calls is not None:
-            parser = self._parsers.setdefault(index, ToolCallParser(self.calls))
-            text, calls = parser.feed(delta.text)
-            if finish_reason is not None:
-                rest, more = parser.finish()
-                text, calls = text + rest, calls + more
-                finish_reason = _with_calls(finish_reason) if parser.calls else finish_reason
-            if not (text or calls or first or want_logprobs or finish_reason):
-                return None  # the parser holds the text back: it may begin a call
+        finish_reason = delta.finish_reason
+        reader = self._readers.setdefault(index, self.reading.reader())
+        piece = reader.feed(delta.text)
+        if finish_reason is not None:
+            rest = reader.finish()
+            piece = Piece(piece.reasoning + rest.reasoning, piece.content + rest.content, piece.calls + rest.calls)
+            finish_reason = _with_calls(finish_reason) if reader.calls else finish_reason
+        if not (piece.reasoning or piece.content or piece.calls or first or want_logprobs or finish_reason):
+            return None  # the reader holds the text back: it may begin a call, or end the reasoning
         content: dict[str, Any] = {"role": "assistant"} if first else {}
-        if text or not calls:
-            content["content"] = text
-        if calls:
-            content["tool_calls"] = calls
+        if piece.reasoning:
+            content["reasoning_content"] = content["reasoning"] = piece.reasoning
+        if piece.content or not (piece.calls or piece.reasoning):
+            content["content"] = piece.content
+        if piece.calls:
+            content["tool_calls"] = piece.calls
         return {
             "index": index,
             "delta": content,

@@ -12,9 +12,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from app.openai.chat import token_logprobs
-from app.openai.responses import call_item, message_item, new_id, output_text_part
-from app.tools.parser import ToolCallParser
-from app.tools.syntax import ToolSyntax
+from app.openai.responses import call_item, message_item, new_id, output_text_part, reasoning_item
+from app.reply import Reading, ReplyReader
 from engine.core.tokenizer import Tokenizer
 from engine.core.types import FinishReason, TokenLogprob
 
@@ -41,20 +40,19 @@ class ResponseEvents:
     """Feed it the deltas of one sequence; it returns the events each one makes, and keeps the output items."""
 
     tokenizer: Tokenizer
-    #: The syntax of the calls the reply may hold (tools offered and allowed): then its text goes through the call
-    #: parser. None: it holds none.
-    calls: ToolSyntax | None
+    #: How the reply is read (``app/reply.py``): its reasoning, content and calls.
+    reading: Reading
     #: ``include: ["message.output_text.logprobs"]``: the output text's logprobs, in items and deltas.
     logprobs: bool
     output: list[dict[str, Any]] = field(default_factory=list)
     sequence_number: int = 0
-    _parser: ToolCallParser | None = None
+    _reader: ReplyReader | None = None
+    _thought: _Message | None = None  # the reasoning item, while open
     _message: _Message | None = None
     _call: _Call | None = None
 
     def __post_init__(self) -> None:
-        if self.calls is not None:
-            self._parser = ToolCallParser(self.calls)
+        self._reader = self.reading.reader()
 
     def event(self, kind: str, **fields: Any) -> dict[str, Any]:
         event = {"type": kind, "sequence_number": self.sequence_number, **fields}
@@ -64,26 +62,54 @@ class ResponseEvents:
     def feed(self, text: str, logprobs: list[TokenLogprob] | None) -> list[dict[str, Any]]:
         """The events of the next piece of generated text."""
         entries = token_logprobs(self.tokenizer, logprobs or []) if self.logprobs else []
-        calls: list[dict[str, Any]] = []
-        if self._parser is not None:
-            text, calls = self._parser.feed(text)
-        return self._text(text, entries) + self._calls(calls)
+        assert self._reader is not None
+        piece = self._reader.feed(text)
+        return self._reasoning(piece.reasoning) + self._text(piece.content, entries) + self._calls(piece.calls)
 
     def finish(self, finish_reason: FinishReason | None) -> list[dict[str, Any]]:
         """The events that close the output: what the parser held back, then each open item, done."""
-        events: list[dict[str, Any]] = []
-        if self._parser is not None:
-            text, calls = self._parser.finish()
-            events += self._text(text, []) + self._calls(calls)
+        assert self._reader is not None
+        piece = self._reader.finish()
+        events = self._reasoning(piece.reasoning) + self._text(piece.content, []) + self._calls(piece.calls)
         status = "incomplete" if finish_reason == "length" else "completed"
-        return events + self._close_message(status) + self._close_call(status)
+        return events + self._close_reasoning(status) + self._close_message(status) + self._close_call(status)
 
     # -- items ------------------------------------------------------------------------------------------
+
+    def _reasoning(self, text: str) -> list[dict[str, Any]]:
+        """A reasoning item (it comes first), its ``reasoning_text`` part streamed as deltas."""
+        if not text:
+            return []
+        events: list[dict[str, Any]] = []
+        thought = self._thought
+        if thought is None:
+            thought = self._thought = _Message(new_id("rs"), len(self.output))
+            self.output.append(reasoning_item(thought.item_id, "", "in_progress"))
+            events.append(self._item_event("response.output_item.added", thought.output_index))
+            events.append(self.event("response.content_part.added", item_id=thought.item_id,
+                                     output_index=thought.output_index, content_index=0,
+                                     part={"type": "reasoning_text", "text": ""}))  # fmt: skip
+        thought.text += text
+        events.append(self.event("response.reasoning_text.delta", item_id=thought.item_id,
+                                 output_index=thought.output_index, content_index=0, delta=text))  # fmt: skip
+        return events
+
+    def _close_reasoning(self, status: str) -> list[dict[str, Any]]:
+        thought, self._thought = self._thought, None
+        if thought is None:
+            return []
+        item = self.output[thought.output_index] = reasoning_item(thought.item_id, thought.text, status)
+        where = {"item_id": thought.item_id, "output_index": thought.output_index, "content_index": 0}
+        return [
+            self.event("response.reasoning_text.done", **where, text=thought.text),
+            self.event("response.content_part.done", **where, part=item["content"][0]),
+            self._item_event("response.output_item.done", thought.output_index),
+        ]
 
     def _text(self, text: str, logprobs: list[dict[str, Any]]) -> list[dict[str, Any]]:
         if not text:
             return []
-        events = self._close_call("completed")
+        events = self._close_reasoning("completed") + self._close_call("completed")
         message = self._message
         if message is None:
             message = self._message = _Message(new_id("msg"), len(self.output))
@@ -104,7 +130,8 @@ class ResponseEvents:
         events: list[dict[str, Any]] = []
         for delta in deltas:
             if "id" in delta:  # a new call: its head
-                events += self._close_message("completed") + self._close_call("completed")
+                events += self._close_reasoning("completed") + self._close_message("completed")
+                events += self._close_call("completed")
                 function = delta["function"]
                 call = self._call = _Call(new_id("fc"), len(self.output), delta["id"], function["name"])
                 self.output.append(call_item(call.item_id, call.call_id, call.name, "", "in_progress"))

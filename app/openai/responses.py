@@ -80,12 +80,32 @@ class FunctionCallOutputItem(WireModel):
         return self.output if isinstance(self.output, str) else "".join(part.text for part in self.output)
 
 
-InputItem = InputMessage | FunctionCallItem | FunctionCallOutputItem
+class ReasoningPart(WireModel):
+    type: Literal["reasoning_text", "summary_text"]
+    text: str
+
+
+class ReasoningItem(WireModel):
+    """A reasoning item a response returned, sent back with the conversation (as the SDK passes ``output`` on):
+    kept in the listed input, left out of the prompt (the templates drop earlier turns' reasoning)."""
+
+    type: Literal["reasoning"]
+    summary: list[ReasoningPart] | None = None
+    content: list[ReasoningPart] | None = None
+    encrypted_content: None = None  # another server's encrypted reasoning cannot be read here: a 400
+
+    @property
+    def text(self) -> str:
+        return "".join(part.text for part in self.content or [])
+
+
+InputItem = InputMessage | FunctionCallItem | FunctionCallOutputItem | ReasoningItem
 _ITEM_MODELS: dict[str | None, type[WireModel]] = {
     None: InputMessage,
     "message": InputMessage,
     "function_call": FunctionCallItem,
     "function_call_output": FunctionCallOutputItem,
+    "reasoning": ReasoningItem,
 }
 
 
@@ -268,7 +288,7 @@ def conversation(items: list[InputItem]) -> list[Message]:
             messages.append(Message(role=item.role, content=item.text))
         elif isinstance(item, FunctionCallOutputItem):
             messages.append(Message(role="tool", content=item.text, tool_call_id=item.call_id))
-        else:
+        elif isinstance(item, FunctionCallItem):
             call = ToolCall(id=item.call_id, function=FunctionCall(name=item.name, arguments=item.arguments))
             last = messages[-1] if messages else None
             if last is not None and last.role == "assistant":
@@ -321,6 +341,8 @@ def stored_input_items(items: list[InputItem]) -> list[dict[str, Any]]:
         elif isinstance(item, FunctionCallItem):
             listed.append({"id": new_id("fc"), "type": "function_call", "call_id": item.call_id, "name": item.name,
                            "arguments": item.arguments, "status": "completed"})  # fmt: skip
+        elif isinstance(item, ReasoningItem):
+            listed.append(reasoning_item(new_id("rs"), item.text, "completed"))
         else:
             listed.append({"id": new_id("fco"), "type": "function_call_output", "call_id": item.call_id,
                            "output": item.text, "status": "completed"})  # fmt: skip
@@ -332,6 +354,12 @@ def message_item(item_id: str, text: str, status: str, logprobs: list[dict[str, 
     if logprobs is not None:
         part["logprobs"] = logprobs
     return {"id": item_id, "type": "message", "role": "assistant", "status": status, "content": [part]}
+
+
+def reasoning_item(item_id: str, text: str, status: str) -> dict[str, Any]:
+    """The model's reasoning (``app/reasoning.py``), as its text: no summary is made."""
+    return {"id": item_id, "type": "reasoning", "summary": [], "content": [{"type": "reasoning_text", "text": text}],
+            "status": status}  # fmt: skip
 
 
 def call_item(item_id: str, call_id: str, name: str, arguments: str, status: str) -> dict[str, Any]:

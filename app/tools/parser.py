@@ -97,7 +97,7 @@ class ToolCallParser:
                 return begun
         start = self._pending.find(self.syntax.open)
         if start < 0:
-            cut = len(self._pending) - _partial_suffix(self._pending, self.syntax.open)
+            cut = len(self._pending) - partial_suffix(self._pending, self.syntax.open)
             if self._said or self._pending[:cut].strip():  # leading white space waits: a call may follow
                 self._release(self._pending[:cut], released)
                 self._pending = self._pending[cut:]
@@ -214,7 +214,7 @@ def _add_arguments(deltas: list[dict[str, Any]], index: int, fragment: str) -> N
         deltas.append({"index": index, "function": {"arguments": fragment}})
 
 
-def _partial_suffix(text: str, marker: str) -> int:
+def partial_suffix(text: str, marker: str) -> int:
     """The length of the longest end of ``text`` that begins ``marker``."""
     for size in range(min(len(marker) - 1, len(text)), 0, -1):
         if marker.startswith(text[-size:]):

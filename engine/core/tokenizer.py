@@ -4,8 +4,14 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
+from jinja2 import TemplateError
+
 from engine.core import fim
 from engine.core.fim import Fim
+
+
+class ChatTemplateError(ValueError):
+    """The model's chat template refused the conversation (its ``raise_exception``); the message says why."""
 
 
 class Tokenizer(Protocol):
@@ -34,9 +40,16 @@ class Tokenizer(Protocol):
         """vLLM's ``/tokenizer_info``: the special tokens and chat template a client needs to tokenize alike."""
         ...
 
-    def chat_prompt(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> list[int]:
+    def chat_prompt(
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None = None,
+        extra: dict[str, Any] | None = None,
+    ) -> list[int]:
         """Render chat messages with the model's template, ending where the assistant's reply begins; ``tools``
-        go to the template's own ``tools`` argument (for a template that renders them)."""
+        go to the template's own ``tools`` argument (for a template that renders them), ``extra`` are more of
+        its variables (``enable_thinking``). A template that refuses the conversation raises
+        ``ChatTemplateError``."""
         ...
 
 
@@ -98,10 +111,20 @@ class HFTokenizer:
             "vocab_size": self.vocab_size,
         }
 
-    def chat_prompt(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> list[int]:
+    def chat_prompt(
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None = None,
+        extra: dict[str, Any] | None = None,
+    ) -> list[int]:
         if not self._tok.chat_template:
             raise ValueError("this model has no chat template")
-        text = self._tok.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False)
+        try:
+            text = self._tok.apply_chat_template(
+                messages, tools=tools, add_generation_prompt=True, tokenize=False, **(extra or {})
+            )
+        except TemplateError as exc:  # the template's raise_exception, or a conversation it cannot render
+            raise ChatTemplateError(str(exc)) from None
         # The template writes the special tokens out as text; encoding must not add more.
         return list(self._tok.encode(text, add_special_tokens=False))
 
@@ -135,7 +158,12 @@ class ByteTokenizer:
     def info(self) -> dict[str, Any]:
         return {"tokenizer_class": type(self).__name__, "eos_token": self.EOS_TEXT, "vocab_size": self.vocab_size}
 
-    def chat_prompt(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> list[int]:
+    def chat_prompt(
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None = None,
+        extra: dict[str, Any] | None = None,
+    ) -> list[int]:
         return self.encode("".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant: ")
 
 
