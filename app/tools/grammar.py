@@ -24,7 +24,9 @@ def call_schema(tool: Tool, arguments_key: str = "arguments") -> dict[str, Any]:
         "properties": {"name": {"const": tool.function.name}, arguments_key: parameters},
         "required": ["name", arguments_key],
         "additionalProperties": False,
-        "x-guidance": JSON_STYLE,  # as the tool prompt and call_text write calls
+        # As the tool prompt and call_text write calls; keywords llguidance does not implement (propertyNames, in
+        # Claude Code's tools) are not enforced, not a 400: the arguments still follow the rest of the schema.
+        "x-guidance": {**JSON_STYLE, "lenient": True},
         **hoisted,
     }
 
