@@ -1,5 +1,6 @@
-"""The app's exception handlers: every error a client gets is OpenAI's envelope (``app/openai/errors.py``); an API
-error is counted by its reason, a route that does not exist names itself, an unexpected error is logged and a 500."""
+"""The app's exception handlers: every error a client gets is in its API's envelope (OpenAI's, ``app/openai/errors.py``;
+Anthropic's on the Messages API's routes, ``app/anthropic/errors.py``); an API error is counted by its reason, a route
+that does not exist names itself, an unexpected error is logged and a 500."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 
+from app.anthropic import errors as anthropic_errors
 from app.openai.errors import APIError, error_body
 from app.state import server_state
 
@@ -19,13 +21,15 @@ log = logging.getLogger(__name__)
 async def handle_api_error(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, APIError)
     server_state(request).metrics.requests_rejected.labels(exc.reason).inc()
-    return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+    body = _body(request, exc.status, exc.message, exc.body())
+    return JSONResponse(body, status_code=exc.status, headers=exc.headers)
 
 
 async def handle_http_exception(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, HTTPException)
     message = exc.detail if exc.status_code != 404 else f"no route {request.method} {request.url.path}"
-    return JSONResponse(error_body(exc.status_code, message), status_code=exc.status_code, headers=exc.headers)
+    body = _body(request, exc.status_code, message, error_body(exc.status_code, message))
+    return JSONResponse(body, status_code=exc.status_code, headers=exc.headers)
 
 
 async def handle_client_disconnect(request: Request, exc: Exception) -> Response:
@@ -35,7 +39,14 @@ async def handle_client_disconnect(request: Request, exc: Exception) -> Response
 
 async def handle_unexpected(request: Request, exc: Exception) -> JSONResponse:
     log.exception("unhandled error on %s %s", request.method, request.url.path)
-    return JSONResponse(error_body(500, "internal server error"), status_code=500)
+    return JSONResponse(_body(request, 500, "internal server error", error_body(500, "internal server error")), 500)
+
+
+def _body(request: Request, status: int, message: str, openai: dict[str, Any]) -> dict[str, Any]:
+    """The error in the envelope of the API the route belongs to."""
+    if request.url.path.startswith(anthropic_errors.PREFIX):
+        return anthropic_errors.error_body(status, message)
+    return openai
 
 
 HANDLERS: dict[Any, Any] = {

@@ -12,6 +12,7 @@ from starlette.datastructures import Headers, MutableHeaders
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from app.anthropic import errors as anthropic_errors
 from app.openai.errors import error_body
 
 access_log = logging.getLogger("smolserve.access")
@@ -78,11 +79,20 @@ class APIKeyMiddleware:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["path"].startswith(PROTECTED_PREFIXES):
-            given = Headers(scope=scope).get("authorization", "").encode()
+            headers = Headers(scope=scope)
+            given = headers.get("authorization", "").encode()
+            if "x-api-key" in headers:  # Anthropic's SDKs send the key so
+                given = f"Bearer {headers['x-api-key']}".encode()
             if not hmac.compare_digest(given, self._expected):
-                body = error_body(401, "Incorrect or missing API key. Send `Authorization: Bearer <key>`.")
-                body["error"]["code"] = "invalid_api_key"
-                self._on_reject()
-                await JSONResponse(body, status_code=401)(scope, receive, send)
+                await self._reject(scope)(scope, receive, send)
                 return
         await self.app(scope, receive, send)
+
+    def _reject(self, scope: Scope) -> JSONResponse:
+        self._on_reject()
+        if scope["path"].startswith(anthropic_errors.PREFIX):
+            message = "invalid x-api-key"
+            return JSONResponse(anthropic_errors.error_body(401, message), status_code=401)
+        body = error_body(401, "Incorrect or missing API key. Send `Authorization: Bearer <key>`.")
+        body["error"]["code"] = "invalid_api_key"
+        return JSONResponse(body, status_code=401)

@@ -11,6 +11,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from app import infill as fill
+from app import messages
 from app.openai.chat import ChatFormat
 from app.openai.completions import CompletionFormat
 from app.openai.models import model_list
@@ -135,6 +136,8 @@ ROUTES = [
     Route("/v1/completions", completions, methods=["POST"]),
     Route("/v1/chat/completions", chat_completions, methods=["POST"]),
     Route("/v1/responses", responses, methods=["POST"]),
+    Route("/v1/messages", messages.messages, methods=["POST"]),
+    Route("/v1/messages/count_tokens", messages.count_tokens, methods=["POST"]),
     Route("/v1/embeddings", embeddings, methods=["POST"]),
     Route("/v1/responses/{response_id}", get_response, methods=["GET"]),
     Route("/v1/responses/{response_id}", delete_response, methods=["DELETE"]),

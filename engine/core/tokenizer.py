@@ -119,9 +119,12 @@ class HFTokenizer:
     ) -> list[int]:
         if not self._tok.chat_template:
             raise ValueError("this model has no chat template")
+        extra = extra or {}
+        # A conversation that ends in the assistant's own text (a prefill) is continued, not answered anew.
+        opens_turn = not extra.get("continue_final_message")
         try:
             text = self._tok.apply_chat_template(
-                messages, tools=tools, add_generation_prompt=True, tokenize=False, **(extra or {})
+                messages, tools=tools, add_generation_prompt=opens_turn, tokenize=False, **extra
             )
         except TemplateError as exc:  # the template's raise_exception, or a conversation it cannot render
             raise ChatTemplateError(str(exc)) from None

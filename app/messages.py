@@ -1,0 +1,114 @@
+"""Anthropic's Messages API, ``POST /v1/messages`` and ``POST /v1/messages/count_tokens``: the whole pipeline,
+from the body (``app/anthropic/request.py``) through the chat pipeline's template, tools, grammar and scheduler to
+the message or its event stream (``app/anthropic/response.py``). Errors on these routes come in Anthropic's
+envelope (``app/anthropic/errors.py``, chosen in ``app/handlers.py``).
+
+``max_tokens`` is the most the reply may take: where the prompt leaves less room in the context, the reply stops
+at the context's end (``stop_reason: "max_tokens"``) instead of the request failing, as llama.cpp's server does
+(Claude Code asks for 32,000 on every turn); a prompt with no room left at all is a 400."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from app.anthropic.request import MessagesRequest, parse_messages_request
+from app.anthropic.response import MessageBuilder, message_object, new_id, usage
+from app.generation import Generation
+from app.limits import check_text
+from app.openai.chat import ChatFormat
+from app.openai.errors import bad_request
+from app.reply import Reading
+from app.state import ServerState, server_state
+from engine.core.streams import EngineError
+
+
+@dataclass(slots=True)
+class MessagesGeneration(Generation):
+    """One Messages API request: one sequence, answered as a message or its stream of events."""
+
+    reading: Reading = field(default_factory=Reading)
+    message_id: str = ""
+
+    async def complete(self) -> dict[str, Any]:
+        choice = (await self.collect())[0]
+        builder = MessageBuilder(self.reading, self.options.stop)
+        builder.feed(choice.text, last=True)
+        stop_reason = builder.stop_reason(choice.finish_reason)
+        spent = usage(self.num_prompt_tokens, self.num_completion_tokens, self.num_cached_tokens)
+        return message_object(self.message_id, self.model_name, builder.blocks, stop_reason, builder.stop_sequence,
+                              spent)  # fmt: skip
+
+    async def events(self) -> AsyncIterator[Any]:
+        """Anthropic's events, as server-sent events named by their type."""
+        builder = MessageBuilder(self.reading, self.options.stop)
+        start = message_object(self.message_id, self.model_name, [], None, None, usage(self.num_prompt_tokens, 0, 0))
+        yield _sse({"type": "message_start", "message": start})
+        yield _sse({"type": "ping"})
+        deltas = self.deltas()
+        try:
+            async for _, item in deltas:
+                if isinstance(item, EngineError):
+                    yield _sse({"type": "error", "error": {"type": "api_error", "message": str(item)}})
+                    return
+                last = item.finish_reason is not None
+                for event in builder.feed(item.text, last):
+                    yield _sse(event)
+                if last:
+                    stop = {"stop_reason": builder.stop_reason(item.finish_reason),
+                            "stop_sequence": builder.stop_sequence}  # fmt: skip
+                    spent = usage(self.num_prompt_tokens, self.num_completion_tokens, self.num_cached_tokens)
+                    yield _sse({"type": "message_delta", "delta": stop, "usage": spent})
+                    yield _sse({"type": "message_stop"})
+        finally:
+            await deltas.aclose()  # the client may have left mid-stream: the sequence leaves the batch
+
+
+def _sse(event: dict[str, Any]) -> dict[str, str]:
+    return {"event": event["type"], "data": json.dumps(event, ensure_ascii=False)}
+
+
+def prepare(state: ServerState, raw: bytes) -> tuple[MessagesRequest, list[int]]:
+    """On a worker: the request and its conversation rendered and tokenized."""
+    req = parse_messages_request(state.parse_body(raw))
+    state.check_model(req.model)
+    calls = [call.function.arguments for message in req.messages for call in message.tool_calls or ()]
+    check_text([message.text for message in req.messages] + calls, state.max_chars, state.max_model_len, "messages")
+    extra = {**req.template_kwargs, **({"continue_final_message": True} if req.prefill else {})}
+    return req, state.chat_prompt(req.messages, req.tools, extra)
+
+
+async def messages(request: Request) -> Response:
+    arrived = time.perf_counter()
+    state = server_state(request)
+    raw = await request.body()
+    req, prompt = await state.prepare(lambda: prepare(state, raw), len(raw))
+    room = state.max_model_len - len(prompt)
+    if room < 1:
+        raise bad_request(f"prompt is too long: {len(prompt)} tokens > {state.max_model_len - 1} maximum", "messages")
+    options = dataclasses.replace(req.options, max_tokens=min(req.options.max_tokens or room, room))
+    generation = await state.generation(
+        ChatFormat(state.tokenizer), options, [prompt], None, arrived, req.tools, kind=MessagesGeneration,
+        reading=state.reading(req.tools, prompt), message_id=new_id("msg"),
+    )  # fmt: skip
+    return await state.respond(request, generation)
+
+
+async def count_tokens(request: Request) -> Response:
+    """The prompt's tokens as ``/v1/messages`` would render it (system, tools and all)."""
+    state = server_state(request)
+    raw = await request.body()
+
+    def count() -> int:
+        body = state.parse_body(raw)
+        body.setdefault("max_tokens", 1)  # not a field of count_tokens
+        return len(prepare(state, json.dumps(body).encode())[1])
+
+    return JSONResponse({"input_tokens": await state.prepare(count, len(raw))})
