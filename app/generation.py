@@ -253,3 +253,9 @@ class Generation:
             continuous = self.options.continuous_usage and usage is None
             chunk["usage"] = usage if usage is not None else (self.usage() if continuous else None)
         return json.dumps(chunk, ensure_ascii=False)
+
+
+def named_event(event: dict[str, Any]) -> dict[str, str]:
+    """A server-sent event named by its ``type`` (the Responses and Messages APIs' framing; chat's chunks are
+    unnamed)."""
+    return {"event": event["type"], "data": json.dumps(event, ensure_ascii=False)}

@@ -21,7 +21,7 @@ from starlette.responses import JSONResponse, Response
 
 from app.anthropic.request import MessagesRequest, parse_messages_request
 from app.anthropic.response import MessageBuilder, message_object, new_id, usage
-from app.generation import Generation
+from app.generation import Generation, named_event
 from app.limits import check_text
 from app.openai.chat import ChatFormat
 from app.openai.errors import bad_request
@@ -50,29 +50,25 @@ class MessagesGeneration(Generation):
         """Anthropic's events, as server-sent events named by their type."""
         builder = MessageBuilder(self.reading, self.options.stop)
         start = message_object(self.message_id, self.model_name, [], None, None, usage(self.num_prompt_tokens, 0, 0))
-        yield _sse({"type": "message_start", "message": start})
-        yield _sse({"type": "ping"})
+        yield named_event({"type": "message_start", "message": start})
+        yield named_event({"type": "ping"})
         deltas = self.deltas()
         try:
             async for _, item in deltas:
                 if isinstance(item, EngineError):
-                    yield _sse({"type": "error", "error": {"type": "api_error", "message": str(item)}})
+                    yield named_event({"type": "error", "error": {"type": "api_error", "message": str(item)}})
                     return
                 last = item.finish_reason is not None
                 for event in builder.feed(item.text, last):
-                    yield _sse(event)
+                    yield named_event(event)
                 if last:
                     stop = {"stop_reason": builder.stop_reason(item.finish_reason),
                             "stop_sequence": builder.stop_sequence}  # fmt: skip
                     spent = usage(self.num_prompt_tokens, self.num_completion_tokens, self.num_cached_tokens)
-                    yield _sse({"type": "message_delta", "delta": stop, "usage": spent})
-                    yield _sse({"type": "message_stop"})
+                    yield named_event({"type": "message_delta", "delta": stop, "usage": spent})
+                    yield named_event({"type": "message_stop"})
         finally:
             await deltas.aclose()  # the client may have left mid-stream: the sequence leaves the batch
-
-
-def _sse(event: dict[str, Any]) -> dict[str, str]:
-    return {"event": event["type"], "data": json.dumps(event, ensure_ascii=False)}
 
 
 def prepare(state: ServerState, raw: bytes) -> tuple[MessagesRequest, list[int]]:

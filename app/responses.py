@@ -9,14 +9,13 @@ those tokens back. The store is bounded; the least recently used response leaves
 
 from __future__ import annotations
 
-import json
 import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from app.generation import Generation
+from app.generation import Generation, named_event
 from app.openai.errors import APIError, error_body
 from app.openai.messages import Message
 from app.openai.response_events import ResponseEvents
@@ -98,21 +97,21 @@ class ResponseGeneration(Generation):
         builder = self._builder()
         start = self._object("in_progress", [])
         for kind in ("response.created", "response.in_progress"):
-            yield _sse(builder.event(kind, response=start))
+            yield named_event(builder.event(kind, response=start))
         deltas = self.deltas()
         try:
             async for _, item in deltas:
                 if isinstance(item, EngineError):
                     for event in self._failed(builder, str(item)):
-                        yield _sse(event)
+                        yield named_event(event)
                     return
                 for event in builder.feed(item.text, item.logprobs):
-                    yield _sse(event)
+                    yield named_event(event)
                 if item.finish_reason is not None:
                     for event in builder.finish(item.finish_reason):
-                        yield _sse(event)
+                        yield named_event(event)
                     response = self._final(builder, item.finish_reason)
-                    yield _sse(builder.event(f"response.{response['status']}", response=response))
+                    yield named_event(builder.event(f"response.{response['status']}", response=response))
         finally:
             await deltas.aclose()  # the client may have left mid-stream: the sequence leaves the batch
 
@@ -142,7 +141,3 @@ class ResponseGeneration(Generation):
             builder.event("error", code=error["code"], message=message, param=None),
             builder.event("response.failed", response=failed),
         ]
-
-
-def _sse(event: dict[str, Any]) -> dict[str, str]:
-    return {"event": event["type"], "data": json.dumps(event, ensure_ascii=False)}

@@ -36,3 +36,14 @@ def sse_chunks(client: TestClient, body: dict[str, Any], path: str = "/v1/comple
     events = sse_events(client, body, path)
     assert events[-1] == "[DONE]"
     return [json.loads(event) for event in events[:-1]]
+
+
+def named_events(client: TestClient, body: dict[str, Any], path: str) -> list[dict[str, Any]]:
+    """A stream of named events (the Responses and Messages APIs'), parsed, each checked to be named by its type."""
+    with client.stream("POST", path, json=body) as response:
+        assert response.status_code == 200, response.read()
+        lines = [line for line in response.iter_lines() if line]
+    names = [line.removeprefix("event: ") for line in lines if line.startswith("event: ")]
+    parsed = [json.loads(line.removeprefix("data: ")) for line in lines if line.startswith("data: ")]
+    assert names == [event["type"] for event in parsed]
+    return parsed

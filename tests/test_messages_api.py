@@ -9,7 +9,7 @@ import json
 from typing import Any
 
 import pytest
-from app_helpers import fake_client
+from app_helpers import fake_client, named_events
 from starlette.testclient import TestClient
 
 from engine.core.fake_engine import FakeEngine
@@ -42,13 +42,7 @@ def create(client: TestClient, status: int = 200, **fields: Any) -> dict[str, An
 
 def events(client: TestClient, **fields: Any) -> list[dict[str, Any]]:
     body = {"model": MODEL, "max_tokens": 5, "messages": ASK, "stream": True, **fields}
-    with client.stream("POST", "/v1/messages", json=body) as response:
-        assert response.status_code == 200
-        lines = [line for line in response.iter_lines() if line]
-    names = [line.removeprefix("event: ") for line in lines if line.startswith("event: ")]
-    parsed = [json.loads(line.removeprefix("data: ")) for line in lines if line.startswith("data: ")]
-    assert names == [event["type"] for event in parsed]  # each event named by its type
-    return parsed
+    return named_events(client, body, "/v1/messages")
 
 
 def test_the_message_object_and_its_usage(client: TestClient) -> None:

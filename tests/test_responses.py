@@ -8,7 +8,7 @@ import json
 from typing import Any
 
 import pytest
-from app_helpers import fake_client
+from app_helpers import fake_client, named_events
 from starlette.testclient import TestClient
 
 from engine.core.fake_engine import FakeEngine
@@ -33,14 +33,7 @@ def create(client: TestClient, **fields: Any) -> dict[str, Any]:
 
 
 def events(client: TestClient, **fields: Any) -> list[dict[str, Any]]:
-    body = {"max_output_tokens": 5, "stream": True, **fields}
-    with client.stream("POST", "/v1/responses", json=body) as response:
-        assert response.status_code == 200
-        lines = [line for line in response.iter_lines() if line]
-    names = [line.removeprefix("event: ") for line in lines if line.startswith("event: ")]
-    parsed = [json.loads(line.removeprefix("data: ")) for line in lines if line.startswith("data: ")]
-    assert names == [event["type"] for event in parsed]  # each event named by its type
-    return parsed
+    return named_events(client, {"max_output_tokens": 5, "stream": True, **fields}, "/v1/responses")
 
 
 @pytest.fixture

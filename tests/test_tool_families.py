@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from test_tools import parse as parse_split
 
 from app.tools import ToolCalling
 from app.tools.grammar import tool_grammar
@@ -61,14 +62,8 @@ def written(syntax: ToolSyntax, calls: list[tuple[str, dict[str, Any]]]) -> str:
 
 
 def parse(syntax: ToolSyntax, text: str, splits: list[int]) -> tuple[ToolCallParser, str, list[dict[str, Any]]]:
-    parser, pieces, deltas, start = ToolCallParser(syntax), [], [], 0
-    for end in [*sorted(splits), len(text)]:
-        piece, more = parser.feed(text[start:end])
-        pieces.append(piece)
-        deltas += more
-        start = max(start, end)
-    rest, more = parser.finish()
-    return parser, "".join(pieces) + rest, deltas + more
+    parser, pieces, deltas = parse_split(text, splits, syntax)
+    return parser, "".join(pieces), deltas
 
 
 json_values = st.recursive(

@@ -16,7 +16,7 @@ from app.tools import ToolCalling
 from app.tools.grammar import tool_grammar
 from app.tools.parser import ToolCallParser
 from app.tools.prompt import TOOL_PROMPT, call_text, render
-from app.tools.syntax import CLOSE, DEFAULT, HERMES, OPEN
+from app.tools.syntax import CLOSE, DEFAULT, HERMES, OPEN, ToolSyntax
 from engine.core.grammar import Grammars
 from engine.core.tokenizer import ByteTokenizer
 
@@ -52,9 +52,11 @@ NESTED = Tool.model_validate(
 )
 
 
-def parse(text: str, splits: list[int] = ()) -> tuple[ToolCallParser, list[str], list[dict[str, Any]]]:
+def parse(
+    text: str, splits: list[int] = (), syntax: ToolSyntax = HERMES
+) -> tuple[ToolCallParser, list[str], list[dict[str, Any]]]:
     """Feed ``text`` cut at ``splits``; returns the parser, the content pieces and the call deltas released."""
-    parser, pieces, deltas, start = ToolCallParser(), [], [], 0
+    parser, pieces, deltas, start = ToolCallParser(syntax), [], [], 0
     for end in [*sorted(splits), len(text)]:
         piece, calls = parser.feed(text[start:end])
         pieces.append(piece)

@@ -228,20 +228,6 @@ def test_fill_in_the_middle_as_llama_cpp_fills_it(gguf: Path) -> None:
     assert filled["text"].strip()
 
 
-WEATHER = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "description": "Get the current weather in a city",
-        "parameters": {
-            "type": "object",
-            "properties": {"city": {"type": "string"}, "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
-            "required": ["city"],
-        },
-    },
-}
-
-
 def test_tool_calls_in_qwen_s_own_syntax_through_the_openai_sdk(gguf: Path) -> None:
     """Qwen2.5-Coder's calls (``<tool_call>`` tokens 151657/151658 under ``required`` and a named choice; the bare
     JSON object it writes under ``auto``): ``tool_calls`` every time, streamed too, never content; a tool result
@@ -249,6 +235,7 @@ def test_tool_calls_in_qwen_s_own_syntax_through_the_openai_sdk(gguf: Path) -> N
     from openai import OpenAI
 
     from compat.conftest import start_server, stop_server
+    from compat.test_openai_tools import WEATHER
 
     server, base = start_server("--model", str(gguf), "--embedding-model", "none", "--kv-cache-gib", "1")
     try:
