@@ -12,14 +12,21 @@ from engine.core.config import DEFAULT_MODEL, EngineConfig
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m app", description="OpenAI-compatible completions server")
-    _model_flags(parser)
-    _engine_flags(parser, EngineConfig())
-    _server_flags(parser, ServerConfig())
-    _cluster_flags(parser)
+    parser = build_parser()
     args = parser.parse_args(argv)
     _check_cluster(parser, args)
     return args
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """Every flag, with its default and help (docs/operating.md's table is checked against it)."""
+    parser = argparse.ArgumentParser(prog="python -m app", description="OpenAI-compatible completions server")
+    _model_flags(parser)
+    _engine_flags(parser, EngineConfig())
+    _path_flags(parser, EngineConfig())
+    _server_flags(parser, ServerConfig())
+    _cluster_flags(parser)
+    return parser
 
 
 def _model_flags(parser: argparse.ArgumentParser) -> None:
@@ -54,7 +61,8 @@ def _engine_flags(parser: argparse.ArgumentParser, defaults: EngineConfig) -> No
         "--dtype",
         choices=["auto", "float32", "bfloat16"],
         default=defaults.dtype,
-        help="weights and activations; auto picks whichever runs decode matmuls faster here",
+        help="weights and activations; auto: bfloat16 where the CPU computes it natively (AVX512-BF16, AMX, Arm "
+        "BF16, read from /proc/cpuinfo), else float32",
     )
     parser.add_argument("--max-batch-size", type=int, default=defaults.max_batch_size, help="sequences per step")
     parser.add_argument("--max-model-len", type=int, default=None, help="longest prompt + completion")
@@ -69,8 +77,9 @@ def _engine_flags(parser: argparse.ArgumentParser, defaults: EngineConfig) -> No
         "--quantization",
         choices=["auto", "native", "int8", "none"],
         default=defaults.quantization,
-        help="native: a GGUF model's Q4_0/Q4_1/Q8_0/Q4_K/Q6_K weights multiplied in their blocks; int8: linear weights "
-        "quantized per output channel at load; none: dense --dtype weights; auto: native for a GGUF llama, else none",
+        help="native: a GGUF model's weights multiplied in their blocks (docs/operating.md lists the architectures and "
+        "types); int8: linear weights quantized per output channel at load; none: dense --dtype weights; auto: native "
+        "for a GGUF the native path reads, else none",
     )
     parser.add_argument(
         "--threads",
@@ -80,6 +89,22 @@ def _engine_flags(parser: argparse.ArgumentParser, defaults: EngineConfig) -> No
         help="threads of the engine's one team; auto (default): the CPUs this process may use (affinity mask, "
         "cgroup CPU quota), fewer while other processes keep some of them busy; N: exactly N",
     )
+    parser.add_argument(
+        "--no-prefix-caching",
+        dest="prefix_caching",
+        action="store_false",
+        help="do not keep computed prompt and answer blocks for later requests that start the same way",
+    )
+    parser.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=defaults.max_num_batched_tokens,
+        help="tokens per forward step; long prompts are prefilled in chunks of this size",
+    )
+
+
+def _path_flags(parser: argparse.ArgumentParser, defaults: EngineConfig) -> None:
+    """How each step computes: one numeric path or the fastest, and speculative decoding."""
     parser.add_argument(
         "--batch-invariant",
         choices=["auto", "on", "off"],
@@ -93,20 +118,9 @@ def _engine_flags(parser: argparse.ArgumentParser, defaults: EngineConfig) -> No
         choices=["auto", "ngram", "none"],
         default=defaults.speculative,
         help="speculative decoding from prompt lookup (drafts from the prompt and the text so far; greedy output "
-        "stays bitwise the same while batch invariance holds): ngram always, auto while a step's rows are few "
-        "enough that extra rows cost little (measured here), none never",
-    )
-    parser.add_argument(
-        "--no-prefix-caching",
-        dest="prefix_caching",
-        action="store_false",
-        help="do not keep computed prompt and answer blocks for later requests that start the same way",
-    )
-    parser.add_argument(
-        "--max-num-batched-tokens",
-        type=int,
-        default=defaults.max_num_batched_tokens,
-        help="tokens per forward step; long prompts are prefilled in chunks of this size",
+        "stays bitwise the same while batch invariance holds): ngram always; auto where a step's expected tokens "
+        "per second beat no drafts (each sequence's acceptance so far against the step's cost, measured here); "
+        "none never",
     )
 
 

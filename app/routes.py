@@ -3,7 +3,6 @@ format of each endpoint is in ``app/openai/``. Torch-free."""
 
 from __future__ import annotations
 
-import dataclasses
 import time
 
 from starlette.requests import Request
@@ -68,10 +67,7 @@ async def chat_completions(request: Request) -> Response:
     state = server_state(request)
     raw = await request.body()
     req, prompt = await state.prepare(lambda: state.prepare_chat(raw), len(raw))
-    options = req.options
-    if options.max_tokens is None:
-        room = max(state.max_model_len - len(prompt), 1)
-        options = dataclasses.replace(options, max_tokens=room, min_tokens=min(options.min_tokens, room))
+    options = state.up_to_context(req.options, prompt)
     fmt = ChatFormat(state.tokenizer, reading=state.reading(req.tools, prompt))
     generation = await state.generation(fmt, options, [prompt], None, arrived, req.tools)
     return await state.respond(request, generation)

@@ -265,10 +265,7 @@ class ServerState:
     async def response_generation(
         self, req: ResponsesRequest, prompt: list[int], messages: list[Message], arrived: float
     ) -> ResponseGeneration:
-        options = req.options
-        if options.max_tokens is None:  # as chat: up to the context length
-            room = self.max_model_len - len(prompt)
-            options = dataclasses.replace(options, max_tokens=room, min_tokens=min(options.min_tokens, room))
+        options = self.up_to_context(req.options, prompt)
         generation = await self.generation(
             ChatFormat(self.tokenizer), options, [prompt], None, arrived, req.tools, kind=ResponseGeneration,
             request=req, store=self.responses if req.store else None, history=messages,
@@ -327,6 +324,13 @@ class ServerState:
     def call_syntax(self, calling: ToolCalling | None) -> ToolSyntax | None:
         """The syntax the reply's calls are read in; None where it may make none."""
         return self.tool_syntax if calling is not None and calling.calls_allowed else None
+
+    def up_to_context(self, options: GenerationOptions, prompt: list[int]) -> GenerationOptions:
+        """Chat's and the Responses API's default ``max_tokens``, as OpenAI's: up to the context length."""
+        if options.max_tokens is not None:
+            return options
+        room = max(self.max_model_len - len(prompt), 1)
+        return dataclasses.replace(options, max_tokens=room, min_tokens=min(options.min_tokens, room))
 
     def reading(self, calling: ToolCalling | None, prompt: list[int]) -> Reading:
         """How the replies to ``prompt`` are read: their calls, and their reasoning (inside it from the start where

@@ -82,3 +82,26 @@ def test_a_pinned_team_has_no_governor_and_auto_is_capped_by_omp_num_threads(mon
         assert governor is not None and governor.max_threads == 1
     finally:
         torch.set_num_threads(before)
+
+
+def test_the_flag_table_in_docs_names_every_flag_and_its_default() -> None:
+    """docs/operating.md's table of flags against the parser: the same flags, and where the table gives a plain
+    default (a number or a backticked word), the parser's."""
+    import re
+    from pathlib import Path
+
+    from app import cli
+
+    actions = {opt: a for a in cli.build_parser()._actions for opt in a.option_strings if opt.startswith("--")}
+    actions.pop("--help")
+    table = (Path(__file__).resolve().parent.parent / "docs" / "operating.md").read_text()
+    rows = [line.split(" | ") for line in table.splitlines() if line.startswith("| `--")]
+    documented: dict[str, str] = {}
+    for cells in rows:
+        for flag in re.findall(r"`(--[a-z-]+)`", cells[0]):
+            documented[flag] = cells[1].strip()
+    assert set(documented) == set(actions)
+    for flag, default in documented.items():
+        plain = re.fullmatch(r"`([\w.]+)`|(\d+(?:\.\d+)?)(?: \(.*\))?", default)
+        if plain and actions[flag].default is not None:
+            assert str(actions[flag].default).removesuffix(".0") == (plain.group(1) or plain.group(2)), flag

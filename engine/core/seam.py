@@ -11,8 +11,9 @@ from engine.core.types import FinishReason, GenerationRequest, MemoryStats, Step
 class InferenceEngine(ABC):
     """Iteration-level engine the scheduler pumps, one call at a time from one thread.
 
-    Each active sequence advances one token per step and leaves the moment it emits a stop token or reaches
-    its own ``max_new_tokens``, so each resolves independently of its batchmates. A newcomer's prompt is
+    Each decoding sequence advances at least one token per step (more when its drafted tokens are accepted:
+    speculative decoding) and leaves the moment it emits a stop token or reaches its own ``max_new_tokens``, so
+    each resolves independently of its batchmates. A newcomer's prompt is
     prefilled inside ``step`` (in chunks when it is long), so ``admit`` itself runs no forward.
     """
 
@@ -39,7 +40,8 @@ class InferenceEngine(ABC):
 
     @abstractmethod
     def step(self) -> list[StepOutput]:
-        """Advance every active sequence by one token (prefilling newcomers first) and evict finished ones."""
+        """Advance every decoding sequence by its next token, and any drafted ones it accepts (prefilling
+        newcomers first, in chunks); evict finished ones."""
 
     @abstractmethod
     def abort(self, seq_id: int) -> None:
