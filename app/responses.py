@@ -1,71 +1,42 @@
-"""Running a Responses API request, and keeping what it answered.
-
-A response is a ``Generation`` of one sequence whose output is shaped as output items and, streamed, as the
-Responses API's events (``app/openai/response_events.py``). A stored response keeps its input items (for
-``input_items``) and its conversation (input and output as chat messages, without ``instructions``), which a later
-request's ``previous_response_id`` continues: its prompt starts as the stored one did, so the prefix cache gives
-those tokens back. The store is bounded; the least recently used response leaves first.
+"""The Responses API, ``POST /v1/responses`` and its stored responses' routes: the whole pipeline, from the body
+(``app/openai/responses.py``) and the stored conversation it continues, through the model's template to the
+generation, answered as a response object or its events (``app/openai/response_events.py``), then kept in the store
+(``app/response_store.py``). A response is a ``Generation`` of one sequence. Torch-free.
 """
 
 from __future__ import annotations
 
 import time
-from collections import OrderedDict
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
 from app.generation import Generation, named_event
-from app.openai.errors import APIError, error_body
+from app.limits import check_text
+from app.openai.chat import ChatFormat
+from app.openai.errors import bad_request, error_body
 from app.openai.messages import Message
 from app.openai.response_events import ResponseEvents
-from app.openai.responses import ResponsesRequest, output_messages, response_object, usage
+from app.openai.responses import (
+    ResponsesRequest,
+    conversation,
+    input_item_list,
+    item_texts,
+    new_id,
+    output_messages,
+    parse_responses_request,
+    response_object,
+    stored_input_items,
+    usage,
+    with_instructions,
+)
 from app.reply import Reading
+from app.response_store import ResponseStore, StoredResponse
+from app.state import ServerState, server_state
 from engine.core.streams import EngineError
-
-#: Responses kept for ``previous_response_id`` and retrieval, by default.
-STORE_SIZE = 1000
-
-
-@dataclass(slots=True)
-class StoredResponse:
-    response: dict[str, Any]
-    #: The request's input items as ``input_items`` lists them (ids given).
-    input_items: list[dict[str, Any]]
-    #: Input and output as chat messages, ``instructions`` left out (they are not inherited).
-    conversation: list[Message]
-
-
-class ResponseStore:
-    """Stored responses by id, at most ``size``, least recently used dropped first."""
-
-    def __init__(self, size: int = STORE_SIZE) -> None:
-        self.size = size
-        self._items: OrderedDict[str, StoredResponse] = OrderedDict()
-
-    def __len__(self) -> int:
-        return len(self._items)
-
-    def put(self, stored: StoredResponse) -> None:
-        if self.size <= 0:
-            return
-        self._items[stored.response["id"]] = stored
-        self._items.move_to_end(stored.response["id"])
-        while len(self._items) > self.size:
-            self._items.popitem(last=False)
-
-    def get(self, response_id: str, param: str | None = None) -> StoredResponse:
-        """The stored response; a 404 naming the id when there is none (never stored, deleted, or evicted)."""
-        stored = self._items.get(response_id)
-        if stored is None:
-            raise APIError(404, f"No response with id '{response_id}' is stored here.", param=param,
-                           code="response_not_found")  # fmt: skip
-        self._items.move_to_end(response_id)
-        return stored
-
-    def delete(self, response_id: str) -> None:
-        self.get(response_id)
-        del self._items[response_id]
 
 
 @dataclass(slots=True)
@@ -141,3 +112,67 @@ class ResponseGeneration(Generation):
             builder.event("error", code=error["code"], message=message, param=None),
             builder.event("response.failed", response=failed),
         ]
+
+
+# -- the pipeline and its routes -----------------------------------------------------------------------------
+
+
+def prepare(state: ServerState, raw: bytes) -> tuple[ResponsesRequest, list[int], list[Message]]:
+    """On a worker: the request, its prompt (the stored conversation it continues, then its input, with its
+    instructions first), and the conversation without the instructions."""
+    req = parse_responses_request(state.parse_body(raw))
+    state.check_model(req.model)
+    check_text(item_texts(req.items), state.max_chars, state.max_model_len, "input")
+    previous = req.body.previous_response_id
+    history = [] if previous is None else state.responses.get(previous, "previous_response_id").conversation
+    messages = history + conversation(req.items)
+    prompt = state.chat_prompt(with_instructions(req.instructions, messages), req.tools)
+    need = req.options.max_tokens or 1
+    while req.truncate and len(prompt) + need > state.max_model_len and len(messages) > 1:
+        messages = _drop_oldest(messages)
+        prompt = state.chat_prompt(with_instructions(req.instructions, messages), req.tools)
+    if len(prompt) + need > state.max_model_len:
+        param = "max_output_tokens" if req.options.max_tokens else "input"
+        raise bad_request(
+            f"This model's maximum context length is {state.max_model_len} tokens. However, the input is "
+            f"{len(prompt)} tokens and {need} more were asked for. Shorten the input, or set truncation: auto.",
+            param,
+        )
+    return req, prompt, messages
+
+
+def _drop_oldest(messages: list[Message]) -> list[Message]:
+    """The conversation without its oldest message, nor the tool results that answered a call it held."""
+    rest = messages[1:]
+    while len(rest) > 1 and rest[0].role == "tool":
+        rest = rest[1:]
+    return rest
+
+
+async def responses(request: Request) -> Response:
+    arrived = time.perf_counter()
+    state = server_state(request)
+    raw = await request.body()
+    req, prompt, messages = await state.prepare(lambda: prepare(state, raw), len(raw))
+    generation = await state.generation(
+        ChatFormat(state.tokenizer), state.up_to_context(req.options, prompt), [prompt], None, arrived, req.tools,
+        kind=ResponseGeneration, request=req, store=state.responses if req.store else None, history=messages,
+        stored_items=stored_input_items(req.items), reading=state.reading(req.tools, prompt),
+        response_id=new_id("resp"),
+    )  # fmt: skip
+    return await state.respond(request, generation)
+
+
+async def get_response(request: Request) -> Response:
+    return JSONResponse(server_state(request).responses.get(request.path_params["response_id"]).response)
+
+
+async def delete_response(request: Request) -> Response:
+    response_id = request.path_params["response_id"]
+    server_state(request).responses.delete(response_id)
+    return JSONResponse({"id": response_id, "object": "response.deleted", "deleted": True})
+
+
+async def response_input_items(request: Request) -> Response:
+    stored = server_state(request).responses.get(request.path_params["response_id"])
+    return JSONResponse(input_item_list(stored.input_items, request.query_params))

@@ -1,11 +1,11 @@
-"""The server's state: what every route shares, and the steps from a request body to a generation (parse and
-tokenize on worker threads, check against the model's limits, compile the grammar, queue, answer). Torch-free."""
+"""The server's state: what every endpoint's pipeline shares (``app/chat.py``, ``completions.py``, ``responses.py``,
+``messages.py``, ``tokens.py``): parsing on worker threads, the model's limits, the chat template with tools in the
+family's syntax, how replies are read, grammar compilation, queueing, and the answer. Torch-free."""
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
-import json
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -18,35 +18,23 @@ from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from app import infill
 from app.backend import Backend, LocalBackend
 from app.embeddings import MAX_INPUTS, EmbeddingService
 from app.generation import Generation
-from app.limits import RequestLimits, check_lists, check_text
+from app.limits import RequestLimits, check_lists
 from app.metrics import Metrics
 from app.models import ModelRegistry, ServedEntry
-from app.openai.chat import ChatFormat, ChatRequest, parse_chat_request
 from app.openai.choices import Format
-from app.openai.completions import CompletionRequest, parse_completion_request
 from app.openai.embeddings import EmbeddingsRequest, parse_embeddings_request
 from app.openai.errors import APIError, bad_request
 from app.openai.messages import Message
-from app.openai.request import optional, parse_json_object, parse_model, token_ids
-from app.openai.responses import (
-    ResponsesRequest,
-    conversation,
-    item_texts,
-    new_id,
-    parse_responses_request,
-    stored_input_items,
-    with_instructions,
-)
+from app.openai.request import parse_json_object, parse_model
 from app.openai.sampling import GenerationOptions, StructuredOutput
 from app.reasoning import CLOSE as THINK_CLOSE
 from app.reasoning import OPEN as THINK_OPEN
 from app.reasoning import reasons, starts_inside
 from app.reply import Reading
-from app.responses import STORE_SIZE, ResponseGeneration, ResponseStore
+from app.response_store import STORE_SIZE, ResponseStore
 from app.tools import ToolCalling
 from app.tools.grammar import call_schema, tool_grammar
 from app.tools.prompt import render
@@ -211,94 +199,6 @@ class ServerState:
     def parse_body(self, raw: bytes) -> dict[str, Any]:
         """The body as a JSON object whose lists are within the limits (``app/limits.py``); else a 400."""
         return parse_json_object(raw, lambda body: check_lists(body, self.limits, self.max_queue))
-
-    def prepare_completion(self, raw: bytes) -> tuple[CompletionRequest, list[list[int]], list[str] | None]:
-        """On a worker: the request, its prompts' token ids, and the texts to echo (``echo``)."""
-        req = parse_completion_request(self.parse_body(raw))
-        self.check_model(req.model)
-        for index, prompt in enumerate(req.prompts):
-            if isinstance(prompt, str):
-                param = "prompt" if len(req.prompts) == 1 else f"prompt[{index}]"
-                check_text([prompt], self.max_chars, self.max_model_len, param)
-        if req.suffix is not None:
-            return infill.with_suffix(self, req)
-        prompts = [self.prompt_ids(p) for p in req.prompts]
-        echo_texts = None
-        if req.echo:
-            # Token prompts are echoed with their special tokens' text, so that logprobs' tokens join to it.
-            decode = self.tokenizer.decode
-            echo_texts = [p if isinstance(p, str) else decode(p, skip_special_tokens=False) for p in req.prompts]
-        return req, prompts, echo_texts
-
-    def prepare_chat(self, raw: bytes) -> tuple[ChatRequest, list[int]]:
-        """On a worker: the request and its conversation rendered and tokenized."""
-        req = parse_chat_request(self.parse_body(raw))
-        self.check_model(req.model)
-        calls = [call.function.arguments for message in req.messages for call in message.tool_calls or ()]
-        texts = [message.text for message in req.messages] + calls
-        check_text(texts, self.max_chars, self.max_model_len, "messages")
-        return req, self.chat_prompt(req.messages, req.tools, req.template_kwargs)
-
-    def prepare_response(self, raw: bytes) -> tuple[ResponsesRequest, list[int], list[Message]]:
-        """On a worker: the request, its prompt (the stored conversation it continues, then its input, with its
-        instructions first), and the conversation without the instructions."""
-        req = parse_responses_request(self.parse_body(raw))
-        self.check_model(req.model)
-        check_text(item_texts(req.items), self.max_chars, self.max_model_len, "input")
-        previous = req.body.previous_response_id
-        history = [] if previous is None else self.responses.get(previous, "previous_response_id").conversation
-        messages = history + conversation(req.items)
-        prompt = self.chat_prompt(with_instructions(req.instructions, messages), req.tools)
-        need = req.options.max_tokens or 1
-        while req.truncate and len(prompt) + need > self.max_model_len and len(messages) > 1:
-            messages = _drop_oldest(messages)
-            prompt = self.chat_prompt(with_instructions(req.instructions, messages), req.tools)
-        if len(prompt) + need > self.max_model_len:
-            param = "max_output_tokens" if req.options.max_tokens else "input"
-            raise bad_request(
-                f"This model's maximum context length is {self.max_model_len} tokens. However, the input is "
-                f"{len(prompt)} tokens and {need} more were asked for. Shorten the input, or set truncation: auto.",
-                param,
-            )
-        return req, prompt, messages
-
-    async def response_generation(
-        self, req: ResponsesRequest, prompt: list[int], messages: list[Message], arrived: float
-    ) -> ResponseGeneration:
-        options = self.up_to_context(req.options, prompt)
-        generation = await self.generation(
-            ChatFormat(self.tokenizer), options, [prompt], None, arrived, req.tools, kind=ResponseGeneration,
-            request=req, store=self.responses if req.store else None, history=messages,
-            stored_items=stored_input_items(req.items), reading=self.reading(req.tools, prompt),
-            response_id=new_id("resp"),
-        )  # fmt: skip
-        assert isinstance(generation, ResponseGeneration)
-        return generation
-
-    def tokenize(self, raw: bytes) -> bytes:
-        """On a worker: vLLM's ``/tokenize`` of a prompt or of a conversation, rendered."""
-        tokens = self._tokens(self.parse_body(raw))
-        return json.dumps({"tokens": tokens, "count": len(tokens), "max_model_len": self.max_model_len}).encode()
-
-    def _tokens(self, body: dict[str, Any]) -> list[int]:
-        self.check_model(parse_model(body))
-        if "messages" in body:
-            keys = ("messages", "tools", "chat_template_kwargs")
-            chat = parse_chat_request({key: body[key] for key in keys if key in body})
-            return self.chat_prompt(chat.messages, chat.tools, chat.template_kwargs)
-        prompts = parse_completion_request({"prompt": body.get("prompt")}).prompts
-        if len(prompts) != 1:
-            raise bad_request("tokenize takes one prompt", "prompt")
-        add_special = optional(body, "add_special_tokens", bool, True)  # vLLM's default
-        prompt = prompts[0]
-        return self.tokenizer.encode(prompt, add_special) if isinstance(prompt, str) else self.prompt_ids(prompt)
-
-    def detokenize(self, raw: bytes) -> str:
-        """On a worker: vLLM's ``/detokenize``."""
-        body = self.parse_body(raw)
-        self.check_model(parse_model(body))
-        tokens = token_ids(body.get("tokens"), "tokens")
-        return self.tokenizer.decode(self.prompt_ids(tokens, "tokens"))
 
     def chat_prompt(
         self, messages: list[Message], calling: ToolCalling | None = None, extra: dict[str, Any] | None = None
@@ -466,14 +366,6 @@ def _usage_for_log(generation: Generation) -> tuple[int, int, int, int]:
         generation.num_prompt_tokens, generation.num_completion_tokens, generation.num_cached_tokens,
         generation.num_accepted_tokens,
     )  # fmt: skip
-
-
-def _drop_oldest(messages: list[Message]) -> list[Message]:
-    """The conversation without its oldest message, nor the tool results that answered a call it held."""
-    rest = messages[1:]
-    while len(rest) > 1 and rest[0].role == "tool":
-        rest = rest[1:]
-    return rest
 
 
 def server_state(source: Request | Starlette) -> ServerState:
