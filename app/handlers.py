@@ -21,8 +21,10 @@ log = logging.getLogger(__name__)
 async def handle_api_error(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, APIError)
     server_state(request).metrics.requests_rejected.labels(exc.reason).inc()
-    body = _body(request, exc.status, exc.message, exc.body())
-    return JSONResponse(body, status_code=exc.status, headers=exc.headers)
+    # A full queue is Anthropic's 529 overloaded_error (its clients retry it), OpenAI's 429.
+    status = 529 if exc.code == "queue_full" and _anthropic(request) else exc.status
+    body = _body(request, status, exc.message, exc.body())
+    return JSONResponse(body, status_code=status, headers=exc.headers)
 
 
 async def handle_http_exception(request: Request, exc: Exception) -> JSONResponse:
@@ -44,9 +46,13 @@ async def handle_unexpected(request: Request, exc: Exception) -> JSONResponse:
 
 def _body(request: Request, status: int, message: str, openai: dict[str, Any]) -> dict[str, Any]:
     """The error in the envelope of the API the route belongs to."""
-    if request.url.path.startswith(anthropic_errors.PREFIX):
+    if _anthropic(request):
         return anthropic_errors.error_body(status, message)
     return openai
+
+
+def _anthropic(request: Request) -> bool:
+    return request.url.path.startswith(anthropic_errors.PREFIX)
 
 
 HANDLERS: dict[Any, Any] = {

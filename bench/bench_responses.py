@@ -1,6 +1,11 @@
-"""/v1/responses against /v1/chat/completions on the same greedy prompts, and a continued conversation's first token.
+"""/v1/responses (or Anthropic's /v1/messages) against /v1/chat/completions on the same greedy prompts, and a
+continued conversation's first token.
 
     .venv/bin/python bench/bench_responses.py [--concurrency 1 32] [--repeats 3] [--new-tokens 64]
+    .venv/bin/python bench/bench_responses.py --against messages --turns 0
+
+``--against messages``: the Messages API takes no ``ignore_eos`` (its fields are Anthropic's), so neither side sends
+it there: greedy, the same prompt rendered the same way, both replies are the same tokens and end at the same place.
 
 One server (default flags). For each level, N concurrent streaming clients send the same conversation (a distinct
 question each) through each endpoint in turn, greedy, ``ignore_eos``; the median run of each side is reported, as
@@ -55,9 +60,11 @@ async def events(response: httpx.Response) -> AsyncIterator[dict[str, Any]]:
             yield json.loads(line[6:])
 
 
-async def chat_stream(client: httpx.AsyncClient, base: str, text: str, tokens: int) -> tuple[int, float]:
+async def chat_stream(
+    client: httpx.AsyncClient, base: str, text: str, tokens: int, to_eos: bool = False
+) -> tuple[int, float]:
     body = {"model": MODEL, "messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": text}],
-            "max_tokens": tokens, "temperature": 0, "ignore_eos": True, "stream": True,
+            "max_tokens": tokens, "temperature": 0, "ignore_eos": not to_eos, "stream": True,
             "stream_options": {"include_usage": True}}  # fmt: skip
     start, first, count = time.perf_counter(), None, 0
     async with client.stream("POST", f"{base}/v1/chat/completions", json=body) as response:
@@ -84,12 +91,29 @@ async def response_stream(
     return count, first or 0.0, rid
 
 
-async def level(base: str, endpoint: str, n: int, tokens: int, run: int) -> float:
+async def message_stream(client: httpx.AsyncClient, base: str, text: str, tokens: int) -> tuple[int, float]:
+    body = {"model": MODEL, "system": SYSTEM, "messages": [{"role": "user", "content": text}], "max_tokens": tokens,
+            "temperature": 0, "stream": True}  # fmt: skip
+    start, first, count = time.perf_counter(), None, 0
+    async with client.stream("POST", f"{base}/v1/messages", json=body) as response:
+        async for event in events(response):
+            if event["type"] == "content_block_delta" and first is None:
+                first = time.perf_counter() - start
+            if event["type"] == "message_delta":
+                count = event["usage"]["output_tokens"]
+    return count, first or 0.0
+
+
+async def level(base: str, endpoint: str, n: int, tokens: int, run: int, to_eos: bool = False) -> float:
     limits = httpx.Limits(max_connections=n + 4, max_keepalive_connections=0)
     async with httpx.AsyncClient(timeout=600, limits=limits) as client:
         start = time.perf_counter()
         if endpoint == "chat":
-            results = await asyncio.gather(*(chat_stream(client, base, question(i, run), tokens) for i in range(n)))
+            results = await asyncio.gather(
+                *(chat_stream(client, base, question(i, run), tokens, to_eos) for i in range(n))
+            )
+        elif endpoint == "messages":
+            results = await asyncio.gather(*(message_stream(client, base, question(i, run), tokens) for i in range(n)))
         else:
             results = await asyncio.gather(
                 *(response_stream(client, base, question(i, run), tokens, store=False) for i in range(n))
@@ -123,19 +147,24 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--turns-only", action="store_true", help="only the continued conversation's first token")
+    parser.add_argument("--against", choices=["responses", "messages"], default="responses")
+    parser.add_argument("--turns", type=int, default=5, help="rounds of the continued conversation (0: none)")
     args = parser.parse_args()
     proc, base = start_server("--model", MODEL)
+    other, to_eos = args.against, args.against == "messages"
     try:
         asyncio.run(level(base, "chat", 4, 8, -1))  # warm-up
-        print("| streams | chat tok/s | responses tok/s | responses / chat |\n|---|---|---|---|")
+        print(f"| streams | chat tok/s | {other} tok/s | {other} / chat |\n|---|---|---|---|")
         for n in [] if args.turns_only else args.concurrency:
-            runs: dict[str, list[float]] = {"chat": [], "responses": []}
+            runs: dict[str, list[float]] = {"chat": [], other: []}
             for run in range(args.repeats):
-                for endpoint in ("chat", "responses"):
-                    runs[endpoint].append(asyncio.run(level(base, endpoint, n, args.new_tokens, run)))
-            chat, resp = statistics.median(runs["chat"]), statistics.median(runs["responses"])
+                for endpoint in ("chat", other):
+                    runs[endpoint].append(asyncio.run(level(base, endpoint, n, args.new_tokens, run, to_eos)))
+            chat, resp = statistics.median(runs["chat"]), statistics.median(runs[other])
             print(f"| {n} | {chat:.1f} | {resp:.1f} | {resp / chat:.3f}x |", flush=True)
-        continued, fresh = asyncio.run(second_turn(base, 5))
+        if not args.turns:
+            return
+        continued, fresh = asyncio.run(second_turn(base, args.turns))
         c, f = statistics.median(continued), statistics.median(fresh)
         print(f"\nsecond turn (previous_response_id) TTFT p50 {c * 1000:.0f} ms; a first turn of the same new input "
               f"{f * 1000:.0f} ms; ratio {c / f:.2f}")  # fmt: skip

@@ -80,6 +80,10 @@ def test_full_queue_gets_429_while_admitted_requests_complete(slow_server: LiveS
             assert refused.status_code == 429
             assert refused.headers["retry-after"] == "1"
             assert refused.json()["error"]["code"] == "queue_full"
+            # Anthropic's Messages API: 529 overloaded_error, which its clients retry.
+            message = {"model": "fake", "max_tokens": 5, "messages": [{"role": "user", "content": "hi"}]}
+            overloaded = await client.post("/v1/messages", json=message)
+            assert overloaded.status_code == 529 and overloaded.json()["error"]["type"] == "overloaded_error"
 
             for response, tokens in zip(await asyncio.gather(*running, *waiting), [60, 60, 5, 5], strict=True):
                 assert response.status_code == 200
@@ -87,7 +91,7 @@ def test_full_queue_gets_429_while_admitted_requests_complete(slow_server: LiveS
             later = await client.post("/v1/completions", json=completion(3))
             assert later.json()["choices"][0]["text"] == "abc"
             metrics = (await client.get("/metrics")).text
-            assert 'smolserve:requests_rejected_total{reason="queue_full"} 1.0' in metrics
+            assert 'smolserve:requests_rejected_total{reason="queue_full"} 2.0' in metrics
 
     asyncio.run(main())
 

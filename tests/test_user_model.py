@@ -260,3 +260,37 @@ def test_tool_calls_in_qwen_s_own_syntax_through_the_openai_sdk(gguf: Path) -> N
         assert after.choices[0].finish_reason in ("stop", "length", "tool_calls")
     finally:
         stop_server(server)
+
+
+def test_claude_code_answers_through_the_messages_api(gguf: Path, tmp_path: Path) -> None:
+    """Claude Code headless (``CLAUDE_CODE``: its ``claude`` binary, from ``npm install @anthropic-ai/claude-code``)
+    against a server of the Qwen file: a one-turn answer, then a task with a tool, whose later turns read its long
+    prompt (system, tools) from the prefix cache."""
+    import json
+    import subprocess
+
+    binary = os.environ.get("CLAUDE_CODE")
+    if not binary:
+        pytest.skip("CLAUDE_CODE names no claude binary")
+    from compat.conftest import start_server, stop_server
+
+    server, base = start_server("--model", str(gguf), "--embedding-model", "none", "--kv-cache-gib", "2")
+    env = {**os.environ, "ANTHROPIC_BASE_URL": base, "ANTHROPIC_API_KEY": "none", "ANTHROPIC_MODEL": gguf.stem,
+           "ANTHROPIC_DEFAULT_HAIKU_MODEL": gguf.stem, "ANTHROPIC_SMALL_FAST_MODEL": gguf.stem,
+           "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1", "DISABLE_TELEMETRY": "1"}  # fmt: skip
+    (tmp_path / "hello.py").write_text("print('hi')\n")
+
+    def claude(*args: str) -> dict:
+        done = subprocess.run([binary, "-p", *args, "--output-format", "json"], env=env, cwd=tmp_path,
+                              capture_output=True, text=True, timeout=900)  # fmt: skip
+        return json.loads(done.stdout)
+
+    try:
+        one = claude("Reply with the single word: hello")
+        assert not one["is_error"] and one["result"].strip() and one["usage"]["input_tokens"] > 5000
+        task = claude("Run the command ls with the Bash tool and tell me the file names.", "--allowedTools",
+                      "Bash(ls:*)")  # fmt: skip
+        assert not task["is_error"] and task["num_turns"] >= 2
+        assert task["usage"]["cache_read_input_tokens"] > 5000  # the later turns' prompts from the prefix cache
+    finally:
+        stop_server(server)

@@ -57,8 +57,8 @@ class MessagesBody(BaseModel):
     workspace_id: str | None = None
     output_config: dict[str, Any] | None = None
     output_format: dict[str, Any] | None = None
-    #: Not implemented: a 400 naming them.
-    container: None = None
+    container: str | dict[str, Any] | None = None
+    #: Not implemented (remote MCP servers the API itself would call): a 400 naming it.
     mcp_servers: None = None
 
 
