@@ -277,7 +277,9 @@ def test_claude_code_answers_through_the_messages_api(gguf: Path, tmp_path: Path
     server, base = start_server("--model", str(gguf), "--embedding-model", "none", "--kv-cache-gib", "2")
     env = {**os.environ, "ANTHROPIC_BASE_URL": base, "ANTHROPIC_API_KEY": "none", "ANTHROPIC_MODEL": gguf.stem,
            "ANTHROPIC_DEFAULT_HAIKU_MODEL": gguf.stem, "ANTHROPIC_SMALL_FAST_MODEL": gguf.stem,
-           "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1", "DISABLE_TELEMETRY": "1"}  # fmt: skip
+           "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1", "DISABLE_TELEMETRY": "1",
+           # Each turn's max_tokens (32,000 by default): a 0.5B model can write until the context ends.
+           "CLAUDE_CODE_MAX_OUTPUT_TOKENS": "512"}  # fmt: skip
     (tmp_path / "hello.py").write_text("print('hi')\n")
 
     def claude(*args: str) -> dict:
