@@ -10,7 +10,6 @@ at the context's end (``stop_reason: "max_tokens"``) instead of the request fail
 from __future__ import annotations
 
 import dataclasses
-import json
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -71,9 +70,9 @@ class MessagesGeneration(Generation):
             await deltas.aclose()  # the client may have left mid-stream: the sequence leaves the batch
 
 
-def prepare(state: ServerState, raw: bytes) -> tuple[MessagesRequest, list[int]]:
+def prepare(state: ServerState, body: dict[str, Any]) -> tuple[MessagesRequest, list[int]]:
     """On a worker: the request and its conversation rendered and tokenized."""
-    req = parse_messages_request(state.parse_body(raw))
+    req = parse_messages_request(body)
     state.check_model(req.model)
     calls = [call.function.arguments for message in req.messages for call in message.tool_calls or ()]
     check_text([message.text for message in req.messages] + calls, state.max_chars, state.max_model_len, "messages")
@@ -85,7 +84,7 @@ async def messages(request: Request) -> Response:
     arrived = time.perf_counter()
     state = server_state(request)
     raw = await request.body()
-    req, prompt = await state.prepare(lambda: prepare(state, raw), len(raw))
+    req, prompt = await state.prepare(lambda: prepare(state, state.parse_body(raw)), len(raw))
     room = state.max_model_len - len(prompt)
     if room < 1:
         raise bad_request(f"prompt is too long: {len(prompt)} tokens > {state.max_model_len - 1} maximum", "messages")
@@ -105,6 +104,6 @@ async def count_tokens(request: Request) -> Response:
     def count() -> int:
         body = state.parse_body(raw)
         body.setdefault("max_tokens", 1)  # not a field of count_tokens
-        return len(prepare(state, json.dumps(body).encode())[1])
+        return len(prepare(state, body)[1])
 
     return JSONResponse({"input_tokens": await state.prepare(count, len(raw))})

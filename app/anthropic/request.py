@@ -200,14 +200,15 @@ def _tool(tool: dict[str, Any], index: int) -> Tool:
 
 
 def _tool_choice(choice: dict[str, Any] | None, tools: list[Tool]) -> ToolCalling | None:
-    kind = (choice or {}).get("type", "auto")
+    choice = choice or {}
+    kind = choice.get("type", "auto")
     modes = {"auto": "auto", "any": "required", "tool": "named", "none": "none"}
     if kind not in modes:
         raise bad_request("tool_choice.type: must be auto, any, tool or none", "tool_choice.type")
-    named = (choice or {}).get("name") if kind == "tool" else None
+    named = choice.get("name") if kind == "tool" else None
     if kind == "tool" and not isinstance(named, str):
         raise bad_request("tool_choice.name: a tool choice names the tool", "tool_choice.name")
-    parallel = not (choice or {}).get("disable_parallel_tool_use", False)
+    parallel = not choice.get("disable_parallel_tool_use", False)
     mode = modes[kind] if named is None else None
     try:
         calling = tool_calling(tools, mode, named, parallel, lambda index: f"tools[{index}].name")
