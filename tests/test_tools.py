@@ -111,13 +111,15 @@ def test_any_split_of_a_reply_gives_the_same_content_and_calls(before: str, call
 
 
 def test_a_reply_cut_short_keeps_what_it_has() -> None:
-    """max_tokens may end a reply anywhere: inside the trigger (text after all), inside the head (a call with the
-    name so far, none before a name has begun: never one with an empty name, nor the call syntax as text), or
-    inside the arguments (the call, with the arguments so far)."""
+    """max_tokens may end a reply anywhere: inside the trigger (text after all), inside the head (a call with its
+    name once the name is whole, none before: never one with an empty or cut name such as ``get_`` that no tool
+    answers to, nor the call syntax as text), or inside the arguments (the call, with the arguments so far)."""
     text = 'Hi <tool_call>\n{"name": "now", "arguments": {"a": [1, 2'
     parser, pieces, deltas = parse(text[: len("Hi <tool_c")])
     assert "".join(pieces) == "Hi <tool_c" and not parser.calls
-    for cut, name in (('{"na', ""), ('{"name": "no', "no"), ('{"name": "now", "argu', "now")):
+    cuts = (('{"na', ""), ('{"name": "no', ""), ('{"name": "no\\', ""), ('{"name": "now"', "now"),
+            ('{"name": "now", "argu', "now"))  # fmt: skip
+    for cut, name in cuts:
         parser, pieces, deltas = parse("Hi <tool_call>\n" + cut)
         assert "".join(pieces) == "Hi " and assembled(deltas) == ([{"name": name, "arguments": ""}] if name else [])
         assert parser.text == "Hi "

@@ -14,7 +14,7 @@ from app.tools.syntax import HERMES, ToolSyntax
 # A call's object up to its arguments' value (a mistral call may open the array; llama3 says "parameters").
 # A bare call may come in a JSON code fence.
 _OBJECT = r'\s*(?:```json\s*)?\[?\s*\{\s*"name"\s*:\s*'
-_PARTIAL_HEAD = re.compile(_OBJECT + r'"((?:[^"\\]|\\.)*\\?)')
+_NAMED_HEAD = re.compile(_OBJECT + r'("(?:[^"\\]|\\.)*")')
 _HEAD = re.compile(_OBJECT + r'("(?:[^"\\]|\\.)*")\s*,\s*"(?:arguments|parameters)"\s*:\s*')
 #: What a reply that is a bare call begins with (white space aside): its object, or a JSON code fence around it.
 _CALL_STARTS = ('{"name":"', '```json{"name":"')
@@ -72,12 +72,13 @@ class ToolCallParser:
     def finish(self) -> tuple[str, list[dict[str, Any]]]:
         """At the end of the reply: the content and call deltas still held back. Text held back in case it began
         a call is content after all; a call cut short by ``max_tokens`` is a call with what it has: the arguments
-        so far, or, cut inside its head, the name so far and no arguments (never its syntax as text)."""
+        so far, or, cut inside its head after the name, no arguments; a call whose name was cut is no call (a name
+        the client cannot match), and never its syntax as text."""
         rest, deltas = "", []
         if self._state == "text":
             rest = self._pending if not self.calls or self._pending.strip() else ""
-        elif self._state == "head" and _partial_name(self._pending):
-            call = ParsedCall(self._new_id(), _partial_name(self._pending))
+        elif self._state == "head" and (name := _whole_name(self._pending)):
+            call = ParsedCall(self._new_id(), name)
             deltas.append({"index": len(self.calls), **call.as_dict()})
             self.calls.append(call)
         self._pending = ""
@@ -132,7 +133,7 @@ class ToolCallParser:
         match = _HEAD.match(self._pending)
         if match is None:
             return False  # wait for more text
-        call = ParsedCall(self._new_id(), json.loads(match.group(1)))
+        call = ParsedCall(self._new_id(), _json_string(match.group(1)))
         deltas.append({"index": len(self.calls), **call.as_dict()})
         self.calls.append(call)
         self._pending = self._pending[match.end() :]
@@ -194,16 +195,19 @@ class ToolCallParser:
         return True
 
 
-def _partial_name(head: str) -> str:
-    """The function name a call's head cut short has written so far (``{"name": "get_wea``: ``get_wea``)."""
-    match = _PARTIAL_HEAD.match(head)
-    if match is None:
-        return ""
-    raw = match.group(1).rstrip("\\")  # a cut escape
+def _whole_name(head: str) -> str:
+    """The function name in a call's head cut short after it (``{"name": "get_weather", "argu``); "" where the cut
+    fell inside the name (``{"name": "get_wea``)."""
+    match = _NAMED_HEAD.match(head)
+    return _json_string(match.group(1)) if match else ""
+
+
+def _json_string(literal: str) -> str:
+    """A JSON string literal's value; one with a broken escape (``"a\\u12"``) as written, quotes aside."""
     try:
-        return json.loads(f'"{raw}"')
+        return json.loads(literal)
     except ValueError:
-        return raw
+        return literal[1:-1]
 
 
 def _add_arguments(deltas: list[dict[str, Any]], index: int, fragment: str) -> None:
