@@ -9,27 +9,28 @@ import time
 from starlette.requests import Request
 from starlette.responses import Response
 
+from app.chat_model import ChatModel
 from app.limits import check_text
 from app.openai.chat import ChatFormat, ChatRequest, parse_chat_request
 from app.state import ServerState, server_state
 
 
-def prepare(state: ServerState, raw: bytes) -> tuple[ChatRequest, list[int]]:
-    """On a worker: the request and its conversation rendered and tokenized."""
+def prepare(state: ServerState, raw: bytes) -> tuple[ChatModel, ChatRequest, list[int]]:
+    """On a worker: the model, the request and its conversation rendered and tokenized."""
     req = parse_chat_request(state.parse_body(raw))
-    state.check_model(req.model)
+    model = state.chat_model(req.model)
     calls = [call.function.arguments for message in req.messages for call in message.tool_calls or ()]
     texts = [message.text for message in req.messages] + calls
-    check_text(texts, state.max_chars, state.max_model_len, "messages")
-    return req, state.chat_prompt(req.messages, req.tools, req.template_kwargs)
+    check_text(texts, model.max_chars, model.max_model_len, "messages")
+    return model, req, model.chat_prompt(req.messages, req.tools, req.template_kwargs)
 
 
 async def chat_completions(request: Request) -> Response:
     arrived = time.perf_counter()
     state = server_state(request)
     raw = await request.body()
-    req, prompt = await state.prepare(lambda: prepare(state, raw), len(raw))
-    options = state.up_to_context(req.options, prompt)
-    fmt = ChatFormat(state.tokenizer, reading=state.reading(req.tools, prompt))
-    generation = await state.generation(fmt, options, [prompt], None, arrived, req.tools)
+    model, req, prompt = await state.prepare(lambda: prepare(state, raw), len(raw))
+    options = model.up_to_context(req.options, prompt)
+    fmt = ChatFormat(model.tokenizer, reading=model.reading(req.tools, prompt))
+    generation = await model.generation(fmt, options, [prompt], None, arrived, req.tools)
     return await state.respond(request, generation)

@@ -20,29 +20,17 @@ import json
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
+from app.chat_model import ChatModel
 from app.generation import Generation
 from app.limits import check_text
 from app.openai.completions import CompletionRequest, parse_completion_request
 from app.openai.errors import APIError, bad_request
+from app.openai.request import parse_model
+from app.state import ServerState
 from engine.core import fim
 from engine.core.streams import EngineError
-from engine.core.tokenizer import Tokenizer
-
-
-class ServerState(Protocol):
-    """What fill-in-the-middle reads of ``app/state.py``'s ``ServerState``."""
-
-    tokenizer: Tokenizer
-    max_chars: int
-    max_model_len: int
-    model_name: str
-
-    def parse_body(self, raw: bytes) -> dict[str, Any]: ...
-
-    def check_model(self, model: str | None) -> None: ...
-
 
 #: llama.cpp's sampling defaults (its ``/completion``), where the request names none.
 DEFAULTS = {"temperature": 0.8, "top_k": 40, "top_p": 0.95, "min_p": 0.05}
@@ -57,15 +45,15 @@ ACCEPTED = {"input_prefix", "input_suffix", "input_extra", "prompt", "n_predict"
 SAMPLERS = {"top_k", "top_p", "min_p", "temperature", "infill"}
 
 
-def with_suffix(state: ServerState, req: CompletionRequest) -> tuple[CompletionRequest, list[list[int]], None]:
+def with_suffix(model: ChatModel, req: CompletionRequest) -> tuple[CompletionRequest, list[list[int]], None]:
     """A completion with ``suffix``: its prompts as fill-in-the-middle prompts (each prompt the text before the
     gap), its sequences ending at the model's end-of-middle tokens."""
-    fim_tokens = _fim(state, "suffix")
+    fim_tokens = _fim(model, "suffix")
     prompts = []
     for prompt in req.prompts:
         if not isinstance(prompt, str):
             raise bad_request("suffix (fill-in-the-middle) needs a text prompt, not token ids", "prompt")
-        prompts.append(_layout(state, fim.Infill(prompt, req.suffix or ""), "suffix"))
+        prompts.append(_layout(model, fim.Infill(prompt, req.suffix or ""), "suffix"))
     return _ending_the_middle(req, fim_tokens), prompts, None
 
 
@@ -75,22 +63,22 @@ def _ending_the_middle(req: CompletionRequest, fim_tokens: fim.Fim) -> Completio
     return dataclasses.replace(req, options=dataclasses.replace(req.options, stop_token_ids=stops))
 
 
-def _fim(state: ServerState, param: str) -> fim.Fim:
-    found = state.tokenizer.fim
+def _fim(model: ChatModel, param: str) -> fim.Fim:
+    found = model.tokenizer.fim
     if found is None:
         raise bad_request(
             f"{param} (fill-in-the-middle) needs a model whose vocabulary has FIM tokens (Qwen2.5-Coder's "
-            f"<|fim_prefix|>, StarCoder's <fim_prefix>, CodeLlama's <PRE>, ...); {state.model_name}'s has none",
+            f"<|fim_prefix|>, StarCoder's <fim_prefix>, CodeLlama's <PRE>, ...); {model.name}'s has none",
             param,
         )
     return found
 
 
-def _layout(state: ServerState, infill: fim.Infill, param: str, room: int | None = None) -> list[int]:
+def _layout(model: ChatModel, infill: fim.Infill, param: str, room: int | None = None) -> list[int]:
     """The prompt: ``/infill``'s (``room`` given) with llama.cpp's repository header, ``suffix``'s plain."""
     texts = [infill.prefix, infill.suffix, infill.prompt, *(text for _, text in infill.extra)]
-    check_text(texts, state.max_chars, state.max_model_len, param)  # more than any cut could keep: not tokenized
-    tokenizer = state.tokenizer
+    check_text(texts, model.max_chars, model.max_model_len, param)  # more than any cut could keep: not tokenized
+    tokenizer = model.tokenizer
     assert tokenizer.fim is not None
     encode = lambda text: tokenizer.encode(text, False)  # noqa: E731
     return fim.layout(tokenizer.fim, encode, infill, tokenizer.start_ids, room, repository=room is not None)
@@ -106,29 +94,29 @@ class InfillRequest:
     n_predict: int = -1
 
 
-def prepare(state: ServerState, raw: bytes) -> tuple[InfillRequest, list[int]]:
-    """On a worker: ``/infill``'s request and its prompt, cut to the context."""
+def prepare(state: ServerState, raw: bytes) -> tuple[ChatModel, InfillRequest, list[int]]:
+    """On a worker: the model, ``/infill``'s request and its prompt, cut to the context."""
     body = state.parse_body(raw)
     unknown = sorted(set(body) - ACCEPTED)
     if unknown:
         raise bad_request(f"{unknown[0]} is not supported by this server's /infill", unknown[0])
-    fim_tokens = _fim(state, "input_prefix")
+    model = state.chat_model(parse_model(body))
+    fim_tokens = _fim(model, "input_prefix")
     infill = fim.Infill(_text(body, "input_prefix", True), _text(body, "input_suffix", True), _text(body, "prompt"),
                         _extra(body.get("input_extra")))  # fmt: skip
     _samplers(body.get("samplers"))
-    req = _completion(state, body)
-    state.check_model(req.model)
-    budget = state.max_model_len - (req.options.max_tokens or 0)
+    req = _completion(model, body)
+    budget = model.max_model_len - (req.options.max_tokens or 0)
     if budget < 8:
-        raise bad_request(f"n_predict leaves no room for a prompt in {state.max_model_len} tokens", "n_predict")
-    prompt = _layout(state, infill, "input_prefix", budget)
+        raise bad_request(f"n_predict leaves no room for a prompt in {model.max_model_len} tokens", "n_predict")
+    prompt = _layout(model, infill, "input_prefix", budget)
     req = _ending_the_middle(req, fim_tokens)
     n_indent, limit = _number(body, "n_indent"), _number(body, "t_max_predict_ms")
-    text = state.tokenizer.decode(prompt, False)
-    return InfillRequest(req, text, int(n_indent), limit, body.get("n_predict", -1)), prompt
+    text = model.tokenizer.decode(prompt, False)
+    return model, InfillRequest(req, text, int(n_indent), limit, body.get("n_predict", -1)), prompt
 
 
-def _completion(state: ServerState, body: dict[str, Any]) -> CompletionRequest:
+def _completion(model: ChatModel, body: dict[str, Any]) -> CompletionRequest:
     """The sampling fields as a completion's, with llama.cpp's defaults; ``n_predict`` -1 (its default): up to
     the context, keeping room for the prompt."""
     fields = {ours: body[theirs] for theirs, ours in SAMPLING.items() if theirs in body}
@@ -136,7 +124,7 @@ def _completion(state: ServerState, body: dict[str, Any]) -> CompletionRequest:
     if isinstance(n_predict, bool) or not isinstance(n_predict, int) or n_predict < -1:
         raise bad_request("n_predict must be an integer, -1 for no limit", "n_predict")
     # n_predict 0 runs one token nobody sees: the prompt is processed and cached, as llama.cpp does
-    max_tokens = max(n_predict, 1) if n_predict >= 0 else min(state.max_model_len // 2, 4096)
+    max_tokens = max(n_predict, 1) if n_predict >= 0 else min(model.max_model_len // 2, 4096)
     completion = {**DEFAULTS, **fields, "prompt": "-", "max_tokens": max_tokens, "model": body.get("model")}
     if fields.get("top_k") == 0:
         completion["top_k"] = -1  # llama.cpp's 0: off

@@ -20,6 +20,7 @@ from starlette.responses import JSONResponse, Response
 
 from app.anthropic.request import MessagesRequest, parse_messages_request
 from app.anthropic.response import MessageBuilder, message_object, new_id, usage
+from app.chat_model import ChatModel
 from app.generation import Generation, named_event
 from app.limits import check_text
 from app.openai.chat import ChatFormat
@@ -70,28 +71,28 @@ class MessagesGeneration(Generation):
             await deltas.aclose()  # the client may have left mid-stream: the sequence leaves the batch
 
 
-def prepare(state: ServerState, body: dict[str, Any]) -> tuple[MessagesRequest, list[int]]:
-    """On a worker: the request and its conversation rendered and tokenized."""
+def prepare(state: ServerState, body: dict[str, Any]) -> tuple[ChatModel, MessagesRequest, list[int]]:
+    """On a worker: the model, the request and its conversation rendered and tokenized."""
     req = parse_messages_request(body)
-    state.check_model(req.model)
+    model = state.chat_model(req.model)
     calls = [call.function.arguments for message in req.messages for call in message.tool_calls or ()]
-    check_text([message.text for message in req.messages] + calls, state.max_chars, state.max_model_len, "messages")
+    check_text([message.text for message in req.messages] + calls, model.max_chars, model.max_model_len, "messages")
     extra = {**req.template_kwargs, **({"continue_final_message": True} if req.prefill else {})}
-    return req, state.chat_prompt(req.messages, req.tools, extra)
+    return model, req, model.chat_prompt(req.messages, req.tools, extra)
 
 
 async def messages(request: Request) -> Response:
     arrived = time.perf_counter()
     state = server_state(request)
     raw = await request.body()
-    req, prompt = await state.prepare(lambda: prepare(state, state.parse_body(raw)), len(raw))
-    room = state.max_model_len - len(prompt)
+    model, req, prompt = await state.prepare(lambda: prepare(state, state.parse_body(raw)), len(raw))
+    room = model.max_model_len - len(prompt)
     if room < 1:
-        raise bad_request(f"prompt is too long: {len(prompt)} tokens > {state.max_model_len - 1} maximum", "messages")
+        raise bad_request(f"prompt is too long: {len(prompt)} tokens > {model.max_model_len - 1} maximum", "messages")
     options = dataclasses.replace(req.options, max_tokens=min(req.options.max_tokens or room, room))
-    generation = await state.generation(
-        ChatFormat(state.tokenizer), options, [prompt], None, arrived, req.tools, kind=MessagesGeneration,
-        reading=state.reading(req.tools, prompt), message_id=new_id("msg"),
+    generation = await model.generation(
+        ChatFormat(model.tokenizer), options, [prompt], None, arrived, req.tools, kind=MessagesGeneration,
+        reading=model.reading(req.tools, prompt), message_id=new_id("msg"),
     )  # fmt: skip
     return await state.respond(request, generation)
 
@@ -104,6 +105,6 @@ async def count_tokens(request: Request) -> Response:
     def count() -> int:
         body = state.parse_body(raw)
         body.setdefault("max_tokens", 1)  # not a field of count_tokens
-        return len(prepare(state, body)[1])
+        return len(prepare(state, body)[2])
 
     return JSONResponse({"input_tokens": await state.prepare(count, len(raw))})

@@ -14,6 +14,7 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from app.chat_model import ChatModel
 from app.generation import Generation, named_event
 from app.limits import check_text
 from app.openai.chat import ChatFormat
@@ -117,28 +118,28 @@ class ResponseGeneration(Generation):
 # -- the pipeline and its routes -----------------------------------------------------------------------------
 
 
-def prepare(state: ServerState, raw: bytes) -> tuple[ResponsesRequest, list[int], list[Message]]:
-    """On a worker: the request, its prompt (the stored conversation it continues, then its input, with its
-    instructions first), and the conversation without the instructions."""
+def prepare(state: ServerState, raw: bytes) -> tuple[ChatModel, ResponsesRequest, list[int], list[Message]]:
+    """On a worker: the model, the request, its prompt (the stored conversation it continues, then its input, with
+    its instructions first), and the conversation without the instructions."""
     req = parse_responses_request(state.parse_body(raw))
-    state.check_model(req.model)
-    check_text(item_texts(req.items), state.max_chars, state.max_model_len, "input")
+    model = state.chat_model(req.model)
+    check_text(item_texts(req.items), model.max_chars, model.max_model_len, "input")
     previous = req.body.previous_response_id
     history = [] if previous is None else state.responses.get(previous, "previous_response_id").conversation
     messages = history + conversation(req.items)
-    prompt = state.chat_prompt(with_instructions(req.instructions, messages), req.tools)
+    prompt = model.chat_prompt(with_instructions(req.instructions, messages), req.tools)
     need = req.options.max_tokens or 1
-    while req.truncate and len(prompt) + need > state.max_model_len and len(messages) > 1:
+    while req.truncate and len(prompt) + need > model.max_model_len and len(messages) > 1:
         messages = _drop_oldest(messages)
-        prompt = state.chat_prompt(with_instructions(req.instructions, messages), req.tools)
-    if len(prompt) + need > state.max_model_len:
+        prompt = model.chat_prompt(with_instructions(req.instructions, messages), req.tools)
+    if len(prompt) + need > model.max_model_len:
         param = "max_output_tokens" if req.options.max_tokens else "input"
         raise bad_request(
-            f"This model's maximum context length is {state.max_model_len} tokens. However, the input is "
+            f"This model's maximum context length is {model.max_model_len} tokens. However, the input is "
             f"{len(prompt)} tokens and {need} more were asked for. Shorten the input, or set truncation: auto.",
             param,
         )
-    return req, prompt, messages
+    return model, req, prompt, messages
 
 
 def _drop_oldest(messages: list[Message]) -> list[Message]:
@@ -153,11 +154,11 @@ async def responses(request: Request) -> Response:
     arrived = time.perf_counter()
     state = server_state(request)
     raw = await request.body()
-    req, prompt, messages = await state.prepare(lambda: prepare(state, raw), len(raw))
-    generation = await state.generation(
-        ChatFormat(state.tokenizer), state.up_to_context(req.options, prompt), [prompt], None, arrived, req.tools,
+    model, req, prompt, messages = await state.prepare(lambda: prepare(state, raw), len(raw))
+    generation = await model.generation(
+        ChatFormat(model.tokenizer), model.up_to_context(req.options, prompt), [prompt], None, arrived, req.tools,
         kind=ResponseGeneration, request=req, store=state.responses if req.store else None, history=messages,
-        stored_items=stored_input_items(req.items), reading=state.reading(req.tools, prompt),
+        stored_items=stored_input_items(req.items), reading=model.reading(req.tools, prompt),
         response_id=new_id("resp"),
     )  # fmt: skip
     return await state.respond(request, generation)

@@ -1,7 +1,7 @@
-"""The route table, and the routes that are the server's own (health, metrics, the served models) or thin (infill,
-embeddings). Each generating endpoint's pipeline and route live in its module: ``app/completions.py``,
-``app/chat.py``, ``app/responses.py``, ``app/messages.py``, ``app/tokens.py``; their wire formats in ``app/openai/``
-and ``app/anthropic/``. Torch-free."""
+"""The route table, and the routes that are the server's own (health, metrics, the served models) or thin (infill).
+Each endpoint's pipeline and route live in its module: ``app/completions.py``, ``app/chat.py``,
+``app/responses.py``, ``app/messages.py``, ``app/tokens.py``, ``app/embeddings.py``; their wire formats in
+``app/openai/`` and ``app/anthropic/``. Torch-free."""
 
 from __future__ import annotations
 
@@ -11,8 +11,9 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from app import chat, completions, messages, responses, tokens
+from app import chat, completions, embeddings, messages, responses, tokens
 from app import infill as fill
+from app.anthropic.models import VERSION_HEADER, model_info, model_page
 from app.openai.completions import CompletionFormat
 from app.openai.models import model_list
 from app.state import server_state
@@ -33,19 +34,20 @@ async def metrics(request: Request) -> Response:
 
 
 async def models(request: Request) -> Response:
-    return JSONResponse(model_list(server_state(request).registry.cards()))
+    """The served models, in OpenAI's list, or in Anthropic's page where the request is the Anthropic API's."""
+    registry = server_state(request).registry
+    if VERSION_HEADER in request.headers:
+        names = [name for entry in registry.entries for name in entry.names]
+        return JSONResponse(model_page(names, registry.created, request.query_params))
+    return JSONResponse(model_list(registry.cards()))
 
 
 async def model(request: Request) -> Response:
-    return JSONResponse(server_state(request).registry.card(request.path_params["model_id"]))
-
-
-async def embeddings(request: Request) -> Response:
-    state = server_state(request)
-    raw = await request.body()
-    req, batch = await state.prepare(lambda: state.prepare_embeddings(raw), len(raw))
-    assert state.embeddings is not None
-    return JSONResponse(await state.embeddings.answer(req, batch))
+    registry, name = server_state(request).registry, request.path_params["model_id"]
+    if VERSION_HEADER in request.headers:
+        registry.find(name)  # a 404 for a model not served
+        return JSONResponse(model_info(name, registry.created))
+    return JSONResponse(registry.card(name))
 
 
 async def infill(request: Request) -> Response:
@@ -53,9 +55,9 @@ async def infill(request: Request) -> Response:
     arrived = time.perf_counter()
     state = server_state(request)
     raw = await request.body()
-    req, prompt = await state.prepare(lambda: fill.prepare(state, raw), len(raw))
-    generation = await state.generation(
-        CompletionFormat(state.tokenizer, [prompt]), req.completion.options, [prompt], None, arrived
+    model, req, prompt = await state.prepare(lambda: fill.prepare(state, raw), len(raw))
+    generation = await model.generation(
+        CompletionFormat(model.tokenizer, [prompt]), req.completion.options, [prompt], None, arrived
     )
     answer, events = (lambda: fill.answer(req, generation)), (lambda: fill.events(req, generation))
     return await state.respond(request, generation, answer, events)
@@ -72,7 +74,7 @@ ROUTES = [
     Route("/v1/responses", responses.responses, methods=["POST"]),
     Route("/v1/messages", messages.messages, methods=["POST"]),
     Route("/v1/messages/count_tokens", messages.count_tokens, methods=["POST"]),
-    Route("/v1/embeddings", embeddings, methods=["POST"]),
+    Route("/v1/embeddings", embeddings.embeddings, methods=["POST"]),
     Route("/v1/responses/{response_id}", responses.get_response, methods=["GET"]),
     Route("/v1/responses/{response_id}", responses.delete_response, methods=["DELETE"]),
     Route("/v1/responses/{response_id}/input_items", responses.response_input_items, methods=["GET"]),

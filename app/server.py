@@ -12,11 +12,12 @@ from starlette.middleware import Middleware
 from starlette.middleware.cors import CORSMiddleware
 
 from app.backend import Backend
+from app.chat_model import Model
 from app.handlers import HANDLERS
 from app.limits import BodyLimitMiddleware
 from app.middleware import APIKeyMiddleware, RequestIdMiddleware
 from app.routes import ROUTES
-from app.state import Model, ServerConfig, ServerState
+from app.state import ServerConfig, ServerState
 
 # Streams end when their generation ends, also at shutdown: app/serve.py drains them before the server stops.
 AppStatus.disable_automatic_graceful_drain()

@@ -19,17 +19,17 @@ from app.state import ServerState, server_state
 def tokens_of(state: ServerState, body: dict[str, Any]) -> list[int]:
     """A body's prompt (``prompt``, ``add_special_tokens``) or conversation (``messages``, ``tools``,
     ``chat_template_kwargs``) as the model's token ids."""
-    state.check_model(parse_model(body))
+    model = state.chat_model(parse_model(body))
     if "messages" in body:
         keys = ("messages", "tools", "chat_template_kwargs")
         chat = parse_chat_request({key: body[key] for key in keys if key in body})
-        return state.chat_prompt(chat.messages, chat.tools, chat.template_kwargs)
+        return model.chat_prompt(chat.messages, chat.tools, chat.template_kwargs)
     prompts = parse_completion_request({"prompt": body.get("prompt")}).prompts
     if len(prompts) != 1:
         raise bad_request("tokenize takes one prompt", "prompt")
     add_special = optional(body, "add_special_tokens", bool, True)  # vLLM's default
     prompt = prompts[0]
-    return state.tokenizer.encode(prompt, add_special) if isinstance(prompt, str) else state.prompt_ids(prompt)
+    return model.tokenizer.encode(prompt, add_special) if isinstance(prompt, str) else model.prompt_ids(prompt)
 
 
 async def tokenize(request: Request) -> Response:
@@ -37,8 +37,10 @@ async def tokenize(request: Request) -> Response:
     raw = await request.body()
 
     def answer() -> bytes:  # rendered on the worker too: a long prompt's token list is megabytes of JSON
-        tokens = tokens_of(state, state.parse_body(raw))
-        return json.dumps({"tokens": tokens, "count": len(tokens), "max_model_len": state.max_model_len}).encode()
+        body = state.parse_body(raw)
+        tokens = tokens_of(state, body)
+        room = state.chat_model(parse_model(body)).max_model_len
+        return json.dumps({"tokens": tokens, "count": len(tokens), "max_model_len": room}).encode()
 
     return Response(await state.prepare(answer, len(raw)), media_type="application/json")
 
@@ -49,12 +51,12 @@ async def detokenize(request: Request) -> Response:
 
     def text() -> str:
         body = state.parse_body(raw)
-        state.check_model(parse_model(body))
-        return state.tokenizer.decode(state.prompt_ids(token_ids(body.get("tokens"), "tokens"), "tokens"))
+        model = state.chat_model(parse_model(body))
+        return model.tokenizer.decode(model.prompt_ids(token_ids(body.get("tokens"), "tokens"), "tokens"))
 
     return JSONResponse({"prompt": await state.prepare(text, len(raw))})
 
 
 async def tokenizer_info(request: Request) -> Response:
-    state = server_state(request)
-    return JSONResponse({**state.tokenizer.info(), "model_max_length": state.max_model_len})
+    model = server_state(request).chat_model(request.query_params.get("model"))
+    return JSONResponse({**model.tokenizer.info(), "model_max_length": model.max_model_len})

@@ -20,7 +20,8 @@ from prometheus_client import CollectorRegistry, generate_latest
 from ray import serve
 
 from app.backend import Submission
-from app.state import ServerConfig, local_backend
+from app.chat_model import local_backend
+from app.state import ServerConfig
 from engine import chooser
 from engine.core.config import EngineConfig
 from engine.core.grammar import Grammars
@@ -37,7 +38,7 @@ REPORT_TTL_S = 5.0
 
 @dataclass(slots=True, frozen=True)
 class ModelInfo:
-    """What the ingress needs to know of the model (``app.server.Model``); the tokenizer travels whole."""
+    """What the ingress needs to know of the model (``app.chat_model.Model``); the tokenizer travels whole."""
 
     name: str
     tokenizer: Tokenizer
@@ -97,7 +98,8 @@ class EngineReplica:
         served = await asyncio.to_thread(chooser.build, engine_config)
         self.name = serve.get_replica_context().replica_id.unique_id
         self.info = ModelInfo(served.name, served.tokenizer, served.max_model_len)
-        self.backend = local_backend(served, server_config, Grammars(served.tokenizer))
+        self.backend = local_backend(served, Grammars(served.tokenizer), server_config.max_queue,
+                                     server_config.kv_cache_idle_release_s)  # fmt: skip
         self.registry = CollectorRegistry()
         self.backend.register_metrics(self.registry)
         await self.backend.start()

@@ -1,0 +1,194 @@
+"""One served chat model as the endpoints use it: its names, tokenizer and limits, its chat template with tools in
+its family's syntax, how its replies are read, its grammars, and the backend that runs its generations. Each
+generating endpoint (``app/chat.py``, ``completions.py``, ``responses.py``, ``messages.py``, ``tokens.py``,
+``infill.py``) routes a request's ``model`` to one (``ServerState.chat_model``) and goes on through it. Torch-free."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from typing import Any, Protocol
+
+from app.backend import Backend, LocalBackend
+from app.generation import Generation
+from app.metrics import Metrics
+from app.openai.choices import Format
+from app.openai.errors import APIError, bad_request
+from app.openai.messages import Message
+from app.openai.sampling import GenerationOptions, StructuredOutput
+from app.reasoning import CLOSE as THINK_CLOSE
+from app.reasoning import OPEN as THINK_OPEN
+from app.reasoning import reasons, starts_inside
+from app.reply import Reading
+from app.tools import ToolCalling
+from app.tools.grammar import call_schema, tool_grammar
+from app.tools.prompt import render
+from app.tools.syntax import UNSUPPORTED, ToolSyntax, detect
+from engine.chooser import ServedModel
+from engine.core.grammar import Grammars
+from engine.core.scheduler import Scheduler
+from engine.core.tokenizer import ChatTemplateError, Tokenizer
+
+
+class Model(Protocol):
+    """What the routes need to know of the model: ``engine.chooser.ServedModel`` in one process, what a replica
+    tells the ingress on a cluster."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def tokenizer(self) -> Tokenizer: ...
+
+    @property
+    def max_model_len(self) -> int: ...
+
+
+def local_backend(served: ServedModel, grammars: Grammars, max_queue: int, idle_release_s: float) -> LocalBackend:
+    """This process's scheduler over ``served``'s engine."""
+    scheduler = Scheduler(served.engine, served.tokenizer, max_queue=max_queue, engine_thread=served.engine_thread,
+                          idle_release_s=idle_release_s)  # fmt: skip
+    return LocalBackend(scheduler, grammars)
+
+
+class ChatModel:
+    """A chat model and the steps from a parsed request to its running generation."""
+
+    def __init__(self, model: Model, names: tuple[str, ...], backend: Backend, grammars: Grammars,
+                 metrics: Metrics) -> None:  # fmt: skip
+        self.names = names
+        self.name = names[0]
+        self.tokenizer = model.tokenizer
+        self.max_model_len = model.max_model_len
+        #: Characters of text (other than white space) that could still fit the context.
+        self.max_chars = self.max_model_len * model.tokenizer.max_token_chars
+        self.grammars = grammars
+        self.backend = backend
+        self.metrics = metrics
+        #: The family's tool-call syntax, read from the chat template and the vocabulary (``app/tools/syntax.py``),
+        #: and whether it reasons between ``<think>`` tags (``app/reasoning.py``; the tags' tokens kept in text).
+        template = model.tokenizer.info().get("chat_template")
+        self.tool_syntax = detect(template, model.tokenizer.added)
+        self.reasons = reasons(template)
+        think = [model.tokenizer.added.get(tag) for tag in (THINK_OPEN, THINK_CLOSE)]
+        self.think_ids = frozenset(t for t in think if t is not None and self.reasons)
+
+    def chat_prompt(
+        self, messages: list[Message], calling: ToolCalling | None = None, extra: dict[str, Any] | None = None
+    ) -> list[int]:
+        """The conversation through the model's template; tools through the template when it renders them, else
+        through the default tool prompt (``app/tools/``); ``extra``: more of the template's variables. Tools for a
+        template whose call syntax this server cannot read back, or a conversation the template refuses: a 400."""
+        if calling is not None and self.tool_syntax is UNSUPPORTED:
+            raise bad_request(
+                "tools: this model's chat template writes tool calls in a syntax this server cannot read back "
+                "(it reads Hermes <tool_call> JSON, Llama 3.1 JSON and Mistral [TOOL_CALLS]); see docs/api.md",
+                "tools",
+            )
+        rendered = render(messages, calling, self.tool_syntax)
+        native = calling is not None and self.tool_syntax.native
+        definitions = calling.definitions() if native and calling is not None else None
+        try:
+            return self.tokenizer.chat_prompt(rendered, definitions or None, extra)
+        except ChatTemplateError as exc:
+            message = f"messages: the model's chat template refused the conversation: {exc}"
+            raise bad_request(message, "messages") from None
+
+    def call_syntax(self, calling: ToolCalling | None) -> ToolSyntax | None:
+        """The syntax the reply's calls are read in; None where it may make none."""
+        return self.tool_syntax if calling is not None and calling.calls_allowed else None
+
+    def up_to_context(self, options: GenerationOptions, prompt: list[int]) -> GenerationOptions:
+        """Chat's and the Responses API's default ``max_tokens``, as OpenAI's: up to the context length."""
+        if options.max_tokens is not None:
+            return options
+        room = max(self.max_model_len - len(prompt), 1)
+        return dataclasses.replace(options, max_tokens=room, min_tokens=min(options.min_tokens, room))
+
+    def reading(self, calling: ToolCalling | None, prompt: list[int]) -> Reading:
+        """How the replies to ``prompt`` are read: their calls, and their reasoning (inside it from the start where
+        the prompt opened it)."""
+        inside = self.reasons and starts_inside(self.tokenizer.decode(prompt[-8:], skip_special_tokens=False))
+        return Reading(self.call_syntax(calling), self.reasons, inside)
+
+    def prompt_ids(self, prompt: str | list[int], param: str = "prompt") -> list[int]:
+        if isinstance(prompt, str):
+            return self.tokenizer.encode(prompt)
+        if any(t >= self.tokenizer.vocab_size for t in prompt):
+            raise bad_request(f"{param} token ids must be below the vocabulary size {self.tokenizer.vocab_size}", param)
+        return prompt
+
+    def check_context(self, num_prompt: int, max_tokens: int) -> None:
+        if num_prompt + max_tokens > self.max_model_len:
+            raise bad_request(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
+                f"{num_prompt + max_tokens} tokens ({num_prompt} in the prompt, {max_tokens} in the completion). "
+                "Please reduce the prompt or max_tokens.",
+                "max_tokens",
+            )
+
+    def check_tokens(self, options: GenerationOptions) -> None:
+        vocab = self.tokenizer.vocab_size
+        if any(token >= vocab for token, _ in options.sampling.logit_bias):
+            raise bad_request(f"logit_bias token ids must be below the vocabulary size {vocab}", "logit_bias")
+        if any(token >= vocab for token in options.stop_token_ids):
+            raise bad_request(f"stop_token_ids must be below the vocabulary size {vocab}", "stop_token_ids")
+
+    async def generation(
+        self,
+        fmt: Format,
+        options: GenerationOptions,
+        prompts: list[list[int]],
+        echo_texts: list[str] | None,
+        arrived: float,
+        calling: ToolCalling | None = None,
+        kind: type[Generation] = Generation,
+        **extra: Any,
+    ) -> Generation:
+        assert options.max_tokens is not None, "the route fills in chat's default"
+        for ids in prompts:
+            self.check_context(len(ids), options.max_tokens)
+        self.check_tokens(options)
+        grammar = await self.grammar(options, calling)
+        syntax = self.call_syntax(calling)
+        kept = (syntax.kept_special if syntax is not None else frozenset()) | self.think_ids
+        return kind(
+            self.backend, self.metrics, self.tokenizer, self.name, fmt, options, prompts, echo_texts, arrived,
+            grammar, kept_special=kept, **extra,
+        )  # fmt: skip
+
+    async def grammar(self, options: GenerationOptions, calling: ToolCalling | None) -> str | None:
+        """What every sequence's tokens must follow: the structured output asked for, else the calls the tools
+        allow (with ``tool_choice: "none"``, text that starts no call), else nothing."""
+        if options.structured is not None:
+            return await self.compile(options.structured)
+        if calling is not None:
+            return await self.compile_tools(calling)
+        return None
+
+    async def compile(self, structured: StructuredOutput) -> str:
+        """Compile the grammar (off the event loop; cached) before anything is admitted: a bad one is a 400.
+        Returns the grammar, which each sequence's matcher is made from where it runs."""
+        kind, value = structured.kind, structured.value
+        build = {
+            "json": Grammars.json_schema, "regex": Grammars.regex, "choice": Grammars.choice, "grammar": Grammars.lark,
+        }  # fmt: skip
+        try:
+            grammar = build[kind](value)
+            await asyncio.to_thread(self.grammars.matcher, grammar)
+        except ValueError as exc:  # GrammarError among them
+            raise bad_request(f"{structured.param}: {exc}", structured.param) from None
+        return grammar
+
+    async def compile_tools(self, calling: ToolCalling) -> str:
+        """The grammar of the calls ``calling`` allows; a 400 naming the tool whose parameters do not compile."""
+        try:
+            return await self.compile(StructuredOutput("grammar", tool_grammar(calling, self.tool_syntax), "tools"))
+        except APIError:
+            for index, tool in enumerate(calling.tools):
+                param = calling.parameters_param(index)
+                try:
+                    Grammars.check(Grammars.json_schema(call_schema(tool, self.tool_syntax.arguments_key)))
+                except ValueError as exc:
+                    raise bad_request(f"{param}: {exc}", param) from None
+            raise
