@@ -12,6 +12,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 
 from app.anthropic import errors as anthropic_errors
+from app.anthropic.models import VERSION_HEADER
 from app.openai.errors import APIError, error_body
 from app.state import server_state
 
@@ -52,7 +53,10 @@ def _body(request: Request, status: int, message: str, openai: dict[str, Any]) -
 
 
 def _anthropic(request: Request) -> bool:
-    return request.url.path.startswith(anthropic_errors.PREFIX)
+    """The Messages API's routes, and the models' list asked for by the Anthropic API's clients."""
+    path = request.url.path
+    models = path.startswith("/v1/models") and VERSION_HEADER in request.headers
+    return path.startswith(anthropic_errors.PREFIX) or models
 
 
 HANDLERS: dict[Any, Any] = {

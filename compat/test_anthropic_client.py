@@ -87,3 +87,15 @@ def test_errors_are_the_sdk_s_typed_errors(claude: anthropic.Anthropic) -> None:
         claude.messages.create(model=MODEL, max_tokens=5, messages=ASK, tools=[{"type": "web_search_20250305",
                                                                                 "name": "web_search"}])  # fmt: skip
     assert refused.value.body["error"]["type"] == "invalid_request_error"
+
+
+def test_the_sdk_lists_and_retrieves_the_served_models(claude: anthropic.Anthropic) -> None:
+    """``client.models.list()`` pages through the served models (Anthropic's page shape, not OpenAI's list);
+    ``retrieve`` of a model not served is the SDK's NotFoundError."""
+    listed = [model.id for model in claude.models.list(limit=1)]  # one a page: the SDK follows after_id
+    assert MODEL in listed and len(listed) == len(set(listed)) >= 2  # the chat model and the embedding model
+    info = claude.models.retrieve(MODEL)
+    assert (info.id, info.type) == (MODEL, "model") and info.created_at.year >= 2026
+    with pytest.raises(anthropic.NotFoundError) as missing:
+        claude.models.retrieve("claude-opus-4-1")
+    assert missing.value.body["type"] == "error" and missing.value.body["error"]["type"] == "not_found_error"

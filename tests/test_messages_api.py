@@ -187,3 +187,26 @@ def test_the_api_key_comes_as_x_api_key() -> None:
         bearer = c.post("/v1/chat/completions", json={"messages": ASK, "max_tokens": 2},
                         headers={"Authorization": "Bearer secret"})  # fmt: skip
         assert bearer.status_code == 200
+
+
+def test_the_models_list_is_anthropic_s_page_for_the_anthropic_api() -> None:
+    """With ``anthropic-version`` (the anthropic SDK's header): Anthropic's model objects, paged by ``limit``,
+    ``after_id`` and ``before_id``, a model not served a ``not_found_error``; without it, OpenAI's list."""
+    version = {"anthropic-version": "2023-06-01"}
+    with fake_client(FakeEngine(max_model_len=64), model_aliases=("a", "b", "c")) as c:
+        page = c.get("/v1/models", headers=version, params={"limit": 2}).json()
+        assert [m["id"] for m in page["data"]] == ["fake", "a"] and page["has_more"] is True
+        assert (page["first_id"], page["last_id"]) == ("fake", "a")
+        assert set(page["data"][0]) == {"type", "id", "display_name", "created_at"}
+        assert page["data"][0]["created_at"].endswith("Z") and page["data"][0]["type"] == "model"
+        after = c.get("/v1/models", headers=version, params={"limit": 2, "after_id": "a"}).json()
+        assert [m["id"] for m in after["data"]] == ["b", "c"] and after["has_more"] is False
+        before = c.get("/v1/models", headers=version, params={"limit": 2, "before_id": "c"}).json()
+        assert [m["id"] for m in before["data"]] == ["a", "b"] and before["has_more"] is True
+        assert c.get("/v1/models/b", headers=version).json()["id"] == "b"
+        missing = c.get("/v1/models/claude-opus-4-1", headers=version)
+        assert missing.status_code == 404 and missing.json()["error"]["type"] == "not_found_error"
+        assert c.get("/v1/models", headers=version, params={"limit": 0}).json()["error"]["type"] == (
+            "invalid_request_error"
+        )
+        assert c.get("/v1/models").json()["object"] == "list" and c.get("/v1/models/b").json()["object"] == "model"
