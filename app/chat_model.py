@@ -18,7 +18,7 @@ from app.openai.messages import Message
 from app.openai.sampling import GenerationOptions, StructuredOutput
 from app.reasoning import CLOSE as THINK_CLOSE
 from app.reasoning import OPEN as THINK_OPEN
-from app.reasoning import reasons, starts_inside
+from app.reasoning import budget_grammar, reasons, starts_inside
 from app.reply import Reading
 from app.tools import ToolCalling
 from app.tools.grammar import call_schema, tool_grammar
@@ -70,8 +70,10 @@ class ChatModel:
         template = model.tokenizer.info().get("chat_template")
         self.tool_syntax = detect(template, model.tokenizer.added)
         self.reasons = reasons(template)
-        think = [model.tokenizer.added.get(tag) for tag in (THINK_OPEN, THINK_CLOSE)]
-        self.think_ids = frozenset(t for t in think if t is not None and self.reasons)
+        opening, closing = (model.tokenizer.added.get(tag) for tag in (THINK_OPEN, THINK_CLOSE))
+        #: The tags' token ids, where the model reasons and both are tokens.
+        self.think_tags = (opening, closing) if self.reasons and opening is not None and closing is not None else None
+        self.think_ids = frozenset(self.think_tags or ())
 
     def chat_prompt(
         self, messages: list[Message], calling: ToolCalling | None = None, extra: dict[str, Any] | None = None
@@ -110,6 +112,15 @@ class ChatModel:
         the prompt opened it)."""
         inside = self.reasons and starts_inside(self.tokenizer.decode(prompt[-8:], skip_special_tokens=False))
         return Reading(self.call_syntax(calling), self.reasons, inside)
+
+    def with_budget(self, options: GenerationOptions, calling: ToolCalling | None, reading: Reading,
+                    budget: int | None) -> GenerationOptions:  # fmt: skip
+        """``options`` whose reasoning ends after at most ``budget`` tokens (a grammar), where the model reasons and
+        no other grammar holds the reply (a structured output's or the tools' leave no room for reasoning)."""
+        if budget is None or not self.reasons or options.structured is not None or calling is not None:
+            return options
+        grammar = budget_grammar(budget, reading.inside, self.think_tags)
+        return dataclasses.replace(options, structured=StructuredOutput("grammar", grammar, "thinking.budget_tokens"))
 
     def prompt_ids(self, prompt: str | list[int], param: str = "prompt") -> list[int]:
         if isinstance(prompt, str):

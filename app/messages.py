@@ -90,9 +90,11 @@ async def messages(request: Request) -> Response:
     if room < 1:
         raise bad_request(f"prompt is too long: {len(prompt)} tokens > {model.max_model_len - 1} maximum", "messages")
     options = dataclasses.replace(req.options, max_tokens=min(req.options.max_tokens or room, room))
+    reading = model.reading(req.tools, prompt)
+    options = model.with_budget(options, req.tools, reading, req.thinking_budget)
     generation = await model.generation(
         ChatFormat(model.tokenizer), options, [prompt], None, arrived, req.tools, kind=MessagesGeneration,
-        reading=model.reading(req.tools, prompt), message_id=new_id("msg"),
+        reading=reading, message_id=new_id("msg"),
     )  # fmt: skip
     return await state.respond(request, generation)
 

@@ -28,6 +28,21 @@ def starts_inside(prompt_text: str) -> bool:
     return prompt_text.rstrip().endswith(OPEN)
 
 
+def budget_grammar(budget: int, inside: bool, tag_ids: tuple[int, int] | None) -> str:
+    """A grammar (llguidance's Lark) that ends the reasoning after at most ``budget`` tokens: the closing tag comes
+    then, if the model has not written it before; the answer after it is free. ``inside``: the prompt opened the
+    reasoning; else the reply may open it or answer at once. ``tag_ids``: the tags' token ids, where they are
+    tokens (else the tags are text)."""
+    opening, closing = (f"<[{tag_ids[0]}]>", f"<[{tag_ids[1]}]>") if tag_ids else (f'"{OPEN}"', f'"{CLOSE}"')
+    start = "start: thought answer" if inside else f"start: ({opening} thought)? answer"
+    return "\n".join([
+        start,
+        f"thought: reasoning {closing}",
+        f"reasoning[max_tokens={budget}]: /(.|\\n)*/",
+        "answer: /(.|\\n)*/",
+    ])  # fmt: skip
+
+
 @dataclass(slots=True)
 class ReasoningParser:
     """Splits a reply, fed piece by piece, into reasoning and content. Fed the same text in any split, it releases

@@ -49,9 +49,10 @@ LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0, "low_fre
                "high_freq_factor": 4.0, "original_max_position_embeddings": 64}  # fmt: skip
 
 
-def tiny_model(arch: str, vocab: int, seed: int = 0, long_rope: bool = False) -> PreTrainedModel:
+def tiny_model(arch: str, vocab: int, seed: int = 0, long_rope: bool = False, positions: int = 1024) -> PreTrainedModel:
     """A 2-layer model of ``arch`` with random weights; biases and norms random too, so that each counts.
-    ``long_rope``: the architecture's long-context RoPE (llama: Llama 3.1's, phi3: LongRoPE), over 64 positions."""
+    ``long_rope``: the architecture's long-context RoPE (llama: Llama 3.1's, phi3: LongRoPE), over 64 positions;
+    ``positions``: its context length."""
     config_class, model_class = _MODELS[arch]
     extra: dict = {"head_dim": 48} if arch == "qwen3" else {}  # not hidden / heads: the file's key_length is read
     extra["rope_parameters"] = LLAMA3_ROPE if long_rope else {"rope_type": "default", "rope_theta": 1e6}
@@ -73,7 +74,7 @@ def tiny_model(arch: str, vocab: int, seed: int = 0, long_rope: bool = False) ->
         )  # fmt: skip
     config = config_class(
         vocab_size=vocab, hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2,
-        max_position_embeddings=1024, rms_norm_eps=1e-6, **extra,
+        max_position_embeddings=positions, rms_norm_eps=1e-6, **extra,
     )  # fmt: skip
     torch.manual_seed(seed)
     model = model_class(config).eval()

@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from app.reasoning import ReasoningParser, reasons, starts_inside
+from app.reasoning import ReasoningParser, budget_grammar, reasons, starts_inside
 
 TEMPLATES = Path(__file__).parent / "templates"
 
@@ -81,11 +81,11 @@ def thinker(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFac
     path = root / f"tiny-{name}.gguf"
     types = {kind: T.Q8_0 for kind in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")}
     template = (TEMPLATES / f"{name}.jinja").read_text()
-    write_gguf(tiny_model("llama", vocab=49152, seed=5), "llama", path, loader._default_gguf(), types,
+    write_gguf(tiny_model("llama", vocab=49152, seed=5, positions=2048), "llama", path, loader._default_gguf(), types,
                renamed=THINKERS[name], template=template)  # fmt: skip
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("SMOLSERVE_CACHE_DIR", str(root / "cache"))
-        served = build(EngineConfig(model=str(path), kv_cache_gib=0.25, max_model_len=1024, embedding_model="none"))
+        served = build(EngineConfig(model=str(path), kv_cache_gib=0.25, max_model_len=2048, embedding_model="none"))
     with TestClient(create_app(served, ServerConfig())) as client:
         yield client, name
 
@@ -160,3 +160,40 @@ def test_the_responses_api_gives_reasoning_an_item_of_its_own(thinker) -> None:
     assert again.status_code == 200, again.text
     listed = client.get(f"/v1/responses/{again.json()['id']}/input_items").json()["data"]
     assert "reasoning" in [item["type"] for item in listed]
+
+
+def test_thinking_budget_tokens_ends_the_reasoning_in_time(thinker) -> None:
+    """The Messages API's ``thinking.budget_tokens``: the reasoning closes after at most that many tokens and the
+    answer follows; without a budget the same reply reasons on to ``max_tokens``. Anthropic's rules: a budget of at
+    least 1,024, below ``max_tokens``."""
+    client, name = thinker
+    if name != "r1-distill-qwen":
+        pytest.skip("the R1 distill's prompt opens the reasoning: a random model stays inside it")
+    model = client.get("/v1/models").json()["data"][0]["id"]
+    body = {"model": model, "max_tokens": 1100, "messages": ASK, "temperature": 0}
+    budget = {"type": "enabled", "budget_tokens": 1024}
+    free = client.post("/v1/messages", json={**body, "thinking": {"type": "adaptive"}}).json()
+    assert [block["type"] for block in free["content"]] == ["thinking"] and free["stop_reason"] == "max_tokens"
+    held = client.post("/v1/messages", json={**body, "thinking": budget})
+    assert held.status_code == 200, held.text
+    blocks = held.json()["content"]
+    assert [block["type"] for block in blocks] == ["thinking", "text"] and held.json()["usage"]["output_tokens"] == 1100
+    assert "</think>" not in blocks[0]["thinking"] and blocks[1]["text"]
+    for bad, param in (({"type": "enabled", "budget_tokens": 512}, "budget_tokens"),
+                       ({"type": "enabled", "budget_tokens": 2000}, "max_tokens"),
+                       ({"type": "adaptive", "budget": 1}, "budget")):  # fmt: skip
+        refused = client.post("/v1/messages", json={**body, "thinking": bad})
+        assert refused.status_code == 400 and param in refused.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("budget", [1, 20])
+def test_the_budget_s_grammar_closes_the_reasoning_at_its_token(thinker, budget: int) -> None:
+    """The grammar behind ``budget_tokens`` (``budget_grammar``), token by token: the closing tag is the token
+    right after the budget's last, then the answer; here through chat's ``structured_outputs``."""
+    client, name = thinker
+    if name != "r1-distill-qwen":
+        pytest.skip("the R1 distill's prompt opens the reasoning: a random model stays inside it")
+    grammar = budget_grammar(budget, True, (3, 4))
+    got = chat(client, max_tokens=budget + 8, logprobs=True, structured_outputs={"grammar": grammar})
+    tokens = [entry["token"] for entry in got["logprobs"]["content"]]
+    assert tokens.index("</think>") == budget and got["message"]["content"]

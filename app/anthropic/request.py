@@ -72,6 +72,8 @@ class MessagesRequest:
     template_kwargs: dict[str, Any] = field(default_factory=dict)
     #: The conversation ends in the assistant's own text, which the reply continues.
     prefill: bool = False
+    #: ``thinking.budget_tokens``: the most tokens a reasoning model's reasoning may take.
+    thinking_budget: int | None = None
 
 
 def parse_messages_request(body: dict[str, Any]) -> MessagesRequest:
@@ -94,7 +96,8 @@ def parse_messages_request(body: dict[str, Any]) -> MessagesRequest:
     )  # fmt: skip
     last = messages[-1]
     prefill = last.role == "assistant" and not last.tool_calls and bool(last.text)
-    return MessagesRequest(req.model, messages, options, calling, _thinking(req.thinking), prefill)
+    template_kwargs, budget = _thinking(req.thinking, req.max_tokens)
+    return MessagesRequest(req.model, messages, options, calling, template_kwargs, prefill, budget)
 
 
 def _system(system: str | list[Any] | None) -> list[Message]:
@@ -219,12 +222,32 @@ def _tool_choice(choice: dict[str, Any] | None, tools: list[Tool]) -> ToolCallin
     return dataclasses.replace(calling, parameters_param=lambda index: f"tools[{index}].input_schema")
 
 
-def _thinking(thinking: dict[str, Any] | None) -> dict[str, Any]:
-    """``thinking``: enabled or adaptive lets a reasoning model reason (its default), disabled turns it off."""
+#: The fields of each kind of ``thinking``.
+_THINKING = {"enabled": {"type", "budget_tokens", "display"}, "adaptive": {"type", "display"}, "disabled": {"type"}}
+#: Anthropic's least reasoning budget.
+MIN_BUDGET = 1024
+
+
+def _thinking(thinking: dict[str, Any] | None, max_tokens: int) -> tuple[dict[str, Any], int | None]:
+    """``thinking``: the template's variables and the reasoning's budget. Enabled (with ``budget_tokens``, as
+    Anthropic's rules have it: at least 1,024 and less than ``max_tokens``) or adaptive lets a reasoning model reason
+    (its default), disabled turns it off."""
     kind = (thinking or {}).get("type")
-    if kind not in (None, "enabled", "disabled", "adaptive"):
+    if thinking is None:
+        return {}, None
+    if kind not in _THINKING:
         raise bad_request("thinking.type: must be enabled, disabled or adaptive", "thinking.type")
-    return {"enable_thinking": False} if kind == "disabled" else {}
+    unknown = sorted(set(thinking) - _THINKING[kind])
+    if unknown:
+        raise bad_request(f"thinking.{unknown[0]}: not a field of {kind} thinking", f"thinking.{unknown[0]}")
+    if kind == "disabled":
+        return {"enable_thinking": False}, None
+    budget = thinking.get("budget_tokens")
+    if kind == "enabled" and (isinstance(budget, bool) or not isinstance(budget, int) or budget < MIN_BUDGET):
+        raise bad_request(f"thinking.budget_tokens: an integer of at least {MIN_BUDGET}", "thinking.budget_tokens")
+    if budget is not None and budget >= max_tokens:
+        raise bad_request("max_tokens must be greater than thinking.budget_tokens", "max_tokens")
+    return {}, budget
 
 
 def _output_format(req: MessagesBody) -> StructuredOutput | None:
