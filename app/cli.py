@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import os
+from pathlib import Path
 
 from app.limits import RequestLimits
 from app.state import ServerConfig
@@ -14,8 +15,30 @@ from engine.core.config import DEFAULT_MODEL, EngineConfig
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = build_parser()
     args = parser.parse_args(argv)
+    args.models = chat_models(parser, args)
+    args.model = args.models[0][1]
     _check_cluster(parser, args)
     return args
+
+
+def chat_models(parser: argparse.ArgumentParser, args: argparse.Namespace) -> list[tuple[tuple[str, ...] | None, str]]:
+    """The chat models to serve, in order: each one's names (None: its own) and its source. ``--served-model-name``
+    names the one model (all its names), or each of several (one name each)."""
+    sources = list(args.model or [])
+    if args.models_dir:
+        folder = Path(args.models_dir)
+        if not folder.is_dir():
+            parser.error(f"--models-dir {folder}: not a directory")
+        sources += sorted(str(path) for path in folder.glob("*.gguf") if str(path) not in sources)
+    sources = sources or [DEFAULT_MODEL]
+    names = args.served_model_name
+    if names is None:
+        return [(None, source) for source in sources]
+    if len(sources) == 1:
+        return [(tuple(names), sources[0])]
+    if len(names) != len(sources):
+        parser.error(f"--served-model-name: {len(names)} names for {len(sources)} chat models (one each)")
+    return [((name,), source) for name, source in zip(names, sources, strict=True)]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -25,6 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
     _engine_flags(parser, EngineConfig())
     _path_flags(parser, EngineConfig())
     _server_flags(parser, ServerConfig())
+    _pool_flags(parser, ServerConfig())
     _cluster_flags(parser)
     return parser
 
@@ -32,8 +56,16 @@ def build_parser() -> argparse.ArgumentParser:
 def _model_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--model",
-        default=DEFAULT_MODEL,
-        help="default model name, .gguf file, HF model dir, hub id, or 'fake'",
+        action="append",
+        default=None,
+        help="a chat model: .gguf file, HF model dir, hub id, 'fake', or the bundled default (the default); give it "
+        "again for more models, each loaded when first asked for (the first at start)",
+    )
+    parser.add_argument(
+        "--models-dir",
+        default=None,
+        metavar="DIR",
+        help="serve every .gguf file in DIR too (after the --model ones, by name), each loaded when first asked for",
     )
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
@@ -42,7 +74,8 @@ def _model_flags(parser: argparse.ArgumentParser) -> None:
         nargs="+",
         default=None,
         metavar="NAME",
-        help="names clients send as `model` for the chat model (default: the model's); the first is reported",
+        help="names clients send as `model` for the chat model (default: the model's); the first is reported. With "
+        "several chat models: one name per model, in their order",
     )
     parser.add_argument(
         "--embedding-model",
@@ -173,6 +206,25 @@ def _server_flags(parser: argparse.ArgumentParser, defaults: ServerConfig) -> No
     parser.add_argument("--log-level", default="info")
 
 
+def _pool_flags(parser: argparse.ArgumentParser, defaults: ServerConfig) -> None:
+    """Several chat models in one server (``app/model_pool.py``)."""
+    parser.add_argument(
+        "--keep-alive",
+        type=float,
+        default=defaults.keep_alive_s,
+        metavar="SECONDS",
+        help="with several chat models: unload one idle this long (-1: never; 0: as soon as it is idle)",
+    )
+    parser.add_argument(
+        "--max-loaded-models",
+        type=int,
+        default=defaults.max_loaded_models,
+        metavar="N",
+        help="with several chat models: the most loaded at once; loading another unloads the least recently used "
+        "idle one (default: no bound)",
+    )
+
+
 def _cluster_flags(parser: argparse.ArgumentParser) -> None:
     cluster = parser.add_argument_group("scaling out on Ray Serve (any of these starts the cluster mode)")
     cluster.add_argument("--replicas", type=int, default=None, help="engine replicas (each one engine, its own KV)")
@@ -195,6 +247,8 @@ def _check_cluster(parser: argparse.ArgumentParser, args: argparse.Namespace) ->
             parser.error(f"--{name.replace('_', '-')} must be at least {0 if name == 'min_replicas' else 1}")
     if args.min_replicas is not None and args.min_replicas > args.max_replicas:
         parser.error("--min-replicas must not exceed --max-replicas")
+    if clustered(args) and len(args.models) > 1:
+        parser.error("--replicas serves one chat model (each replica holds its engine): start a cluster per model")
 
 
 def _threads(value: str) -> int | None:
@@ -230,9 +284,12 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
 
 
 def server_config(args: argparse.Namespace) -> ServerConfig:
+    first = args.models[0][0]
     return ServerConfig(
-        served_model_name=args.served_model_name[0] if args.served_model_name else None,
-        model_aliases=tuple(args.served_model_name[1:]) if args.served_model_name else (),
+        served_model_name=first[0] if first else None,
+        model_aliases=tuple(first[1:]) if first else (),
+        keep_alive_s=args.keep_alive,
+        max_loaded_models=args.max_loaded_models,
         embedding_model_names=tuple(args.embedding_model_name or ()),
         max_embedding_inputs=args.max_embedding_inputs,
         max_queue=args.max_queue,

@@ -18,7 +18,7 @@ from app.openai.errors import error_body
 access_log = logging.getLogger("smolserve.access")
 
 #: Routes that need the API key when one is set; /health and /metrics stay open for probes and scrapers.
-PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize")
+PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize", "/models/")
 
 
 class RequestIdMiddleware:

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -19,7 +20,7 @@ class ServedEntry:
     #: The names clients may send as ``model``; the first is the one responses carry.
     names: tuple[str, ...]
     kind: Kind
-    max_model_len: int
+    max_model_len: int | None
 
     @property
     def name(self) -> str:
@@ -27,16 +28,19 @@ class ServedEntry:
 
 
 class ModelRegistry:
-    def __init__(self, entries: list[ServedEntry], created: int) -> None:
+    def __init__(self, entries: list[ServedEntry], created: int,
+                 details: Callable[[str], dict[str, Any]] = lambda name: {}) -> None:  # fmt: skip
+        """``details``: what a model's card adds (a chat model's status and context length, ``app/model_pool.py``)."""
         self.entries = entries
         self.created = created
+        self._details = details
 
     def cards(self) -> list[dict[str, Any]]:
-        return [model_card(name, self.created, entry.max_model_len) for entry in self.entries for name in entry.names]
+        return [self.card(name) for entry in self.entries for name in entry.names]
 
     def card(self, name: str) -> dict[str, Any]:
         entry = self.find(name)
-        return model_card(name, self.created, entry.max_model_len)
+        return {**model_card(name, self.created, entry.max_model_len), **self._details(name)}
 
     def find(self, name: str) -> ServedEntry:
         for entry in self.entries:

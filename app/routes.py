@@ -14,15 +14,18 @@ from starlette.routing import Route
 from app import chat, completions, embeddings, messages, responses, tokens
 from app import infill as fill
 from app.anthropic.models import VERSION_HEADER, model_info, model_page
+from app.model_pool import PoolEntry
 from app.openai.completions import CompletionFormat
+from app.openai.errors import APIError, bad_request
 from app.openai.models import model_list
-from app.state import server_state
+from app.openai.request import parse_model
+from app.state import ServerState, server_state
 from app.summary import server_facts
 
 
 async def health(request: Request) -> Response:
     state = server_state(request)
-    health = await state.backend.health()
+    health = await state.backend.health() if state.backend is not None else {}
     facts = server_facts(state, health.get("engine", {}))
     return JSONResponse({"status": "draining" if state.draining else "ok", **health, "models": facts["models"],
                          "speculative": facts["speculative"]})  # fmt: skip
@@ -63,6 +66,35 @@ async def infill(request: Request) -> Response:
     return await state.respond(request, generation, answer, events)
 
 
+async def load_model(request: Request) -> Response:
+    """llama.cpp's router: ``POST /models/load`` ``{"model": id}`` loads a chat model now (waits for the load)."""
+    state = server_state(request)
+    entry = _pooled(state, await request.body())
+    await state.pool.load(entry)
+    return JSONResponse({"success": True})
+
+
+async def unload_model(request: Request) -> Response:
+    """``POST /models/unload`` ``{"model": id}``: unloads a chat model now; a 409 while it has requests."""
+    state = server_state(request)
+    entry = _pooled(state, await request.body())
+    if entry.spec is None:
+        raise bad_request(f"`{entry.names[0]}` is the only chat model: it stays loaded", "model")
+    if entry.model is not None and not entry.model.backend.is_idle:
+        raise APIError(409, f"`{entry.names[0]}` has requests running; unload it once they end", param="model",
+                       code="model_busy")  # fmt: skip
+    await state.pool.unload(entry)
+    return JSONResponse({"success": True})
+
+
+def _pooled(state: ServerState, raw: bytes) -> PoolEntry:
+    """The chat model a ``/models/*`` body names (``model`` required)."""
+    name = parse_model(state.parse_body(raw))
+    if name is None:
+        raise bad_request("model: required", "model")
+    return state.pool.entry(state.registry.route(name, "generate").name)
+
+
 ROUTES = [
     Route("/health", health, methods=["GET"]),
     Route("/metrics", metrics, methods=["GET"]),
@@ -79,6 +111,8 @@ ROUTES = [
     Route("/v1/responses/{response_id}", responses.delete_response, methods=["DELETE"]),
     Route("/v1/responses/{response_id}/input_items", responses.response_input_items, methods=["GET"]),
     Route("/infill", infill, methods=["POST"]),
+    Route("/models/load", load_model, methods=["POST"]),
+    Route("/models/unload", unload_model, methods=["POST"]),
     Route("/tokenize", tokens.tokenize, methods=["POST"]),
     Route("/detokenize", tokens.detokenize, methods=["POST"]),
 ]

@@ -59,14 +59,15 @@ async def drain(state: ServerState, timeout: float) -> None:
     """Stop admitting (503), let in-flight requests finish for up to ``timeout`` s, then end the rest with an
     error."""
     state.draining = True
-    backend = state.backend
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout
-    while not backend.is_idle and loop.time() < deadline:
+    busy = lambda: [model.backend for model in state.pool.loaded if not model.backend.is_idle]  # noqa: E731
+    while busy() and loop.time() < deadline:
         await asyncio.sleep(0.05)
-    if not backend.is_idle:
+    if busy():
         log.warning("shutdown timeout: ending the requests still running")
-        backend.fail_all("the server shut down before this request finished")
+        for backend in busy():
+            backend.fail_all("the server shut down before this request finished")
         await asyncio.sleep(0.2)  # let the routes send their errors
 
 

@@ -4,7 +4,7 @@ middleware, error handlers and lifespan. Torch-free."""
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 
 from sse_starlette.sse import AppStatus
 from starlette.applications import Starlette
@@ -16,6 +16,7 @@ from app.chat_model import Model
 from app.handlers import HANDLERS
 from app.limits import BodyLimitMiddleware
 from app.middleware import APIKeyMiddleware, RequestIdMiddleware
+from app.model_pool import LazyModel
 from app.routes import ROUTES
 from app.state import ServerConfig, ServerState
 
@@ -23,10 +24,12 @@ from app.state import ServerConfig, ServerState
 AppStatus.disable_automatic_graceful_drain()
 
 
-def create_app(model: Model, config: ServerConfig | None = None, backend: Backend | None = None) -> Starlette:
-    """The app over ``backend``; by default over a scheduler of its own driving ``model``'s engine."""
+def create_app(model: Model, config: ServerConfig | None = None, backend: Backend | None = None,
+               lazy: Sequence[LazyModel] = (), reload: LazyModel | None = None) -> Starlette:  # fmt: skip
+    """The app over ``backend``; by default over a scheduler of its own driving ``model``'s engine. ``lazy``: more
+    chat models, loaded when first asked for; ``reload``: how to load ``model`` again once it was unloaded."""
     config = config or ServerConfig()
-    state = ServerState(model, config, backend)
+    state = ServerState(model, config, backend, lazy, reload)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -23,6 +23,7 @@ from app.embedding_service import MAX_INPUTS, EmbeddingService
 from app.generation import Generation
 from app.limits import RequestLimits, check_lists
 from app.metrics import Metrics
+from app.model_pool import KEEP_ALIVE_S, LazyModel, ModelPool, NotLoaded
 from app.models import ModelRegistry, ServedEntry
 from app.openai.errors import APIError
 from app.openai.request import parse_json_object
@@ -67,6 +68,10 @@ class ServerConfig:
     limits: RequestLimits = field(default_factory=RequestLimits)
     #: Responses kept for ``previous_response_id`` and ``GET /v1/responses/{id}`` (least recently used leave first).
     responses_store_size: int = STORE_SIZE
+    #: With several chat models: seconds a model may sit idle before it is unloaded (-1: never; ``app/model_pool.py``).
+    keep_alive_s: float = KEEP_ALIVE_S
+    #: With several chat models: the most loaded at once (None: no bound).
+    max_loaded_models: int | None = None
 
 
 class ServerState:
@@ -75,7 +80,8 @@ class ServerState:
     the metrics, the stored responses, and the answer's last step (``respond``). Reached from a request as
     ``request.app.state.server`` (``server_state``)."""
 
-    def __init__(self, model: Model, config: ServerConfig, backend: Backend | None) -> None:
+    def __init__(self, model: Model, config: ServerConfig, backend: Backend | None,
+                 lazy: Sequence[LazyModel] = (), reload: LazyModel | None = None) -> None:  # fmt: skip
         self.config = config
         self.limits = config.limits
         self.workers = ThreadPoolExecutor(PREPARE_WORKERS, thread_name_prefix="prepare")
@@ -86,7 +92,9 @@ class ServerState:
             backend = local_backend(model, grammars, config.max_queue, config.kv_cache_idle_release_s)
         backend.register_metrics(self.metrics.registry)
         names = (config.served_model_name or model.name, *config.model_aliases)
-        self.chat = ChatModel(model, names, backend, grammars, self.metrics)
+        first = ChatModel(model, names, backend, grammars, self.metrics)
+        self.pool = ModelPool(first, list(lazy), self._chat_model_of, config.keep_alive_s, config.max_loaded_models,
+                              self.metrics.registry, reload)  # fmt: skip
         self.created = int(time.time())
         self.sse_ping = config.sse_keepalive_s or 0  # sse-starlette: 0 sends no pings
         #: Set when shutdown begins: new requests get 503 while in-flight ones finish.
@@ -98,15 +106,23 @@ class ServerState:
         stored.set_function(lambda: len(self.responses))
 
     @property
-    def backend(self) -> Backend:
-        return self.chat.backend
+    def backend(self) -> Backend | None:
+        """The first loaded chat model's backend (a cluster's: its replicas); None while no chat model is loaded."""
+        first = self.pool.first
+        return first.backend if first is not None else None
+
+    def _chat_model_of(self, served: ServedModel, names: tuple[str, ...]) -> ChatModel:
+        """A chat model loaded later: a scheduler of its own, on the engine thread it shares."""
+        grammars = Grammars(served.tokenizer)
+        backend = local_backend(served, grammars, self.config.max_queue, self.config.kv_cache_idle_release_s)
+        return ChatModel(served, names, backend, grammars, self.metrics)
 
     def _models(self, model: Model, config: ServerConfig) -> tuple[ModelRegistry, EmbeddingService | None]:
-        """The served models: the chat model, then the embedding model beside it (run on the engine's thread)."""
-        chat = ServedEntry(self.chat.names, "generate", self.chat.max_model_len)
+        """The served models: the chat models, then the embedding model beside them (run on the engine's thread)."""
+        chat = [ServedEntry(entry.names, "generate", entry.max_model_len) for entry in self.pool.entries]
         encoder: Encoder | None = getattr(model, "encoder", None)
         if encoder is None:
-            return ModelRegistry([chat], self.created), None
+            return ModelRegistry(chat, self.created, self.pool.card), None
         entry = ServedEntry(config.embedding_model_names or (encoder.name,), "embed", encoder.max_seq_length)
         scheduler = getattr(self.backend, "scheduler", None)
 
@@ -115,24 +131,23 @@ class ServerState:
 
         executor = getattr(model, "engine_thread", None)
         service = EmbeddingService(encoder, entry, executor, self.metrics.registry, chat_step_seconds)
-        return ModelRegistry([chat, entry], self.created), service
+        return ModelRegistry([*chat, entry], self.created, self.pool.card), service
 
     async def start(self) -> None:
-        await self.backend.start()
+        await self.pool.start()
         if self.embeddings is not None:
             await self.embeddings.batcher.start()
 
     async def stop(self) -> None:
         if self.embeddings is not None:
             await self.embeddings.batcher.stop()
-        await self.backend.stop()
+        await self.pool.stop()
         self.workers.shutdown(wait=False)
 
     def chat_model(self, name: str | None) -> ChatModel:
-        """The chat model a generating request names (or the chat model, none named); a 404 or a 400 naming
-        ``model`` otherwise."""
-        self.registry.route(name, "generate")
-        return self.chat
+        """The chat model a generating request names (none named: the first); a 404 or a 400 naming ``model``
+        otherwise. ``NotLoaded`` where it is not loaded: ``prepare`` loads it and prepares the request again."""
+        return self.pool.route(self.registry.route(name, "generate").name)
 
     def embedding_model(self, name: str | None) -> EmbeddingService:
         """The embedding model an embeddings request names (or the one, none named)."""
@@ -141,8 +156,16 @@ class ServerState:
         return self.embeddings
 
     async def prepare(self, work: Callable[[], T], size: int) -> T:
-        """Run ``work`` (parsing a body of ``size`` bytes, tokenizing, rendering a template) on the worker pool, so
-        that streams keep flowing while it runs; after a large body, hand the heap's freed memory back."""
+        """Run ``work`` (parsing a body of ``size`` bytes, routing it to its model, tokenizing, rendering a template)
+        on the worker pool, so that streams keep flowing while it runs; a model not loaded is loaded and ``work`` run
+        again. After a large body, hand the heap's freed memory back."""
+        while True:
+            try:
+                return await self._on_worker(work, size)
+            except NotLoaded as exc:
+                await self.pool.load(exc.entry)
+
+    async def _on_worker(self, work: Callable[[], T], size: int) -> T:
         loop = asyncio.get_running_loop()
         try:
             return await loop.run_in_executor(self.workers, work)

@@ -15,6 +15,8 @@ def server_facts(state: ServerState, engine: dict[str, Any]) -> dict[str, Any]:
         {"names": list(entry.names), "kind": entry.kind, "max_model_len": entry.max_model_len}
         for entry in state.registry.entries
     ]
+    for model, pooled in zip(models, state.pool.entries, strict=False):  # the chat models come first
+        model.update(status=pooled.status, max_model_len=pooled.max_model_len)
     if state.embeddings is not None:
         encoder = state.embeddings.encoder
         spec = getattr(encoder, "spec", None)
@@ -33,8 +35,10 @@ def startup_summary(state: ServerState, engine: dict[str, Any], address: str) ->
             detail = f"{model['dtype']}, {pooling}{model['dimensions']} dimensions"
         else:
             detail = model.get("weights", "weights not reported by the engine")
-        lines.append(f"  {model['kind']} model {', '.join(model['names'])}: {detail}; "
-                     f"up to {model['max_model_len']} tokens")  # fmt: skip
+        if model.get("status") == "unloaded":
+            detail = "loaded when first asked for"
+        room = f"up to {model['max_model_len']} tokens" if model["max_model_len"] else "context read when loaded"
+        lines.append(f"  {model['kind']} model {', '.join(model['names'])}: {detail}; {room}")
     if "threads" in engine:
         lines.append(f"  threads: {engine['threads']} of at most {engine['max_threads']} ({engine['threads_reason']})")
     kv = engine.get("kv_cache")

@@ -6,6 +6,7 @@ import logging
 import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from engine.core import cpu, speculation
@@ -39,7 +40,10 @@ class ServedModel:
         return self.engine.max_model_len
 
 
-def build(config: EngineConfig) -> ServedModel:
+def build(config: EngineConfig, engine_thread: ThreadPoolExecutor | None = None) -> ServedModel:
+    """The model ``config`` names, ready to serve. ``engine_thread``: the thread of the models already served,
+    which this one's steps share (a model loaded later, on the calling thread, which should exit once it is built
+    so that its torch thread team goes with it); None: a thread of its own, which builds it too."""
     if config.model == "fake":
         engine = FakeEngine(
             capacity=config.max_batch_size,
@@ -51,6 +55,8 @@ def build(config: EngineConfig) -> ServedModel:
     # Every torch call of a HF engine, from loading to the last step, runs on one thread: each thread that
     # enters torch's OpenMP gets its own team of workers, and with a second team on this 2-core machine a
     # decode step ran ~2x slower, even with the first team idle.
+    if engine_thread is not None:
+        return _build_hf(config, engine_thread)
     engine_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
     return engine_thread.submit(_build_hf, config, engine_thread).result()
 
@@ -193,3 +199,28 @@ def build_encoder(spec: str) -> Encoder | None:
     if spec == "default":
         return SentenceEncoder(default_path(), DEFAULT_NAME)
     return SentenceEncoder(spec, Path(spec).resolve().name)
+
+
+def context_length(source: str, max_model_len: int | None) -> int | None:
+    """A model's context length before it is loaded, where its file says it (a GGUF's ``{arch}.context_length``),
+    capped by ``--max-model-len``; None where it is known only once loaded."""
+    from engine.runtime.gguf_file import GGUFFile
+
+    path = Path(source)
+    if path.suffix != ".gguf" or not path.is_file():
+        return max_model_len
+    try:
+        keys = GGUFFile(path).keys
+        trained = int(keys[f"{keys['general.architecture']}.context_length"])
+    except (KeyError, ValueError, OSError):
+        return max_model_len
+    return min(trained, max_model_len or trained)
+
+
+def served_name(source: str) -> str:
+    """The name a model is served under, known before it is loaded (as the loader names it): a GGUF file's stem,
+    a folder's name, a hub id or the default's name as given."""
+    path = Path(source).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return path.stem
+    return path.resolve().name if path.is_dir() else source

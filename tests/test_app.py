@@ -266,7 +266,7 @@ def test_draining_server_answers_503(client: TestClient) -> None:
     assert error["code"] == "shutting_down"
     health = client.get("/health").json()
     assert health["status"] == "draining"
-    assert health["models"] == [{"names": [MODEL], "kind": "generate", "max_model_len": 64,
+    assert health["models"] == [{"names": [MODEL], "kind": "generate", "max_model_len": 64, "status": "loaded",
                                  "weights": "none (the fake engine writes the alphabet)"}]  # fmt: skip
     assert health["engine"]["kv_cache"]["block_size"] == 16 and health["engine"]["max_model_len"] == 64
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 
-def model_card(name: str, created: int, max_model_len: int) -> dict[str, Any]:
+def model_card(name: str, created: int, max_model_len: int | None) -> dict[str, Any]:
     return {"id": name, "object": "model", "created": created, "owned_by": "smolserve", "max_model_len": max_model_len}
 
 
