@@ -10,9 +10,11 @@ The rules, in one place:
   never; 0: as soon as it is idle). Idle: nothing running or waiting in its scheduler and no request routed to it
   for ``ROUTED_S`` seconds (a request between routing and its queue: parsing, rendering).
 - **At most ``--max-loaded-models``**: a load that would exceed it first unloads the least recently used idle model;
-  with none idle it waits up to ``LOAD_WAIT_S`` for one, then answers 503 with ``Retry-After``.
+  with none idle it waits up to ``LOAD_WAIT_S`` for one, then answers 503 with ``Retry-After``. Loads run one at a
+  time.
 - **Sharing the cores**: every model's steps run on the one engine thread, each scheduler with at most one step
-  queued there, so busy models take turns step by step (none starves; each step is one model's batch).
+  queued there, so busy models take turns step by step (none starves; each step is one model's batch). A load runs
+  at the lowest CPU priority, on the cores the steps leave.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import asyncio
 import contextlib
 import gc
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -42,6 +45,8 @@ ROUTED_S = 5.0
 LOAD_WAIT_S = 60.0
 #: How often idle models are looked for.
 SWEEP_S = 1.0
+#: A loading thread's niceness (Linux: per thread; its threads inherit it).
+LOAD_NICENESS = 19
 #: ``--keep-alive``'s default, as Ollama's: five minutes.
 KEEP_ALIVE_S = 300.0
 Status = Literal["loaded", "loading", "unloaded"]
@@ -97,6 +102,8 @@ class ModelPool:
         self.keep_alive_s = keep_alive_s
         self.max_loaded = max_loaded
         self._sweeper: asyncio.Task[None] | None = None
+        #: One load at a time: two loads would each count the other against ``--max-loaded-models``.
+        self._one_load = asyncio.Lock()
         self._metrics(registry)
 
     def _metrics(self, registry: CollectorRegistry) -> None:
@@ -138,6 +145,10 @@ class ModelPool:
         return await asyncio.shield(entry.loading)
 
     async def _load(self, entry: PoolEntry) -> ChatModel:
+        async with self._one_load:
+            return await self._load_now(entry)
+
+    async def _load_now(self, entry: PoolEntry) -> ChatModel:
         assert entry.spec is not None
         await self._make_room(entry)
         started = time.perf_counter()
@@ -160,9 +171,7 @@ class ModelPool:
         if self.max_loaded is None:
             return
         deadline = time.monotonic() + LOAD_WAIT_S
-        while sum(e.model is not None or (e.loading is not None and e is not entry) for e in self.entries) >= (
-            self.max_loaded
-        ):
+        while sum(e.model is not None for e in self.entries) >= self.max_loaded:
             idle = [e for e in self.entries if e.idle and e.spec is not None]
             if idle:
                 await self.unload(min(idle, key=lambda e: e.last_used))
@@ -238,7 +247,9 @@ def _hand_back() -> None:
 
 
 async def _on_own_thread(build: Callable[[], T]) -> T:
-    """``build()`` on a new thread that ends when it returns (a pool's thread would keep its torch team)."""
+    """``build()`` on a new thread that ends when it returns (a pool's thread would keep its torch team), at the
+    lowest CPU priority (the threads it starts, its torch team among them, inherit it): a load takes the cores the
+    loaded models' steps leave."""
     loop = asyncio.get_running_loop()
     done: asyncio.Future[T] = loop.create_future()
 
@@ -252,6 +263,8 @@ async def _on_own_thread(build: Callable[[], T]) -> T:
 
     def run() -> None:
         try:
+            with contextlib.suppress(OSError):  # the lowest priority: the engine thread's steps come first
+                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), LOAD_NICENESS)
             result = build()
         except BaseException as exc:  # handed to the awaiting task
             loop.call_soon_threadsafe(settle, None, exc)

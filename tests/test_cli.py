@@ -105,3 +105,25 @@ def test_the_flag_table_in_docs_names_every_flag_and_its_default() -> None:
         plain = re.fullmatch(r"`([\w.]+)`|(\d+(?:\.\d+)?)(?: \(.*\))?", default)
         if plain and actions[flag].default is not None:
             assert str(actions[flag].default).removesuffix(".0") == (plain.group(1) or plain.group(2)), flag
+
+
+def test_several_chat_models_from_model_flags_and_a_folder(tmp_path) -> None:
+    """``--model`` again and ``--models-dir`` (its GGUFs by name, after the ``--model`` ones, none twice); with
+    several models ``--served-model-name`` gives one name each; the first model is the engine's."""
+    (tmp_path / "b.gguf").write_bytes(b"GGUF")
+    (tmp_path / "a.gguf").write_bytes(b"GGUF")
+    (tmp_path / "notes.txt").write_text("not a model")
+    args = parse_args(["--model", str(tmp_path / "b.gguf"), "--models-dir", str(tmp_path), "--keep-alive", "0",
+                       "--max-loaded-models", "1"])  # fmt: skip
+    assert args.models == [(None, str(tmp_path / "b.gguf")), (None, str(tmp_path / "a.gguf"))]
+    assert engine_config(args).model == str(tmp_path / "b.gguf")
+    config = server_config(args)
+    assert (config.keep_alive_s, config.max_loaded_models, config.served_model_name) == (0.0, 1, None)
+    named = parse_args(["--model", "fake", "--model", "fake", "--served-model-name", "x", "y"])
+    assert named.models == [(("x",), "fake"), (("y",), "fake")] and server_config(named).served_model_name == "x"
+    assert parse_args(["--served-model-name", "x", "y"]).models == [(("x", "y"), "SmolLM2-135M-Instruct")]
+    for bad in (["--model", "fake", "--model", "fake", "--served-model-name", "x"],
+                ["--models-dir", str(tmp_path / "missing")],
+                ["--model", "fake", "--model", "fake", "--replicas", "2"]):  # fmt: skip
+        with pytest.raises(SystemExit):
+            parse_args(bad)

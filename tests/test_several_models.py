@@ -179,6 +179,28 @@ def test_max_loaded_models_unloads_the_least_recently_used_idle_one() -> None:
     asyncio.run(body())
 
 
+def test_one_loaded_model_at_a_time_takes_turns_by_request() -> None:
+    """``--max-loaded-models 1``: each request for the other model unloads the idle one first."""
+    builds = Builds()
+
+    async def body() -> None:
+        app, client = await served(builds, ["beta"], keep_alive_s=-1, max_loaded_models=1)
+        pool = app.state.server.pool
+        async with client:
+
+            async def check() -> None:
+                for name, other in (("beta", "alpha"), ("alpha", "beta"), ("beta", "alpha")):
+                    for entry in pool.entries:  # past the grace for requests on their way to a queue
+                        entry.last_used -= 10
+                    assert (await complete(client, name)).json()["model"] == name
+                    assert statuses((await client.get("/v1/models")).json()) == {name: "loaded", other: "unloaded"}
+                assert builds.calls == {"beta": 2}
+
+            await _lifespan(app, check)
+
+    asyncio.run(body())
+
+
 def test_a_busy_model_is_never_unloaded_and_a_load_that_cannot_fit_waits(monkeypatch: pytest.MonkeyPatch) -> None:
     from app import model_pool
 
