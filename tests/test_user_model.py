@@ -7,6 +7,7 @@ import json
 import math
 import os
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -294,5 +295,38 @@ def test_claude_code_answers_through_the_messages_api(gguf: Path, tmp_path: Path
                       "Bash(ls:*)")  # fmt: skip
         assert not task["is_error"] and task["num_turns"] >= 2
         assert task["usage"]["cache_read_input_tokens"] > 5000  # the later turns' prompts from the prefix cache
+    finally:
+        stop_server(server)
+
+
+def test_the_bundled_model_and_the_user_s_in_one_server(gguf: Path) -> None:
+    """``--model SmolLM2 --model qwen.gguf`` with ``--max-loaded-models 1``: both listed (the Qwen file's context
+    read before it loads), each answers by name through the openai SDK, each request for the other model unloads
+    the idle one (statuses), and the Qwen file's greedy answer is the same after it was unloaded and loaded again."""
+    import openai
+
+    from compat.conftest import start_server, stop_server
+    from engine.core.config import DEFAULT_MODEL
+
+    server, base = start_server("--model", DEFAULT_MODEL, "--model", str(gguf), "--max-loaded-models", "1",
+                                "--embedding-model", "none", "--kv-cache-gib", "1")  # fmt: skip
+    try:
+        client = openai.OpenAI(base_url=f"{base}/v1", api_key="none")
+        listed = {model.id: model.model_extra for model in client.models.list()}
+        assert listed[gguf.stem]["status"] == {"value": "unloaded"} and listed[gguf.stem]["max_model_len"] == 32768
+
+        def ask(model: str) -> str:
+            reply = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Say hi."}],
+                                                   max_tokens=8, temperature=0)  # fmt: skip
+            assert reply.model == model
+            return reply.choices[0].message.content or ""
+
+        first = ask(gguf.stem)
+        time.sleep(5.5)  # past the grace for requests on their way to a queue
+        assert ask(DEFAULT_MODEL)
+        statuses = {model.id: model.model_extra["status"]["value"] for model in client.models.list()}
+        assert statuses == {DEFAULT_MODEL: "loaded", gguf.stem: "unloaded"}
+        time.sleep(5.5)
+        assert ask(gguf.stem) == first
     finally:
         stop_server(server)
