@@ -111,6 +111,7 @@ class Generation:
             logprobs=logprobs,
             prompt_logprobs=opts.logprobs if self.scores_prompt else None,
             kept_special=self.kept_special,
+            priority=opts.priority,
         )
 
     def abort(self) -> None:

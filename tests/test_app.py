@@ -306,3 +306,15 @@ def test_streams_carry_no_sse_comments_unless_asked(monkeypatch: pytest.MonkeyPa
         lines = _stream_lines(client)
     assert any(line.startswith(":") for line in lines)  # --sse-keepalive asked for them
     assert "".join(json.loads(line[6:])["choices"][0]["text"] for line in lines[:-1] if line.startswith("data: {"))
+
+
+def test_priority_is_vllm_s_integer() -> None:
+    """``priority`` (vLLM's; lower values are admitted first, ``tests/test_scheduler.py``) on completions and chat:
+    an integer, else a 400 naming it."""
+    with fake_client() as client:
+        for path, body in (("/v1/completions", {"prompt": "hi"}),
+                           ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})):  # fmt: skip
+            assert client.post(path, json={**body, "max_tokens": 2, "priority": -3}).status_code == 200
+            for bad in ("high", 1.5, 2**40, True):
+                refused = client.post(path, json={**body, "max_tokens": 2, "priority": bad})
+                assert refused.status_code == 400 and refused.json()["error"]["param"] == "priority"

@@ -246,3 +246,33 @@ def test_a_failing_release_leaves_the_scheduler_serving() -> None:
         assert text_of(await collect(s.submit(req(3)))) == "abc"
 
     run(Failing(), body, idle_release_s=0.05)
+
+
+class AdmissionEngine(FakeEngine):
+    """Records the prompts in the order they are admitted."""
+
+    def __init__(self, **kwargs: int) -> None:
+        super().__init__(**kwargs)
+        self.admitted: list[bytes] = []
+
+    def admit(self, requests: list[GenerationRequest]) -> list[int]:
+        self.admitted += [bytes(r.prompt_ids) for r in requests]
+        return super().admit(requests)
+
+
+def test_waiting_requests_are_admitted_by_priority_then_arrival() -> None:
+    """vLLM's ``priority``: with the one slot busy, the waiting queue admits lower values first, FIFO within a
+    value; the running sequence is not preempted."""
+    import dataclasses
+
+    engine = AdmissionEngine(capacity=1)
+
+    async def body(s: Scheduler) -> None:
+        running = s.submit(req(20, "run"))
+        await asyncio.sleep(0.01)
+        order = [("b5", 5), ("c0", 0), ("d-1", -1), ("e0", 0), ("f5", 5)]
+        streams = [s.submit(dataclasses.replace(req(2, name), priority=p)) for name, p in order]
+        await asyncio.gather(collect(running), *(collect(stream) for stream in streams))
+        assert engine.admitted == [b"run", b"d-1", b"c0", b"e0", b"b5", b"f5"]
+
+    run(engine, body)

@@ -94,6 +94,8 @@ class SamplingBody(WireModel):
     logit_bias: dict[str, Any] | None = None
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None
+    #: vLLM's: lower values are admitted first from the waiting queue.
+    priority: Annotated[int, Field(ge=-(2**31), lt=2**31)] | None = None
 
     @field_validator("logit_bias")
     @classmethod
@@ -131,6 +133,8 @@ class GenerationOptions:
     ignore_eos: bool
     sampling: SamplingParams
     structured: StructuredOutput | None = None
+    #: Admission order among waiting requests (vLLM's ``priority``: lower first).
+    priority: int = 0
 
 
 @dataclass(slots=True, frozen=True)
@@ -217,6 +221,7 @@ def generation_options(
         ignore_eos=bool(req.ignore_eos),
         sampling=_sampling(req),
         structured=_structured_output(req, min_tokens),
+        priority=req.priority or 0,
     )
 
 

@@ -1,9 +1,10 @@
 """The continuous batching scheduler: pure asyncio over the engine seam, torch-free.
 
-One loop task owns the engine. Each iteration it waits for work, admits from the head of the FIFO waiting
-queue while the engine has room, runs one step on the engine's own worker thread (so HTTP stays responsive
-during a forward) after dropping aborted sequences, and hands each request the tokens it produced. Requests resolve
-independently: a sequence leaves in the step that finishes it, and newcomers join between steps.
+One loop task owns the engine. Each iteration it waits for work, admits from the head of the waiting queue (FIFO
+within a request's ``priority``, lower values first) while the engine has room, runs one step on the engine's own
+worker thread (so HTTP stays responsive during a forward) after dropping aborted sequences, and hands each request
+the tokens it produced. Requests resolve independently: a sequence leaves in the step that finishes it, and
+newcomers join between steps.
 """
 
 from __future__ import annotations
@@ -89,7 +90,12 @@ class Scheduler:
         if len(self._waiting) >= self.max_queue:
             raise QueueFullError(f"the waiting queue is full ({self.max_queue} requests)")
         stream = RequestStream(request, self.tokenizer, StopMatcher(stop, include_stop) if stop else None)
-        self._waiting.append(stream)
+        # After every waiting request of its priority or a lower value: FIFO within a priority.
+        if not self._waiting or self._waiting[-1].request.priority <= request.priority:
+            self._waiting.append(stream)
+        else:
+            later = next(i for i, w in enumerate(self._waiting) if w.request.priority > request.priority)
+            self._waiting.insert(later, stream)
         self._wakeup.set()
         return stream
 
@@ -150,7 +156,8 @@ class Scheduler:
             log.exception("the engine failed to release idle memory")
 
     def _admit_waiting(self) -> None:
-        """Admit from the head of the queue while the engine has room (FIFO: no overtaking).
+        """Admit from the head of the queue while the engine has room (in priority order, FIFO within one: no
+        overtaking).
 
         An idle engine takes the head regardless: a request that cannot fit even then is rejected by
         ``admit`` instead of blocking the queue forever.

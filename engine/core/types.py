@@ -72,6 +72,9 @@ class GenerationRequest:
     kept_special: frozenset[int] = frozenset()
     #: When set, every token is one the constraint allows (this sequence's own, mutable state).
     constraint: Constraint | None = field(default=None, compare=False)
+    #: vLLM's ``priority``: the waiting queue admits lower values first (arrival order within one); a running
+    #: sequence is not preempted for a waiting one.
+    priority: int = 0
 
 
 @dataclass(slots=True, frozen=True)
