@@ -49,6 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
     _path_flags(parser, EngineConfig())
     _server_flags(parser, ServerConfig())
     _pool_flags(parser, ServerConfig())
+    _file_flags(parser, ServerConfig())
     _cluster_flags(parser)
     return parser
 
@@ -225,6 +226,24 @@ def _pool_flags(parser: argparse.ArgumentParser, defaults: ServerConfig) -> None
     )
 
 
+def _file_flags(parser: argparse.ArgumentParser, defaults: ServerConfig) -> None:
+    """Uploaded files (``app/file_store.py``)."""
+    parser.add_argument(
+        "--data-dir",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="where uploaded files (/v1/files) and their database are kept (default: $XDG_DATA_HOME/smolserve, "
+        "~/.local/share/smolserve)",
+    )
+    parser.add_argument(
+        "--max-file-bytes",
+        type=int,
+        default=defaults.max_file_bytes,
+        help="largest file one upload to /v1/files may hold (413 beyond)",
+    )
+
+
 def _cluster_flags(parser: argparse.ArgumentParser) -> None:
     cluster = parser.add_argument_group("scaling out on Ray Serve (any of these starts the cluster mode)")
     cluster.add_argument("--replicas", type=int, default=None, help="engine replicas (each one engine, its own KV)")
@@ -290,6 +309,8 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
         model_aliases=tuple(first[1:]) if first else (),
         keep_alive_s=args.keep_alive,
         max_loaded_models=args.max_loaded_models,
+        data_dir=args.data_dir,
+        max_file_bytes=args.max_file_bytes,
         embedding_model_names=tuple(args.embedding_model_name or ()),
         max_embedding_inputs=args.max_embedding_inputs,
         max_queue=args.max_queue,

@@ -100,26 +100,30 @@ class BodyLimitMiddleware:
     """Reads each request body up to ``max_bytes``, then hands it to the app; a 413 in the error envelope as soon
     as ``Content-Length`` or the bytes received so far exceed it (the rest is never read)."""
 
-    def __init__(self, app: ASGIApp, max_bytes: int, on_reject: Callable[[], None] = lambda: None) -> None:
+    def __init__(self, app: ASGIApp, max_bytes: int, on_reject: Callable[[], None] = lambda: None,
+                 paths: dict[str, int] | None = None) -> None:  # fmt: skip
+        """``paths``: routes with limits of their own (a file upload's)."""
         self.app = app
         self.max_bytes = max_bytes
         self._on_reject = on_reject
+        self._paths = paths or {}
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["method"] not in ("POST", "PUT", "PATCH"):
             await self.app(scope, receive, send)
             return
+        limit = self._paths.get(scope["path"], self.max_bytes)
         declared = Headers(scope=scope).get("content-length", "")
-        if declared.isdigit() and int(declared) > self.max_bytes:
-            await self._refuse(scope, receive, send, int(declared))
+        if declared.isdigit() and int(declared) > limit:
+            await self._refuse(scope, receive, send, int(declared), limit)
             return
-        body = await self._read(receive)
+        body = await self._read(receive, limit)
         if body is None:
-            await self._refuse(scope, receive, send, None)
+            await self._refuse(scope, receive, send, None, limit)
             return
         await self.app(scope, _replay(body, receive), send)
 
-    async def _read(self, receive: Receive) -> bytes | None:
+    async def _read(self, receive: Receive, limit: int) -> bytes | None:
         """The whole body, or None once it grows past the limit."""
         chunks: list[bytes] = []
         size = 0
@@ -129,16 +133,16 @@ class BodyLimitMiddleware:
                 return b"".join(chunks)
             chunk = message.get("body", b"")
             size += len(chunk)
-            if size > self.max_bytes:
+            if size > limit:
                 return None
             chunks.append(chunk)
             if not message.get("more_body", False):
                 return b"".join(chunks)
 
-    async def _refuse(self, scope: Scope, receive: Receive, send: Send, size: int | None) -> None:
+    async def _refuse(self, scope: Scope, receive: Receive, send: Send, size: int | None, limit: int) -> None:
         self._on_reject()
-        said = f"{size} bytes" if size is not None else f"more than {self.max_bytes} bytes"
-        body = error_body(413, f"the request body has {said}; this server accepts at most {self.max_bytes}")
+        said = f"{size} bytes" if size is not None else f"more than {limit} bytes"
+        body = error_body(413, f"the request body has {said}; this server accepts at most {limit}")
         body["error"]["code"] = "request_too_large"
         await JSONResponse(body, status_code=413, headers={"Connection": "close"})(scope, receive, send)
 

@@ -11,7 +11,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from app import chat, completions, embeddings, messages, responses, tokens
+from app import chat, completions, embeddings, files, messages, responses, tokens
 from app import infill as fill
 from app.anthropic.models import VERSION_HEADER, model_info, model_page
 from app.model_pool import PoolEntry
@@ -111,6 +111,11 @@ ROUTES = [
     Route("/v1/responses/{response_id}", responses.delete_response, methods=["DELETE"]),
     Route("/v1/responses/{response_id}/input_items", responses.response_input_items, methods=["GET"]),
     Route("/infill", infill, methods=["POST"]),
+    Route("/v1/files", files.create_file, methods=["POST"]),
+    Route("/v1/files", files.list_files, methods=["GET"]),
+    Route("/v1/files/{file_id}", files.get_file, methods=["GET"]),
+    Route("/v1/files/{file_id}", files.delete_file, methods=["DELETE"]),
+    Route("/v1/files/{file_id}/content", files.file_content, methods=["GET"]),
     Route("/models/load", load_model, methods=["POST"]),
     Route("/models/unload", unload_model, methods=["POST"]),
     Route("/tokenize", tokens.tokenize, methods=["POST"]),

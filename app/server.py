@@ -58,5 +58,6 @@ def _middleware(state: ServerState, config: ServerConfig) -> list[Middleware]:
         middleware.append(Middleware(APIKeyMiddleware, api_key=config.api_key, on_reject=rejected.inc))
     too_large = state.metrics.requests_rejected.labels("request_too_large")
     limit = config.limits.max_request_bytes
-    middleware.append(Middleware(BodyLimitMiddleware, max_bytes=limit, on_reject=too_large.inc))
+    uploads = {"/v1/files": config.max_file_bytes}
+    middleware.append(Middleware(BodyLimitMiddleware, max_bytes=limit, on_reject=too_large.inc, paths=uploads))
     return middleware

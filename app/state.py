@@ -9,6 +9,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, TypeVar
 
 from prometheus_client import Gauge
@@ -20,6 +21,7 @@ from starlette.responses import JSONResponse, Response
 from app.backend import Backend
 from app.chat_model import ChatModel, Model, local_backend
 from app.embedding_service import MAX_INPUTS, EmbeddingService
+from app.file_store import MAX_FILE_BYTES, FileStore, default_data_dir
 from app.generation import Generation
 from app.limits import RequestLimits, check_lists
 from app.metrics import Metrics
@@ -72,6 +74,10 @@ class ServerConfig:
     keep_alive_s: float = KEEP_ALIVE_S
     #: With several chat models: the most loaded at once (None: no bound).
     max_loaded_models: int | None = None
+    #: Where uploaded files and their database are kept (``app/file_store.py``); None: the user's data directory.
+    data_dir: Path | None = None
+    #: The most one uploaded file may hold (413 beyond).
+    max_file_bytes: int = MAX_FILE_BYTES
 
 
 class ServerState:
@@ -104,6 +110,14 @@ class ServerState:
         stored = Gauge("smolserve:responses_stored", "Responses kept for previous_response_id and retrieval",
                        registry=self.metrics.registry)  # fmt: skip
         stored.set_function(lambda: len(self.responses))
+        self._files: FileStore | None = None
+
+    @property
+    def files(self) -> FileStore:
+        """The uploaded files, opened on first use (a server nobody uploads to writes nothing to disk)."""
+        if self._files is None:
+            self._files = FileStore(self.config.data_dir or default_data_dir())
+        return self._files
 
     @property
     def backend(self) -> Backend | None:
@@ -143,6 +157,8 @@ class ServerState:
             await self.embeddings.batcher.stop()
         await self.pool.stop()
         self.workers.shutdown(wait=False)
+        if self._files is not None:
+            self._files.close()
 
     def chat_model(self, name: str | None) -> ChatModel:
         """The chat model a generating request names (none named: the first); a 404 or a 400 naming ``model``

@@ -1,0 +1,72 @@
+"""OpenAI's Files API (``app/files.py``, ``app/file_store.py``) through the openai SDK: upload, list (purpose,
+order, pages), retrieve, content, delete; the files outlive the server (a new app over the same ``--data-dir``);
+the size limit (413), unknown purposes and fields (400), unknown ids (404)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import openai
+import pytest
+from app_helpers import fake_client
+from starlette.testclient import TestClient
+
+LINES = b'{"custom_id": "a", "method": "POST", "url": "/v1/chat/completions", "body": {}}\n'
+
+
+@pytest.fixture
+def http(tmp_path: Path) -> Iterator[TestClient]:
+    with fake_client(data_dir=tmp_path, max_file_bytes=4096) as client:
+        yield client
+
+
+@pytest.fixture
+def sdk(http: TestClient) -> openai.OpenAI:
+    return openai.OpenAI(base_url="http://testserver/v1", api_key="none", http_client=http, max_retries=0)
+
+
+def test_upload_list_retrieve_content_and_delete(sdk: openai.OpenAI) -> None:
+    first = sdk.files.create(file=("input.jsonl", LINES), purpose="batch")
+    second = sdk.files.create(file=("notes.txt", "é ✓\n".encode()), purpose="user_data")
+    assert first.id.startswith("file-") and (first.bytes, first.filename, first.purpose) == (len(LINES), "input.jsonl",
+                                                                                            "batch")  # fmt: skip
+    assert first.object == "file" and first.status == "processed" and first.created_at > 0
+    assert [f.id for f in sdk.files.list()] == [second.id, first.id]  # newest first
+    assert [f.id for f in sdk.files.list(purpose="batch")] == [first.id]
+    assert [f.id for f in sdk.files.list(order="asc", limit=1)] == [first.id, second.id]  # the SDK follows pages
+    assert sdk.files.retrieve(second.id).filename == "notes.txt"
+    assert sdk.files.content(first.id).content == LINES and sdk.files.content(second.id).text == "é ✓\n"
+    deleted = sdk.files.delete(first.id)
+    assert deleted.deleted and deleted.id == first.id
+    with pytest.raises(openai.NotFoundError):
+        sdk.files.retrieve(first.id)
+    with pytest.raises(openai.NotFoundError):
+        sdk.files.content(first.id)
+
+
+def test_files_outlive_the_server(tmp_path: Path) -> None:
+    with fake_client(data_dir=tmp_path) as client:
+        made = client.post("/v1/files", files={"file": ("in.jsonl", LINES)}, data={"purpose": "batch"}).json()
+    with fake_client(data_dir=tmp_path) as client:
+        assert [f["id"] for f in client.get("/v1/files").json()["data"]] == [made["id"]]
+        assert client.get(f"/v1/files/{made['id']}/content").content == LINES
+
+
+def test_bad_uploads_are_refused(sdk: openai.OpenAI, http: TestClient) -> None:
+    with pytest.raises(openai.APIStatusError) as too_large:
+        sdk.files.create(file=("big.jsonl", b"x" * 5000), purpose="batch")
+    assert too_large.value.status_code == 413
+    with pytest.raises(openai.BadRequestError) as purpose:
+        sdk.files.create(file=("a.jsonl", LINES), purpose="fine-tune")
+    assert purpose.value.body["param"] == "purpose"
+    client = http
+    extra = client.post("/v1/files", files={"file": ("a", LINES)}, data={"purpose": "batch", "colour": "red"})
+    assert extra.status_code == 400 and extra.json()["error"]["param"] == "colour"
+    missing = client.post("/v1/files", data={"purpose": "batch"})
+    assert missing.status_code == 400
+    not_multipart = client.post("/v1/files", json={"purpose": "batch"})
+    assert not_multipart.status_code == 400 and not_multipart.json()["error"]["param"] == "file"
+    for bad in ({"limit": "0"}, {"order": "up"}, {"after": "file-nope"}):
+        assert client.get("/v1/files", params=bad).status_code == 400
+    assert client.delete("/v1/files/file-nope").status_code == 404
