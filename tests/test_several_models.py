@@ -146,7 +146,9 @@ def test_an_idle_model_is_unloaded_after_keep_alive_and_loads_again() -> None:
 
             async def check() -> None:
                 assert (await complete(client, "beta")).status_code == 200
-                await asyncio.sleep(5.0 + 1.5)  # idle: nothing running and no request routed for ROUTED_S
+                deadline = time.monotonic() + 30  # idle: nothing running and no request routed for ROUTED_S (5 s)
+                while pool.first is not None and time.monotonic() < deadline:
+                    await asyncio.sleep(0.2)
                 assert statuses((await client.get("/v1/models")).json()) == {"alpha": "unloaded", "beta": "unloaded"}
                 assert pool.first is None and (await client.get("/health")).status_code == 200
                 assert (await complete(client, "beta")).json()["model"] == "beta" and builds.calls["beta"] == 2
@@ -213,7 +215,9 @@ def test_a_busy_model_is_never_unloaded_and_a_load_that_cannot_fit_waits(monkeyp
 
             async def check() -> None:
                 stream = asyncio.ensure_future(complete(client, "alpha", max_tokens=40))
-                await asyncio.sleep(0.3)
+                alpha = app.state.server.pool.entry("alpha").model
+                while alpha.backend.is_idle:  # until the stream is queued or running
+                    await asyncio.sleep(0.01)
                 refused = await client.post("/models/unload", json={"model": "alpha"})
                 assert refused.status_code == 409 and refused.json()["error"]["code"] == "model_busy"
                 busy = await complete(client, "beta")  # alpha runs: no room for beta
