@@ -20,6 +20,8 @@ from app.openai.errors import APIError, bad_request
 PURPOSES = ("batch", "user_data")
 #: The most one upload may hold: OpenAI's limit on a batch's input file.
 MAX_FILE_BYTES = 200 * 2**20
+#: The database file under ``--data-dir`` (files, batches).
+DATABASE = "smolserve.db"
 #: ``GET /v1/files``'s page: at most this many (OpenAI's limit and default).
 MAX_PAGE = 10_000
 _SCHEMA = """CREATE TABLE IF NOT EXISTS files (
@@ -39,13 +41,14 @@ class FileStore:
         self.folder.mkdir(parents=True, exist_ok=True)
         for stray in self.folder.glob("*.partial"):
             stray.unlink()
-        self._db = sqlite3.connect(data_dir / "smolserve.db", check_same_thread=False, isolation_level=None)
+        self._db = sqlite3.connect(data_dir / DATABASE, check_same_thread=False, isolation_level=None)
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute(_SCHEMA)
         self._lock = threading.Lock()
 
-    def create(self, filename: str, purpose: str, content: bytes) -> dict[str, Any]:
-        if purpose not in PURPOSES:
+    def create(self, filename: str, purpose: str, content: bytes, internal: bool = False) -> dict[str, Any]:
+        """A new file; ``internal``: one the server writes (a batch's output, purpose ``batch_output``)."""
+        if purpose not in PURPOSES and not (internal and purpose == "batch_output"):
             raise bad_request(f"purpose: one of {', '.join(PURPOSES)} (this server has no {purpose!r} files)",
                               "purpose")  # fmt: skip
         file_id = f"file-{uuid.uuid4().hex[:24]}"

@@ -11,7 +11,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from app import chat, completions, embeddings, files, messages, responses, tokens
+from app import batches, chat, completions, embeddings, files, messages, responses, tokens
 from app import infill as fill
 from app.anthropic.models import VERSION_HEADER, model_info, model_page
 from app.model_pool import PoolEntry
@@ -116,6 +116,10 @@ ROUTES = [
     Route("/v1/files/{file_id}", files.get_file, methods=["GET"]),
     Route("/v1/files/{file_id}", files.delete_file, methods=["DELETE"]),
     Route("/v1/files/{file_id}/content", files.file_content, methods=["GET"]),
+    Route("/v1/batches", batches.create_batch, methods=["POST"]),
+    Route("/v1/batches", batches.list_batches, methods=["GET"]),
+    Route("/v1/batches/{batch_id}", batches.get_batch, methods=["GET"]),
+    Route("/v1/batches/{batch_id}/cancel", batches.cancel_batch, methods=["POST"]),
     Route("/models/load", load_model, methods=["POST"]),
     Route("/models/unload", unload_model, methods=["POST"]),
     Route("/tokenize", tokens.tokenize, methods=["POST"]),

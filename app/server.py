@@ -43,6 +43,7 @@ def create_app(model: Model, config: ServerConfig | None = None, backend: Backen
         routes=ROUTES, exception_handlers=HANDLERS, middleware=_middleware(state, config), lifespan=lifespan
     )
     app.state.server = state
+    state.app = app
     return app
 
 

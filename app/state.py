@@ -19,9 +19,11 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from app.backend import Backend
+from app.batch_runner import BatchRunner
+from app.batch_store import BatchStore
 from app.chat_model import ChatModel, Model, local_backend
 from app.embedding_service import MAX_INPUTS, EmbeddingService
-from app.file_store import MAX_FILE_BYTES, FileStore, default_data_dir
+from app.file_store import DATABASE, MAX_FILE_BYTES, FileStore, default_data_dir
 from app.generation import Generation
 from app.limits import RequestLimits, check_lists
 from app.metrics import Metrics
@@ -111,13 +113,28 @@ class ServerState:
                        registry=self.metrics.registry)  # fmt: skip
         stored.set_function(lambda: len(self.responses))
         self._files: FileStore | None = None
+        self._batches: BatchRunner | None = None
+        #: The ASGI app serving this state (the batch runner sends its lines through it).
+        self.app: Any = None
+
+    @property
+    def data_dir(self) -> Path:
+        return self.config.data_dir or default_data_dir()
 
     @property
     def files(self) -> FileStore:
         """The uploaded files, opened on first use (a server nobody uploads to writes nothing to disk)."""
         if self._files is None:
-            self._files = FileStore(self.config.data_dir or default_data_dir())
+            self._files = FileStore(self.data_dir)
         return self._files
+
+    @property
+    def batches(self) -> BatchRunner:
+        """The Batch API's runner, made on first use (or at start, where a database holds batches)."""
+        if self._batches is None:
+            assert self.app is not None, "create_app sets the app"
+            self._batches = BatchRunner(BatchStore(self.data_dir), lambda: self.files, self.app, self.config.api_key)
+        return self._batches
 
     @property
     def backend(self) -> Backend | None:
@@ -151,8 +168,12 @@ class ServerState:
         await self.pool.start()
         if self.embeddings is not None:
             await self.embeddings.batcher.start()
+        if (self.data_dir / DATABASE).exists():  # batches a restart interrupted run on
+            await self.batches.start()
 
     async def stop(self) -> None:
+        if self._batches is not None:
+            await self._batches.stop()
         if self.embeddings is not None:
             await self.embeddings.batcher.stop()
         await self.pool.stop()

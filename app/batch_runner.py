@@ -1,0 +1,213 @@
+"""The Batch API's runner (``app/batches.py`` has its routes): every unfinished batch carried out on the same engine,
+one task each. Torch-free.
+
+Validation reads every line of the input file first: a line that is not ``{"custom_id", "method": "POST", "url",
+"body"}`` fails the whole batch (``errors`` name the lines). Each line then runs through the server's own endpoint
+in process, so its output line holds exactly what that endpoint answers; chat and completion lines at a low
+``priority`` (``BATCH_PRIORITY``: interactive requests are admitted first), at most ``IN_FLIGHT`` lines at once. A
+line whose ``custom_id`` came before, whose ``url`` is not the batch's endpoint, that asks to stream, or whose body
+the endpoint refuses goes to the error file. Each finished line is recorded at once (``app/batch_store.py``): a
+restart runs the rest, once. Cancel stops new lines at once; the finished ones are in the output."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+import httpx
+
+from app.batch_store import UNFINISHED, BatchStore, now
+from app.file_store import FileStore
+from app.openai.errors import APIError
+
+ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/responses")
+#: Batch lines' ``priority`` where the endpoint takes one: after every interactive request (vLLM's, lower first).
+BATCH_PRIORITY = 1 << 20
+#: Lines of one batch in the server at once.
+IN_FLIGHT = 32
+WINDOW_S = 24 * 3600
+_STAMPS = ("in_progress_at", "finalizing_at", "completed_at", "failed_at", "expired_at", "cancelling_at",
+           "cancelled_at")  # fmt: skip
+
+
+def batch_object(batch_id: str, input_file_id: str, endpoint: str, metadata: dict[str, str] | None) -> dict[str, Any]:
+    created = now()
+    return {"id": batch_id, "object": "batch", "endpoint": endpoint, "errors": None, "input_file_id": input_file_id,
+            "completion_window": "24h", "status": "validating", "output_file_id": None, "error_file_id": None,
+            "created_at": created, "expires_at": created + WINDOW_S, **dict.fromkeys(_STAMPS),
+            "request_counts": {"total": 0, "completed": 0, "failed": 0}, "metadata": metadata}  # fmt: skip
+
+
+class BatchRunner:
+    """Runs every unfinished batch, one task each, through ``app`` (this server's ASGI app)."""
+
+    def __init__(self, store: BatchStore, files: Callable[[], FileStore], app: Any, api_key: str | None) -> None:
+        """``files``: the server's file store (opened on first use); ``app``: the server, which lines go through."""
+        self.store = store
+        self._files = files
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._client = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://batch",
+                                         headers=headers, timeout=None)  # fmt: skip
+        self._tasks: dict[str, asyncio.Task[None]] = {}
+
+    async def start(self) -> None:
+        for batch in self.store.unfinished():  # a restart: take them up again
+            self.launch(batch["id"])
+
+    async def stop(self) -> None:
+        for task in self._tasks.values():
+            task.cancel()
+        for task in list(self._tasks.values()):
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        await self._client.aclose()
+        self.store.close()
+
+    def launch(self, batch_id: str) -> None:
+        task = asyncio.ensure_future(self._run(batch_id))
+        self._tasks[batch_id] = task
+        task.add_done_callback(lambda _: self._tasks.pop(batch_id, None))
+
+    async def _run(self, batch_id: str) -> None:
+        batch = self.store.get(batch_id)
+        lines = await self._lines(batch)
+        if lines is None:
+            return
+        done = self.store.results(batch_id)
+        batch["request_counts"]["total"] = len(lines)
+        if batch["status"] == "validating":
+            self._move(batch, "in_progress")
+        slots = asyncio.Semaphore(IN_FLIGHT)
+        seen: set[str] = set()
+        running = []
+        for index, line in enumerate(lines):
+            duplicate = line["custom_id"] in seen
+            seen.add(line["custom_id"])
+            if index in done:
+                continue
+            await slots.acquire()
+            batch = self.store.get(batch_id)
+            if batch["status"] != "in_progress" or now() > batch["expires_at"]:
+                slots.release()
+                break
+            running.append(asyncio.ensure_future(self._line(batch_id, index, line, duplicate, slots)))
+        await asyncio.gather(*running)
+        await self._finish(batch_id, lines)
+
+    async def _lines(self, batch: dict[str, Any]) -> list[dict[str, Any]] | None:
+        """The input file's lines; None where the file is not a batch's (the batch failed, its errors named)."""
+        path = self._files().path(batch["input_file_id"])
+        lines, errors = await asyncio.to_thread(_read_lines, path.read_bytes())
+        if errors or not lines:
+            errors = errors or [{"code": "empty_file", "message": "the input file has no requests", "line": None}]
+            batch["errors"] = {"object": "list", "data": errors}
+            self._move(batch, "failed")
+            return None
+        return lines
+
+    async def _line(self, batch_id: str, index: int, line: dict[str, Any], duplicate: bool,
+                    slots: asyncio.Semaphore) -> None:  # fmt: skip
+        try:
+            try:
+                ok, result = await self._answer(self.store.get(batch_id)["endpoint"], line, duplicate)
+            except Exception as exc:  # the line's failure, never the batch's
+                ok, result = (
+                    False,
+                    {
+                        "id": f"batch_req_{uuid.uuid4().hex}",
+                        "custom_id": line["custom_id"],
+                        "response": None,
+                        "error": {"code": "server_error", "message": str(exc)},
+                    },
+                )
+            self.store.record(batch_id, index, ok, result)
+            batch = self.store.get(batch_id)
+            batch["request_counts"]["completed" if ok else "failed"] += 1
+            self.store.save(batch)
+        finally:
+            slots.release()
+
+    async def _answer(self, endpoint: str, line: dict[str, Any], duplicate: bool) -> tuple[bool, dict[str, Any]]:
+        """One line's output line, and whether it goes to the output file (else the error file)."""
+        refused = _refusal(endpoint, line, duplicate)
+        entry = {"id": f"batch_req_{uuid.uuid4().hex}", "custom_id": line["custom_id"]}
+        if refused is not None:
+            return False, {**entry, "response": None, "error": refused}
+        body = dict(line["body"])
+        if endpoint in ("/v1/chat/completions", "/v1/completions"):
+            body.setdefault("priority", BATCH_PRIORITY)
+        answer = await self._client.post(line["url"], json=body)
+        try:
+            answered = answer.json()
+        except ValueError:
+            answered = {"error": {"message": answer.text, "type": "server_error"}}
+        response = {"status_code": answer.status_code, "request_id": answer.headers.get("x-request-id", ""),
+                    "body": answered}  # fmt: skip
+        return answer.status_code == 200, {**entry, "response": response, "error": None}
+
+    async def _finish(self, batch_id: str, lines: list[dict[str, Any]]) -> None:
+        """The output and error files from every finished line, in input order; then the batch's last status."""
+        batch = self.store.get(batch_id)
+        final = {"in_progress": "completed", "cancelling": "cancelled"}.get(batch["status"], batch["status"])
+        if final == "completed" and now() > batch["expires_at"]:
+            final = "expired"
+        self._move(batch, "finalizing")
+        results = self.store.results(batch_id)
+        for ok, key in ((True, "output_file_id"), (False, "error_file_id")):
+            chosen = [json.dumps(results[i][1]) for i in sorted(results) if results[i][0] is ok]
+            if chosen:
+                content = ("\n".join(chosen) + "\n").encode()
+                name = f"{batch_id}_{'output' if ok else 'error'}.jsonl"
+                batch[key] = (await asyncio.to_thread(self._files().create, name, "batch_output", content,
+                                                      True))["id"]  # fmt: skip
+        batch["request_counts"]["total"] = len(lines)
+        self._move(batch, final)
+
+    def _move(self, batch: dict[str, Any], status: str) -> None:
+        batch["status"] = status
+        batch[f"{status}_at"] = now()
+        self.store.save(batch)
+
+    def cancel(self, batch_id: str) -> dict[str, Any]:
+        batch = self.store.get(batch_id)
+        if batch["status"] not in UNFINISHED:
+            raise APIError(409, f"Cannot cancel a batch with status '{batch['status']}'.", param="batch_id",
+                           code="batch_not_cancellable")  # fmt: skip
+        if batch["status"] in ("validating", "in_progress"):
+            self._move(batch, "cancelling")
+        return batch
+
+
+def _read_lines(raw: bytes) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """Each line as a request object, and an error for each line that is not one (1-based line numbers)."""
+    lines, errors = [], []
+    for number, text in enumerate(raw.decode("utf-8", errors="replace").splitlines(), start=1):
+        if not text.strip():
+            continue
+        try:
+            line = json.loads(text)
+        except ValueError:
+            line = None
+        fields_ok = isinstance(line, dict) and isinstance(line.get("custom_id"), str) and isinstance(
+            line.get("url"), str) and line.get("method") == "POST" and isinstance(line.get("body"), dict)  # fmt: skip
+        if not fields_ok:
+            errors.append({"code": "invalid_request", "line": number, "message":
+                           'each line must be a JSON object {"custom_id": string, "method": "POST", "url": string, '
+                           '"body": object}'})  # fmt: skip
+            continue
+        lines.append(line)
+    return lines, errors
+
+
+def _refusal(endpoint: str, line: dict[str, Any], duplicate: bool) -> dict[str, str] | None:
+    if duplicate:
+        return {"code": "duplicate_custom_id", "message": f"custom_id {line['custom_id']!r} came before in the file"}
+    if line["url"] != endpoint:
+        return {"code": "invalid_url", "message": f"this batch's endpoint is {endpoint}, not {line['url']}"}
+    if line["body"].get("stream"):
+        return {"code": "invalid_request", "message": "a batch's requests cannot stream"}
+    return None

@@ -1,0 +1,84 @@
+"""The Batch API's records (``app/batches.py``): each batch and each of its lines' results, in the SQLite database
+beside the uploaded files (``app/file_store.py``), so that a batch survives a restart: finished lines are kept and
+the rest run once. Torch-free."""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from app.openai.errors import APIError
+
+_SCHEMA = (
+    """CREATE TABLE IF NOT EXISTS batches (id TEXT PRIMARY KEY, seq INTEGER NOT NULL, body TEXT NOT NULL)""",
+    """CREATE TABLE IF NOT EXISTS batch_lines (batch_id TEXT NOT NULL, line INTEGER NOT NULL, ok INTEGER NOT NULL,
+       result TEXT NOT NULL, PRIMARY KEY (batch_id, line))""",
+)
+#: The statuses a batch leaves only by running on (a restart takes them up again).
+UNFINISHED = ("validating", "in_progress", "finalizing", "cancelling")
+
+
+class BatchStore:
+    def __init__(self, data_dir: Path) -> None:
+        data_dir.mkdir(parents=True, exist_ok=True)
+        self._db = sqlite3.connect(data_dir / "smolserve.db", check_same_thread=False, isolation_level=None)
+        self._db.execute("PRAGMA journal_mode=WAL")
+        for statement in _SCHEMA:
+            self._db.execute(statement)
+        self._lock = threading.Lock()
+
+    def create(self, batch: dict[str, Any]) -> None:
+        with self._lock:
+            seq = self._db.execute("SELECT COALESCE(MAX(seq), 0) + 1 FROM batches").fetchone()[0]
+            self._db.execute("INSERT INTO batches VALUES (?, ?, ?)", (batch["id"], seq, json.dumps(batch)))
+
+    def save(self, batch: dict[str, Any]) -> None:
+        with self._lock:
+            self._db.execute("UPDATE batches SET body = ? WHERE id = ?", (json.dumps(batch), batch["id"]))
+
+    def get(self, batch_id: str) -> dict[str, Any]:
+        with self._lock:
+            row = self._db.execute("SELECT body FROM batches WHERE id = ?", (batch_id,)).fetchone()
+        if row is None:
+            raise APIError(404, f"No batch found with id '{batch_id}'.", param="batch_id", code="batch_not_found")
+        return json.loads(row[0])
+
+    def page(self, limit: int, after: str | None) -> dict[str, Any]:
+        """Newest first, ``limit`` of them after the batch ``after``."""
+        query, args = "SELECT body FROM batches", []
+        if after is not None:
+            query += " WHERE seq < (SELECT seq FROM batches WHERE id = ?)"
+            args.append(after)
+        with self._lock:
+            rows = self._db.execute(f"{query} ORDER BY seq DESC LIMIT ?", (*args, limit + 1)).fetchall()
+        data = [json.loads(row[0]) for row in rows[:limit]]
+        return {"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
+                "last_id": data[-1]["id"] if data else None, "has_more": len(rows) > limit}  # fmt: skip
+
+    def unfinished(self) -> list[dict[str, Any]]:
+        with self._lock:
+            rows = self._db.execute("SELECT body FROM batches ORDER BY seq").fetchall()
+        return [batch for batch in (json.loads(row[0]) for row in rows) if batch["status"] in UNFINISHED]
+
+    def record(self, batch_id: str, line: int, ok: bool, result: dict[str, Any]) -> None:
+        """One line's result; a line recorded already (a restart raced its end) keeps its first."""
+        with self._lock:
+            self._db.execute("INSERT OR IGNORE INTO batch_lines VALUES (?, ?, ?, ?)",
+                             (batch_id, line, int(ok), json.dumps(result)))  # fmt: skip
+
+    def results(self, batch_id: str) -> dict[int, tuple[bool, dict[str, Any]]]:
+        with self._lock:
+            rows = self._db.execute("SELECT line, ok, result FROM batch_lines WHERE batch_id = ?",
+                                    (batch_id,)).fetchall()  # fmt: skip
+        return {line: (bool(ok), json.loads(result)) for line, ok, result in rows}
+
+    def close(self) -> None:
+        self._db.close()
+
+
+def now() -> int:
+    return int(time.time())

@@ -1,0 +1,164 @@
+"""OpenAI's Batch API (``app/batches.py``, ``app/batch_runner.py``) through the openai SDK over the fake engine:
+``files.create`` → ``batches.create`` → poll → ``files.content``; each line's output exactly as the endpoint answers
+it, the error file (a duplicate ``custom_id``, another url, a stream, a body the endpoint refuses), a malformed file
+failing the batch with its lines named, cancel, a restart in the middle (the rest run once, none lost or repeated),
+and the batch's own errors."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import openai
+import pytest
+from app_helpers import fake_client
+from starlette.testclient import TestClient
+
+from app.batch_store import BatchStore
+from engine.core.fake_engine import FakeEngine
+
+
+def jsonl(lines: list[dict[str, Any]]) -> bytes:
+    return "".join(json.dumps(line) + "\n" for line in lines).encode()
+
+
+def chat_line(custom_id: str, max_tokens: int = 3, **extra: Any) -> dict[str, Any]:
+    body = {"model": "fake", "messages": [{"role": "user", "content": f"hi {custom_id}"}], "max_tokens": max_tokens}
+    return {"custom_id": custom_id, "method": "POST", "url": "/v1/chat/completions", "body": {**body, **extra}}
+
+
+@pytest.fixture
+def http(tmp_path: Path) -> Iterator[TestClient]:
+    with fake_client(FakeEngine(max_model_len=256), data_dir=tmp_path) as client:
+        yield client
+
+
+@pytest.fixture
+def sdk(http: TestClient) -> openai.OpenAI:
+    return openai.OpenAI(base_url="http://testserver/v1", api_key="none", http_client=http, max_retries=0)
+
+
+def wait(sdk: openai.OpenAI, batch_id: str, seconds: float = 30) -> Any:
+    deadline = time.monotonic() + seconds
+    while (batch := sdk.batches.retrieve(batch_id)).status not in ("completed", "failed", "cancelled", "expired"):
+        assert time.monotonic() < deadline, batch.status
+        time.sleep(0.05)
+    return batch
+
+
+def lines_of(sdk: openai.OpenAI, file_id: str | None) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in sdk.files.content(file_id).text.splitlines()] if file_id else []
+
+
+def test_a_batch_end_to_end_through_the_sdk(sdk: openai.OpenAI, http: TestClient) -> None:
+    lines = [chat_line(f"req-{i}") for i in range(6)]
+    lines += [chat_line("req-0"), {**chat_line("other"), "url": "/v1/completions"}, chat_line("streamed", stream=True),
+              chat_line("refused", max_tokens=-1)]  # fmt: skip
+    upload = sdk.files.create(file=("in.jsonl", jsonl(lines)), purpose="batch")
+    batch = sdk.batches.create(input_file_id=upload.id, endpoint="/v1/chat/completions", completion_window="24h",
+                               metadata={"job": "t"})  # fmt: skip
+    assert batch.id.startswith("batch_") and batch.status == "validating" and batch.metadata == {"job": "t"}
+    done = wait(sdk, batch.id)
+    assert done.status == "completed" and done.completed_at and done.in_progress_at and done.finalizing_at
+    assert (done.request_counts.total, done.request_counts.completed, done.request_counts.failed) == (10, 6, 4)
+    output, errors = lines_of(sdk, done.output_file_id), lines_of(sdk, done.error_file_id)
+    assert [line["custom_id"] for line in output] == [f"req-{i}" for i in range(6)]
+    alone = http.post("/v1/chat/completions", json=lines[0]["body"]).json()
+    first = output[0]["response"]
+    assert first["status_code"] == 200 and first["body"]["choices"] == alone["choices"] and output[0]["error"] is None
+    assert first["body"]["object"] == "chat.completion" and first["request_id"]
+    codes = {line["custom_id"]: (line["error"] or {}).get("code") or line["response"]["status_code"] for line in errors}
+    assert codes == {"req-0": "duplicate_custom_id", "other": "invalid_url", "streamed": "invalid_request",
+                     "refused": 400}  # fmt: skip
+    assert [b.id for b in sdk.batches.list()] == [batch.id]
+
+
+def test_a_malformed_file_fails_the_batch_naming_its_lines(sdk: openai.OpenAI) -> None:
+    raw = jsonl([chat_line("a")]) + b"not json\n" + b'{"custom_id": "b"}\n'
+    upload = sdk.files.create(file=("bad.jsonl", raw), purpose="batch")
+    batch = wait(sdk, sdk.batches.create(input_file_id=upload.id, endpoint="/v1/chat/completions",
+                                         completion_window="24h").id)  # fmt: skip
+    assert batch.status == "failed" and batch.failed_at and [e.line for e in batch.errors.data] == [2, 3]
+
+
+def test_cancel_stops_new_lines_and_keeps_the_finished_ones(tmp_path: Path) -> None:
+    with fake_client(FakeEngine(max_model_len=256, step_delay=0.01), data_dir=tmp_path) as http:
+        sdk = openai.OpenAI(base_url="http://testserver/v1", api_key="none", http_client=http, max_retries=0)
+        upload = sdk.files.create(file=("in.jsonl", jsonl([chat_line(f"r{i}", 20) for i in range(200)])),
+                                  purpose="batch")  # fmt: skip
+        batch = sdk.batches.create(input_file_id=upload.id, endpoint="/v1/chat/completions", completion_window="24h")
+        while sdk.batches.retrieve(batch.id).request_counts.completed < 3:
+            time.sleep(0.02)
+        assert sdk.batches.cancel(batch.id).status == "cancelling"
+        done = wait(sdk, batch.id)
+        finished = lines_of(sdk, done.output_file_id)
+        assert done.status == "cancelled" and done.cancelled_at and 3 <= len(finished) < 200
+        assert len(finished) == done.request_counts.completed
+        with pytest.raises(openai.APIStatusError) as again:
+            sdk.batches.cancel(batch.id)
+        assert again.value.status_code == 409
+
+
+def test_a_restart_runs_the_rest_once(tmp_path: Path) -> None:
+    """The server stops mid-batch; a new one over the same ``--data-dir`` resumes it: every line once."""
+    lines = [chat_line(f"r{i}", 20) for i in range(120)]
+    with fake_client(FakeEngine(max_model_len=256, step_delay=0.01), data_dir=tmp_path) as http:
+        upload = http.post("/v1/files", files={"file": ("in.jsonl", jsonl(lines))}, data={"purpose": "batch"}).json()
+        batch = http.post("/v1/batches", json={"input_file_id": upload["id"], "endpoint": "/v1/chat/completions",
+                                               "completion_window": "24h"}).json()  # fmt: skip
+        while http.get(f"/v1/batches/{batch['id']}").json()["request_counts"]["completed"] < 5:
+            time.sleep(0.02)
+    store = BatchStore(tmp_path)
+    finished_before = len(store.results(batch["id"]))
+    store.close()
+    assert 5 <= finished_before < len(lines)
+    with fake_client(FakeEngine(max_model_len=256), data_dir=tmp_path) as http:
+        sdk = openai.OpenAI(base_url="http://testserver/v1", api_key="none", http_client=http, max_retries=0)
+        done = wait(sdk, batch["id"])
+        output = lines_of(sdk, done.output_file_id)
+        ran = http.get("/metrics").text
+    assert f'smolserve:model_requests_total{{model="fake"}} {float(len(lines) - finished_before)}' in ran
+    assert done.status == "completed" and sorted(line["custom_id"] for line in output) == sorted(
+        line["custom_id"] for line in lines)  # fmt: skip
+    assert [line["custom_id"] for line in output] == [line["custom_id"] for line in lines]  # input order
+
+
+def test_batch_requests_are_checked(http: TestClient) -> None:
+    upload = http.post("/v1/files", files={"file": ("in.jsonl", jsonl([chat_line("a")]))},
+                       data={"purpose": "user_data"}).json()  # fmt: skip
+    base = {"input_file_id": upload["id"], "endpoint": "/v1/chat/completions", "completion_window": "24h"}
+    for bad, param in (
+        ({"endpoint": "/v1/messages"}, "endpoint"),
+        ({"completion_window": "1h"}, "completion_window"),
+        ({}, "input_file_id"),
+        ({"colour": "red"}, "colour"),
+        ({"metadata": {"a": 1}}, "metadata"),
+    ):
+        refused = http.post("/v1/batches", json={**base, **bad})
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == param
+    assert http.post("/v1/batches", json={**base, "input_file_id": "file-nope"}).status_code == 404
+    assert http.get("/v1/batches/batch_nope").status_code == 404
+
+
+def test_an_interactive_request_is_admitted_before_the_batch_s_waiting_lines(tmp_path: Path) -> None:
+    """Batch lines wait at a low priority: an interactive request sent while 4 lines run and 28 wait is admitted
+    as soon as one slot frees (first in FIFO order, it would wait for those 28 to be admitted)."""
+    with fake_client(FakeEngine(capacity=4, max_model_len=256, step_delay=0.005), data_dir=tmp_path) as http:
+        raw = jsonl([chat_line(f"r{i}", 12) for i in range(80)])
+        upload = http.post("/v1/files", files={"file": ("in.jsonl", raw)}, data={"purpose": "batch"}).json()
+        batch = http.post("/v1/batches", json={"input_file_id": upload["id"], "endpoint": "/v1/chat/completions",
+                                               "completion_window": "24h"}).json()  # fmt: skip
+
+        def completed() -> int:
+            return http.get(f"/v1/batches/{batch['id']}").json()["request_counts"]["completed"]
+
+        while completed() < 2:
+            time.sleep(0.01)
+        before = completed()
+        answer = http.post("/v1/chat/completions", json=chat_line("interactive")["body"])
+        assert answer.status_code == 200
+        assert completed() - before < 16
+        http.post(f"/v1/batches/{batch['id']}/cancel")
