@@ -45,10 +45,13 @@ def batch_object(batch_id: str, input_file_id: str, endpoint: str, metadata: dic
 class BatchRunner:
     """Runs every unfinished batch, one task each, through ``app`` (this server's ASGI app)."""
 
-    def __init__(self, store: BatchStore, files: Callable[[], FileStore], app: Any, api_key: str | None) -> None:
-        """``files``: the server's file store (opened on first use); ``app``: the server, which lines go through."""
+    def __init__(self, store: BatchStore, files: Callable[[], FileStore], app: Any, api_key: str | None,
+                 draining: Callable[[], bool] = lambda: False) -> None:  # fmt: skip
+        """``files``: the server's file store (opened on first use); ``app``: the server, which lines go through;
+        ``draining``: whether the server is shutting down (no new lines; the batch resumes at the next start)."""
         self.store = store
         self._files = files
+        self._draining = draining
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._client = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://batch",
                                          headers=headers, timeout=None)  # fmt: skip
@@ -91,12 +94,13 @@ class BatchRunner:
                 continue
             await slots.acquire()
             batch = self.store.get(batch_id)
-            if batch["status"] != "in_progress" or now() > batch["expires_at"]:
+            if batch["status"] != "in_progress" or now() > batch["expires_at"] or self._draining():
                 slots.release()
                 break
             running.append(asyncio.ensure_future(self._line(batch_id, index, line, duplicate, slots)))
         await asyncio.gather(*running)
-        await self._finish(batch_id, lines)
+        if not self._draining():  # else it resumes at the next start
+            await self._finish(batch_id, lines)
 
     async def _lines(self, batch: dict[str, Any]) -> list[dict[str, Any]] | None:
         """The input file's lines; None where the file is not a batch's (the batch failed, its errors named)."""
@@ -124,6 +128,8 @@ class BatchRunner:
                         "error": {"code": "server_error", "message": str(exc)},
                     },
                 )
+            if self._draining() and not ok:  # a 503 of the shutdown (or a line it cut): run again at the next start
+                return
             self.store.record(batch_id, index, ok, result)
             batch = self.store.get(batch_id)
             batch["request_counts"]["completed" if ok else "failed"] += 1

@@ -133,7 +133,8 @@ class ServerState:
         """The Batch API's runner, made on first use (or at start, where a database holds batches)."""
         if self._batches is None:
             assert self.app is not None, "create_app sets the app"
-            self._batches = BatchRunner(BatchStore(self.data_dir), lambda: self.files, self.app, self.config.api_key)
+            self._batches = BatchRunner(BatchStore(self.data_dir), lambda: self.files, self.app, self.config.api_key,
+                                        lambda: self.draining)  # fmt: skip
         return self._batches
 
     @property

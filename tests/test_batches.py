@@ -111,6 +111,9 @@ def test_a_restart_runs_the_rest_once(tmp_path: Path) -> None:
                                                "completion_window": "24h"}).json()  # fmt: skip
         while http.get(f"/v1/batches/{batch['id']}").json()["request_counts"]["completed"] < 5:
             time.sleep(0.02)
+        http.app.state.server.draining = True  # as SIGTERM's drain: lines refused from now on are not failures
+        time.sleep(0.3)
+        assert http.get(f"/v1/batches/{batch['id']}").json()["request_counts"]["failed"] == 0
     store = BatchStore(tmp_path)
     finished_before = len(store.results(batch["id"]))
     store.close()
