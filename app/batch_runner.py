@@ -4,7 +4,8 @@ one task each. Torch-free.
 Validation reads every line of the input file first: a line that is not ``{"custom_id", "method": "POST", "url",
 "body"}`` fails the whole batch (``errors`` name the lines). Each line then runs through the server's own endpoint
 in process, so its output line holds exactly what that endpoint answers; chat and completion lines at a low
-``priority`` (``BATCH_PRIORITY``: interactive requests are admitted first), at most ``IN_FLIGHT`` lines at once. A
+``priority`` (``BATCH_PRIORITY``: interactive requests are admitted first), at most ``IN_FLIGHT`` lines at once, and
+while interactive requests generate, at most ``IN_FLIGHT_BESIDE`` lines of all batches (the steps stay small). A
 line whose ``custom_id`` came before, whose ``url`` is not the batch's endpoint, that asks to stream, or whose body
 the endpoint refuses goes to the error file. Each finished line is recorded at once (``app/batch_store.py``): a
 restart runs the rest, once. Cancel stops new lines at once; the finished ones are in the output."""
@@ -28,7 +29,12 @@ ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/r
 #: Batch lines' ``priority`` where the endpoint takes one: after every interactive request (vLLM's, lower first).
 BATCH_PRIORITY = 1 << 20
 #: Lines of one batch in the server at once.
-IN_FLIGHT = 32
+IN_FLIGHT = 64
+#: Lines of all batches in the server at once while interactive requests run (or ran in the last ``HOLD_S``): the
+#: steps they share stay near an interactive stream's own size.
+IN_FLIGHT_BESIDE = 2
+#: The header that marks a request as a batch's line (its own requests do not hold the batch back).
+BATCH_HEADER = "x-smolserve-batch"
 WINDOW_S = 24 * 3600
 _STAMPS = ("in_progress_at", "finalizing_at", "completed_at", "failed_at", "expired_at", "cancelling_at",
            "cancelled_at")  # fmt: skip
@@ -46,13 +52,16 @@ class BatchRunner:
     """Runs every unfinished batch, one task each, through ``app`` (this server's ASGI app)."""
 
     def __init__(self, store: BatchStore, files: Callable[[], FileStore], app: Any, api_key: str | None,
-                 draining: Callable[[], bool] = lambda: False) -> None:  # fmt: skip
+                 draining: Callable[[], bool] = lambda: False, interactive: Callable[[], bool] = lambda: False,
+                 ) -> None:  # fmt: skip
         """``files``: the server's file store (opened on first use); ``app``: the server, which lines go through;
         ``draining``: whether the server is shutting down (no new lines; the batch resumes at the next start)."""
         self.store = store
         self._files = files
         self._draining = draining
-        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._interactive = interactive
+        self._flying = 0  # lines of every batch in the server now
+        headers = {BATCH_HEADER: "1", **({"Authorization": f"Bearer {api_key}"} if api_key else {})}
         self._client = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://batch",
                                          headers=headers, timeout=None)  # fmt: skip
         self._tasks: dict[str, asyncio.Task[None]] = {}
@@ -93,6 +102,8 @@ class BatchRunner:
             if index in done:
                 continue
             await slots.acquire()
+            while self._interactive() and self._flying >= IN_FLIGHT_BESIDE and not self._draining():
+                await asyncio.sleep(0.02)  # interactive requests first: the batch waits its turn
             batch = self.store.get(batch_id)
             if batch["status"] != "in_progress" or now() > batch["expires_at"] or self._draining():
                 slots.release()
@@ -115,6 +126,7 @@ class BatchRunner:
 
     async def _line(self, batch_id: str, index: int, line: dict[str, Any], duplicate: bool,
                     slots: asyncio.Semaphore) -> None:  # fmt: skip
+        self._flying += 1
         try:
             try:
                 ok, result = await self._answer(self.store.get(batch_id)["endpoint"], line, duplicate)
@@ -135,6 +147,7 @@ class BatchRunner:
             batch["request_counts"]["completed" if ok else "failed"] += 1
             self.store.save(batch)
         finally:
+            self._flying -= 1
             slots.release()
 
     async def _answer(self, endpoint: str, line: dict[str, Any], duplicate: bool) -> tuple[bool, dict[str, Any]]:

@@ -19,7 +19,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from app.backend import Backend
-from app.batch_runner import BatchRunner
+from app.batch_runner import BATCH_HEADER, BatchRunner
 from app.batch_store import BatchStore
 from app.chat_model import ChatModel, Model, local_backend
 from app.embedding_service import MAX_INPUTS, EmbeddingService
@@ -43,6 +43,8 @@ T = TypeVar("T")
 #: Threads that parse, tokenize and render requests off the event loop: as many as the machine's two cores, so a
 #: burst of large requests queues here instead of taking the CPU from the engine's steps.
 PREPARE_WORKERS = 2
+#: How long after the last interactive request ends batches still yield to interactive ones.
+HOLD_S = 1.0
 #: A body this large has its memory handed back to the OS once its request is prepared.
 TRIM_AFTER_BYTES = 1 << 20
 
@@ -113,6 +115,8 @@ class ServerState:
                        registry=self.metrics.registry)  # fmt: skip
         stored.set_function(lambda: len(self.responses))
         self._files: FileStore | None = None
+        #: Generations of requests that are not a batch's lines: batches yield to them (``app/batch_runner.py``).
+        self.interactive = InteractiveLoad()
         self._batches: BatchRunner | None = None
         #: The ASGI app serving this state (the batch runner sends its lines through it).
         self.app: Any = None
@@ -134,7 +138,7 @@ class ServerState:
         if self._batches is None:
             assert self.app is not None, "create_app sets the app"
             self._batches = BatchRunner(BatchStore(self.data_dir), lambda: self.files, self.app, self.config.api_key,
-                                        lambda: self.draining)  # fmt: skip
+                                        lambda: self.draining, self.interactive.busy)  # fmt: skip
         return self._batches
 
     @property
@@ -230,8 +234,11 @@ class ServerState:
         self.metrics.prompt_tokens.inc(generation.num_prompt_tokens)
         request.state.usage = (generation.num_prompt_tokens, 0, 0, 0)
         request.state.replica = generation.replicas
+        load = self.interactive if BATCH_HEADER not in request.headers else None
+        if load is not None:
+            load.began()
         if generation.options.stream:
-            stream = _logged(request, generation, (events or generation.events)())
+            stream = _logged(request, generation, (events or generation.events)(), load)
             return EventSourceResponse(stream, sep="\n", ping=self.sse_ping)
         done = asyncio.ensure_future((complete or generation.complete)())
         hangup = asyncio.ensure_future(_wait_for_disconnect(request))
@@ -242,18 +249,42 @@ class ServerState:
             if not done.done():
                 done.cancel()
             generation.abort()
+            if load is not None:
+                load.ended()
         request.state.usage = _usage_for_log(generation)
         if not done.done() or done.cancelled():
             return Response(status_code=499)  # the client left; nobody is listening
         return JSONResponse(done.result())
 
 
-async def _logged(request: Request, generation: Generation, events: AsyncIterator[str]) -> AsyncIterator[str]:
+async def _logged(request: Request, generation: Generation, events: AsyncIterator[str],
+                  load: InteractiveLoad | None) -> AsyncIterator[str]:  # fmt: skip
     try:
         async for event in events:
             yield event
     finally:
         request.state.usage = _usage_for_log(generation)
+        if load is not None:
+            load.ended()
+
+
+@dataclass(slots=True)
+class InteractiveLoad:
+    """Requests other than batch lines that are generating now, and when the last one ended."""
+
+    running: int = 0
+    ended_at: float = 0.0
+
+    def began(self) -> None:
+        self.running += 1
+
+    def ended(self) -> None:
+        self.running -= 1
+        self.ended_at = time.monotonic()
+
+    def busy(self) -> bool:
+        """Generating now, or within the last ``HOLD_S``: one stream of a conversation is followed by the next."""
+        return self.running > 0 or time.monotonic() - self.ended_at < HOLD_S
 
 
 def _usage_for_log(generation: Generation) -> tuple[int, int, int, int]:

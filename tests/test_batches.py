@@ -165,3 +165,36 @@ def test_an_interactive_request_is_admitted_before_the_batch_s_waiting_lines(tmp
         assert answer.status_code == 200
         assert completed() - before < 16
         http.post(f"/v1/batches/{batch['id']}/cancel")
+
+
+def test_a_batch_yields_the_engine_while_interactive_requests_generate(tmp_path: Path) -> None:
+    """While an interactive stream generates, no new batch line starts while 2 run: the engine's batch shrinks to
+    the stream and at most 2 lines (without the rule the batch keeps 64 lines in the server)."""
+    import threading
+
+    with fake_client(FakeEngine(capacity=8, max_model_len=4096, step_delay=0.002), data_dir=tmp_path) as http:
+        scheduler = http.app.state.server.backend.scheduler
+        raw = jsonl([chat_line(f"r{i}", 12) for i in range(3000)])
+        upload = http.post("/v1/files", files={"file": ("in.jsonl", raw)}, data={"purpose": "batch"}).json()
+        batch = http.post("/v1/batches", json={"input_file_id": upload["id"], "endpoint": "/v1/chat/completions",
+                                               "completion_window": "24h"}).json()  # fmt: skip
+        while scheduler.num_running + scheduler.num_waiting < 32:
+            time.sleep(0.01)
+        streaming = threading.Event()
+
+        def interactive() -> None:
+            body = {**chat_line("interactive", 3000)["body"], "stream": True}
+            with http.stream("POST", "/v1/chat/completions", json=body) as response:
+                for _ in response.iter_lines():
+                    if streaming.is_set():
+                        return
+
+        thread = threading.Thread(target=interactive)
+        thread.start()
+        deadline = time.monotonic() + 20
+        while scheduler.num_running + scheduler.num_waiting > 3:  # the stream and at most 2 batch lines
+            assert time.monotonic() < deadline, (scheduler.num_running, scheduler.num_waiting)
+            time.sleep(0.01)
+        streaming.set()
+        thread.join()
+        http.post(f"/v1/batches/{batch['id']}/cancel")
