@@ -3,8 +3,8 @@ one task each. Torch-free.
 
 Validation reads every line of the input file first: a line that is not ``{"custom_id", "method": "POST", "url",
 "body"}`` fails the whole batch (``errors`` name the lines). Each line then runs through the server's own endpoint
-in process, so its output line holds exactly what that endpoint answers; chat and completion lines at a low
-``priority`` (``BATCH_PRIORITY``: interactive requests are admitted first), at most ``IN_FLIGHT`` lines at once, and
+in process, so its output line holds exactly what that endpoint answers; its generation at a low ``priority``
+(``BATCH_PRIORITY``: interactive requests are admitted first), at most ``IN_FLIGHT`` lines at once, and
 while interactive requests generate, at most ``IN_FLIGHT_BESIDE`` lines of all batches (the steps stay small). A
 line whose ``custom_id`` came before, whose ``url`` is not the batch's endpoint, that asks to stream, or whose body
 the endpoint refuses goes to the error file. Each finished line is recorded at once (``app/batch_store.py``): a
@@ -26,7 +26,8 @@ from app.file_store import FileStore
 from app.openai.errors import APIError
 
 ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/responses")
-#: Batch lines' ``priority`` where the endpoint takes one: after every interactive request (vLLM's, lower first).
+#: Batch lines' ``priority`` (set by the server for a request with ``BATCH_HEADER``): after every interactive
+#: request (vLLM's, lower first).
 BATCH_PRIORITY = 1 << 20
 #: Lines of one batch in the server at once.
 IN_FLIGHT = 64
@@ -156,10 +157,7 @@ class BatchRunner:
         entry = {"id": f"batch_req_{uuid.uuid4().hex}", "custom_id": line["custom_id"]}
         if refused is not None:
             return False, {**entry, "response": None, "error": refused}
-        body = dict(line["body"])
-        if endpoint in ("/v1/chat/completions", "/v1/completions"):
-            body.setdefault("priority", BATCH_PRIORITY)
-        answer = await self._client.post(line["url"], json=body)
+        answer = await self._client.post(line["url"], json=line["body"])
         try:
             answered = answer.json()
         except ValueError:

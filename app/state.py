@@ -5,6 +5,7 @@ the metrics, the stored responses, and the answer's last step: queueing, then JS
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -19,7 +20,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from app.backend import Backend
-from app.batch_runner import BATCH_HEADER, BatchRunner
+from app.batch_runner import BATCH_HEADER, BATCH_PRIORITY, BatchRunner
 from app.batch_store import BatchStore
 from app.chat_model import ChatModel, Model, local_backend
 from app.embedding_service import MAX_INPUTS, EmbeddingService
@@ -115,8 +116,7 @@ class ServerState:
                        registry=self.metrics.registry)  # fmt: skip
         stored.set_function(lambda: len(self.responses))
         self._files: FileStore | None = None
-        #: Generations of requests that are not a batch's lines: batches yield to them (``app/batch_runner.py``).
-        self.interactive = InteractiveLoad()
+        self._interactive_at = 0.0
         self._batches: BatchRunner | None = None
         #: The ASGI app serving this state (the batch runner sends its lines through it).
         self.app: Any = None
@@ -132,13 +132,23 @@ class ServerState:
             self._files = FileStore(self.data_dir)
         return self._files
 
+    def interactive(self) -> bool:
+        """Whether requests other than batch lines generate now, or did within the last ``HOLD_S`` (one stream of a
+        conversation is followed by the next): batches yield to them (``app/batch_runner.py``)."""
+        now = time.monotonic()
+        for model in self.pool.loaded:
+            scheduler = getattr(model.backend, "scheduler", None)
+            if scheduler is not None and scheduler.has_priority_below(BATCH_PRIORITY):
+                self._interactive_at = now
+        return now - self._interactive_at < HOLD_S
+
     @property
     def batches(self) -> BatchRunner:
         """The Batch API's runner, made on first use (or at start, where a database holds batches)."""
         if self._batches is None:
             assert self.app is not None, "create_app sets the app"
             self._batches = BatchRunner(BatchStore(self.data_dir), lambda: self.files, self.app, self.config.api_key,
-                                        lambda: self.draining, self.interactive.busy)  # fmt: skip
+                                        lambda: self.draining, self.interactive)  # fmt: skip
         return self._batches
 
     @property
@@ -227,6 +237,8 @@ class ServerState:
         endpoint's shapes: ``complete`` and ``events``, the OpenAI ones by default)."""
         if self.draining:
             raise APIError(503, "The server is shutting down; retry on another instance.", code="shutting_down")
+        if BATCH_HEADER in request.headers:  # a batch's line: after every interactive request
+            generation.options = dataclasses.replace(generation.options, priority=BATCH_PRIORITY)
         try:
             await generation.submit()
         except QueueFullError as exc:
@@ -234,11 +246,8 @@ class ServerState:
         self.metrics.prompt_tokens.inc(generation.num_prompt_tokens)
         request.state.usage = (generation.num_prompt_tokens, 0, 0, 0)
         request.state.replica = generation.replicas
-        load = self.interactive if BATCH_HEADER not in request.headers else None
-        if load is not None:
-            load.began()
         if generation.options.stream:
-            stream = _logged(request, generation, (events or generation.events)(), load)
+            stream = _logged(request, generation, (events or generation.events)())
             return EventSourceResponse(stream, sep="\n", ping=self.sse_ping)
         done = asyncio.ensure_future((complete or generation.complete)())
         hangup = asyncio.ensure_future(_wait_for_disconnect(request))
@@ -249,42 +258,18 @@ class ServerState:
             if not done.done():
                 done.cancel()
             generation.abort()
-            if load is not None:
-                load.ended()
         request.state.usage = _usage_for_log(generation)
         if not done.done() or done.cancelled():
             return Response(status_code=499)  # the client left; nobody is listening
         return JSONResponse(done.result())
 
 
-async def _logged(request: Request, generation: Generation, events: AsyncIterator[str],
-                  load: InteractiveLoad | None) -> AsyncIterator[str]:  # fmt: skip
+async def _logged(request: Request, generation: Generation, events: AsyncIterator[str]) -> AsyncIterator[str]:
     try:
         async for event in events:
             yield event
     finally:
         request.state.usage = _usage_for_log(generation)
-        if load is not None:
-            load.ended()
-
-
-@dataclass(slots=True)
-class InteractiveLoad:
-    """Requests other than batch lines that are generating now, and when the last one ended."""
-
-    running: int = 0
-    ended_at: float = 0.0
-
-    def began(self) -> None:
-        self.running += 1
-
-    def ended(self) -> None:
-        self.running -= 1
-        self.ended_at = time.monotonic()
-
-    def busy(self) -> bool:
-        """Generating now, or within the last ``HOLD_S``: one stream of a conversation is followed by the next."""
-        return self.running > 0 or time.monotonic() - self.ended_at < HOLD_S
 
 
 def _usage_for_log(generation: Generation) -> tuple[int, int, int, int]:

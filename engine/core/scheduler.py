@@ -68,6 +68,10 @@ class Scheduler:
     def num_running(self) -> int:
         return len(self._running)
 
+    def has_priority_below(self, priority: int) -> bool:
+        """Whether a request of a lower ``priority`` value than this waits or runs."""
+        return any(s.request.priority < priority for s in (*self._waiting, *self._running.values()))
+
     @property
     def is_idle(self) -> bool:
         return not (self._waiting or self._running)
