@@ -109,6 +109,7 @@ class BatchRunner:
             if batch["status"] != "in_progress" or now() > batch["expires_at"] or self._draining():
                 slots.release()
                 break
+            self._flying += 1  # at launch: the loop launches without yielding while the gate is open
             running.append(asyncio.ensure_future(self._line(batch_id, index, line, duplicate, slots)))
         await asyncio.gather(*running)
         if not self._draining():  # else it resumes at the next start
@@ -127,7 +128,6 @@ class BatchRunner:
 
     async def _line(self, batch_id: str, index: int, line: dict[str, Any], duplicate: bool,
                     slots: asyncio.Semaphore) -> None:  # fmt: skip
-        self._flying += 1
         try:
             try:
                 ok, result = await self._answer(self.store.get(batch_id)["endpoint"], line, duplicate)
