@@ -33,7 +33,7 @@ BATCH_PRIORITY = 1 << 20
 IN_FLIGHT = 64
 #: Lines of all batches in the server at once while interactive requests run (or ran in the last ``HOLD_S``): the
 #: steps they share stay near an interactive stream's own size.
-IN_FLIGHT_BESIDE = 2
+IN_FLIGHT_BESIDE = 1
 #: The header that marks a request as a batch's line (its own requests do not hold the batch back).
 BATCH_HEADER = "x-smolserve-batch"
 WINDOW_S = 24 * 3600
