@@ -110,7 +110,7 @@ class BatchRunner:
                 slots.release()
                 break
             self._flying += 1  # at launch: the loop launches without yielding while the gate is open
-            running.append(asyncio.ensure_future(self._line(batch_id, index, line, duplicate, slots)))
+            running.append(asyncio.ensure_future(self._line(batch, index, line, duplicate, slots)))
         await asyncio.gather(*running)
         if not self._draining():  # else it resumes at the next start
             await self._finish(batch_id, lines)
@@ -126,11 +126,13 @@ class BatchRunner:
             return None
         return lines
 
-    async def _line(self, batch_id: str, index: int, line: dict[str, Any], duplicate: bool,
+    async def _line(self, batch: dict[str, Any], index: int, line: dict[str, Any], duplicate: bool,
                     slots: asyncio.Semaphore) -> None:  # fmt: skip
+        """One line: answered, recorded, counted (the batch read again: a cancel may have changed it meanwhile)."""
+        batch_id = batch["id"]
         try:
             try:
-                ok, result = await self._answer(self.store.get(batch_id)["endpoint"], line, duplicate)
+                ok, result = await self._answer(batch["endpoint"], line, duplicate)
             except Exception as exc:  # the line's failure, never the batch's
                 ok, result = (
                     False,
@@ -144,9 +146,9 @@ class BatchRunner:
             if self._draining() and not ok:  # a 503 of the shutdown (or a line it cut): run again at the next start
                 return
             self.store.record(batch_id, index, ok, result)
-            batch = self.store.get(batch_id)
-            batch["request_counts"]["completed" if ok else "failed"] += 1
-            self.store.save(batch)
+            fresh = self.store.get(batch_id)
+            fresh["request_counts"]["completed" if ok else "failed"] += 1
+            self.store.save(fresh)
         finally:
             self._flying -= 1
             slots.release()

@@ -5,12 +5,12 @@ the rest run once. Torch-free."""
 from __future__ import annotations
 
 import json
-import sqlite3
 import threading
 import time
 from pathlib import Path
 from typing import Any
 
+from app.file_store import connect
 from app.openai.errors import APIError
 
 _SCHEMA = (
@@ -24,9 +24,7 @@ UNFINISHED = ("validating", "in_progress", "finalizing", "cancelling")
 
 class BatchStore:
     def __init__(self, data_dir: Path) -> None:
-        data_dir.mkdir(parents=True, exist_ok=True)
-        self._db = sqlite3.connect(data_dir / "smolserve.db", check_same_thread=False, isolation_level=None)
-        self._db.execute("PRAGMA journal_mode=WAL")
+        self._db = connect(data_dir)
         for statement in _SCHEMA:
             self._db.execute(statement)
         self._lock = threading.Lock()

@@ -29,6 +29,15 @@ _SCHEMA = """CREATE TABLE IF NOT EXISTS files (
     created_at INTEGER NOT NULL, seq INTEGER NOT NULL)"""
 
 
+def connect(data_dir: Path) -> sqlite3.Connection:
+    """The server's one database under ``--data-dir`` (files, batches): WAL, autocommit, usable from any thread
+    (each store serializes its own statements)."""
+    data_dir.mkdir(parents=True, exist_ok=True)
+    db = sqlite3.connect(data_dir / DATABASE, check_same_thread=False, isolation_level=None)
+    db.execute("PRAGMA journal_mode=WAL")
+    return db
+
+
 def default_data_dir() -> Path:
     """``$XDG_DATA_HOME/smolserve``, by default ``~/.local/share/smolserve``."""
     base = os.environ.get("XDG_DATA_HOME") or str(Path.home() / ".local" / "share")
@@ -41,8 +50,7 @@ class FileStore:
         self.folder.mkdir(parents=True, exist_ok=True)
         for stray in self.folder.glob("*.partial"):
             stray.unlink()
-        self._db = sqlite3.connect(data_dir / DATABASE, check_same_thread=False, isolation_level=None)
-        self._db.execute("PRAGMA journal_mode=WAL")
+        self._db = connect(data_dir)
         self._db.execute(_SCHEMA)
         self._lock = threading.Lock()
 

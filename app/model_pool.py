@@ -226,14 +226,10 @@ class ModelPool:
     def card(self, name: str) -> dict[str, Any]:
         """What ``/v1/models`` adds for the chat model ``name`` (llama.cpp's router shape): its status, and its
         context length where known."""
-        found = [e for e in self.entries if name in e.names]
-        if not found:
+        found = next((e for e in self.entries if name in e.names), None)
+        if found is None:  # the embedding model's name
             return {}
-        return {"status": {"value": found[0].status}, "max_model_len": found[0].max_model_len}
-
-    def describe(self) -> list[dict[str, Any]]:
-        return [{"names": list(e.names), "status": e.status, "max_model_len": e.max_model_len,
-                 "load_seconds": e.load_seconds} for e in self.entries]  # fmt: skip
+        return {"status": {"value": found.status}, "max_model_len": found.max_model_len}
 
     @property
     def loaded(self) -> list[ChatModel]:
