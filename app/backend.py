@@ -62,6 +62,10 @@ class Backend(Protocol):
         """End everything in flight with an error (the drain ran out of time)."""
         ...
 
+    def has_priority_below(self, priority: int) -> bool:
+        """Whether a sequence of a lower ``priority`` value than this waits or runs (batches yield to it)."""
+        ...
+
     def register_metrics(self, registry: CollectorRegistry) -> None:
         """Add the engine-side series (batch, steps, KV memory) to the app's registry."""
         ...
@@ -102,6 +106,9 @@ class LocalBackend:
 
     def fail_all(self, message: str) -> None:
         self.scheduler.fail_all(message)
+
+    def has_priority_below(self, priority: int) -> bool:
+        return self.scheduler.has_priority_below(priority)
 
     def register_metrics(self, registry: CollectorRegistry) -> None:
         scheduler = self.scheduler

@@ -21,7 +21,7 @@ from typing import Any
 
 import httpx
 
-from app.batch_store import UNFINISHED, BatchStore, now
+from app.batch_store import UNFINISHED, BatchStore, Results, now
 from app.file_store import FileStore
 from app.openai.errors import APIError
 
@@ -37,8 +37,18 @@ IN_FLIGHT_BESIDE = 1
 #: The header that marks a request as a batch's line (its own requests do not hold the batch back).
 BATCH_HEADER = "x-smolserve-batch"
 WINDOW_S = 24 * 3600
+#: The error lines of the lines a batch's end left unrun, by its last status (OpenAI's codes).
+_UNRUN = {
+    "cancelled": ("batch_cancelled", "The batch was cancelled before this request executed."),
+    "expired": ("batch_expired", "This request could not be executed before the completion window expired."),
+}
 _STAMPS = ("in_progress_at", "finalizing_at", "completed_at", "failed_at", "expired_at", "cancelling_at",
            "cancelled_at")  # fmt: skip
+
+
+#: The report of a server that has run no batch (``BatchRunner.report``).
+NO_BATCHES: dict[str, Any] = {"by_status": {}, "lines_running": 0, "lines_waiting": 0,
+                              "lines_finished": {"completed": 0, "failed": 0}}  # fmt: skip
 
 
 def batch_object(batch_id: str, input_file_id: str, endpoint: str, metadata: dict[str, str] | None) -> dict[str, Any]:
@@ -62,6 +72,7 @@ class BatchRunner:
         self._draining = draining
         self._interactive = interactive
         self._flying = 0  # lines of every batch in the server now
+        self._finished = {"completed": 0, "failed": 0}  # lines finished since the server started
         headers = {BATCH_HEADER: "1", **({"Authorization": f"Bearer {api_key}"} if api_key else {})}
         self._client = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://batch",
                                          headers=headers, timeout=None)  # fmt: skip
@@ -146,6 +157,7 @@ class BatchRunner:
             if self._draining() and not ok:  # a 503 of the shutdown (or a line it cut): run again at the next start
                 return
             self.store.record(batch_id, index, ok, result)
+            self._finished["completed" if ok else "failed"] += 1
             fresh = self.store.get(batch_id)
             fresh["request_counts"]["completed" if ok else "failed"] += 1
             self.store.save(fresh)
@@ -169,13 +181,16 @@ class BatchRunner:
         return answer.status_code == 200, {**entry, "response": response, "error": None}
 
     async def _finish(self, batch_id: str, lines: list[dict[str, Any]]) -> None:
-        """The output and error files from every finished line, in input order; then the batch's last status."""
+        """The output and error files from every finished line, in input order (a line a cancel or the window's end
+        left unrun: an error line saying so); then the batch's last status."""
         batch = self.store.get(batch_id)
-        final = {"in_progress": "completed", "cancelling": "cancelled"}.get(batch["status"], batch["status"])
-        if final == "completed" and now() > batch["expires_at"]:
-            final = "expired"
-        self._move(batch, "finalizing")
         results = self.store.results(batch_id)
+        final = _final_status(batch, len(results) == len(lines))
+        if final in _UNRUN:
+            results = self._close_unrun(batch_id, lines, results, final)
+        completed = sum(ok for ok, _ in results.values())
+        batch["request_counts"] = {"total": len(lines), "completed": completed, "failed": len(results) - completed}
+        self._move(batch, "finalizing")
         for ok, key in ((True, "output_file_id"), (False, "error_file_id")):
             chosen = [json.dumps(results[i][1]) for i in sorted(results) if results[i][0] is ok]
             if chosen:
@@ -183,13 +198,33 @@ class BatchRunner:
                 name = f"{batch_id}_{'output' if ok else 'error'}.jsonl"
                 batch[key] = (await asyncio.to_thread(self._files().create, name, "batch_output", content,
                                                       True))["id"]  # fmt: skip
-        batch["request_counts"]["total"] = len(lines)
         self._move(batch, final)
+
+    def _close_unrun(self, batch_id: str, lines: list[dict[str, Any]], results: Results, final: str) -> Results:
+        """Every line that never ran, recorded as failed with OpenAI's ``batch_cancelled`` or ``batch_expired``: each
+        input line is in the output or the error file, and ``completed + failed == total``."""
+        code, message = _UNRUN[final]
+        for index, line in enumerate(lines):
+            if index not in results:
+                error = {"id": f"batch_req_{uuid.uuid4().hex}", "custom_id": line["custom_id"], "response": None,
+                         "error": {"code": code, "message": message}}  # fmt: skip
+                self.store.record(batch_id, index, False, error)
+                self._finished["failed"] += 1
+        return self.store.results(batch_id)
 
     def _move(self, batch: dict[str, Any], status: str) -> None:
         batch["status"] = status
         batch[f"{status}_at"] = now()
         self.store.save(batch)
+
+    def report(self) -> dict[str, Any]:
+        """The batch queue, for ``/health`` and the metrics: batches by status, the lines of unfinished batches
+        running now and waiting their turn, and the lines finished since the server started."""
+        tally = self.store.tally()
+        pending = sum(lines for status, (_, lines) in tally.items() if status in UNFINISHED)
+        return {"by_status": {status: count for status, (count, _) in sorted(tally.items())},
+                "lines_running": self._flying, "lines_waiting": max(pending - self._flying, 0),
+                "lines_finished": dict(self._finished)}  # fmt: skip
 
     def cancel(self, batch_id: str) -> dict[str, Any]:
         batch = self.store.get(batch_id)
@@ -199,6 +234,16 @@ class BatchRunner:
         if batch["status"] in ("validating", "in_progress"):
             self._move(batch, "cancelling")
         return batch
+
+
+def _final_status(batch: dict[str, Any], every_line_ran: bool) -> str:
+    """How a batch whose lines stopped ends: cancelled when it was cancelled (a restart may find it finalizing),
+    else completed, or expired where the window ended first."""
+    if batch["status"] == "cancelling" or (batch["status"] == "finalizing" and batch["cancelling_at"]):
+        return "cancelled"
+    if batch["status"] in ("in_progress", "finalizing"):
+        return "completed" if every_line_ran else "expired"
+    return batch["status"]
 
 
 def _read_lines(raw: bytes) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:

@@ -18,8 +18,12 @@ _SCHEMA = (
     """CREATE TABLE IF NOT EXISTS batch_lines (batch_id TEXT NOT NULL, line INTEGER NOT NULL, ok INTEGER NOT NULL,
        result TEXT NOT NULL, PRIMARY KEY (batch_id, line))""",
 )
+#: A batch's finished lines: by line index, whether it went to the output file (else the error file), its line.
+Results = dict[int, tuple[bool, dict[str, Any]]]
 #: The statuses a batch leaves only by running on (a restart takes them up again).
 UNFINISHED = ("validating", "in_progress", "finalizing", "cancelling")
+#: Every status, as OpenAI's.
+STATUSES = (*UNFINISHED, "completed", "failed", "expired", "cancelled")
 
 
 class BatchStore:
@@ -62,13 +66,22 @@ class BatchStore:
             rows = self._db.execute("SELECT body FROM batches ORDER BY seq").fetchall()
         return [batch for batch in (json.loads(row[0]) for row in rows) if batch["status"] in UNFINISHED]
 
+    def tally(self) -> dict[str, tuple[int, int]]:
+        """By status: how many batches, and how many of their validated lines have not finished."""
+        query = """SELECT json_extract(body, '$.status'), COUNT(*), SUM(json_extract(body, '$.request_counts.total')
+                   - json_extract(body, '$.request_counts.completed') - json_extract(body, '$.request_counts.failed'))
+                   FROM batches GROUP BY 1"""
+        with self._lock:
+            rows = self._db.execute(query).fetchall()
+        return {status: (count, pending or 0) for status, count, pending in rows}
+
     def record(self, batch_id: str, line: int, ok: bool, result: dict[str, Any]) -> None:
         """One line's result; a line recorded already (a restart raced its end) keeps its first."""
         with self._lock:
             self._db.execute("INSERT OR IGNORE INTO batch_lines VALUES (?, ?, ?, ?)",
                              (batch_id, line, int(ok), json.dumps(result)))  # fmt: skip
 
-    def results(self, batch_id: str) -> dict[int, tuple[bool, dict[str, Any]]]:
+    def results(self, batch_id: str) -> Results:
         with self._lock:
             rows = self._db.execute("SELECT line, ok, result FROM batch_lines WHERE batch_id = ?",
                                     (batch_id,)).fetchall()  # fmt: skip

@@ -10,6 +10,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from app.batch_store import STATUSES
 from engine.core.streams import Delta
 from engine.core.types import MemoryStats
 
@@ -152,6 +153,29 @@ class _RuntimeCollector(Collector):
             invariant = float(info["batch_invariant"])
             yield GaugeMetricFamily(f"{PREFIX}batch_invariant", "1 when a row's result never depends on its batch",
                                     value=invariant)  # fmt: skip
+
+
+class BatchCollector(Collector):
+    """The Batch API's queue, read when scraped (``BatchRunner.report``): batches by status, lines running and
+    waiting their turn, lines finished since the server started by outcome."""
+
+    def __init__(self, report: Callable[[], dict[str, Any]]) -> None:
+        self._report = report
+
+    def collect(self) -> Iterator[Metric]:
+        report = self._report()
+        batches = GaugeMetricFamily(f"{PREFIX}batches", "Batches by status", labels=["status"])
+        for status in STATUSES:
+            batches.add_metric([status], report["by_status"].get(status, 0))
+        yield batches
+        yield GaugeMetricFamily(f"{PREFIX}batch_lines_running", "Batch lines in the server now",
+                                value=report["lines_running"])  # fmt: skip
+        yield GaugeMetricFamily(f"{PREFIX}batch_lines_waiting", "Lines of unfinished batches not started yet",
+                                value=report["lines_waiting"])  # fmt: skip
+        lines = CounterMetricFamily(f"{PREFIX}batch_lines", "Batch lines finished, by outcome", labels=["outcome"])
+        for outcome, count in sorted(report["lines_finished"].items()):
+            lines.add_metric([outcome], count)
+        yield lines
 
 
 #: The routes responses are counted by; a path with an id is counted under its route, any other path as "other".

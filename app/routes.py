@@ -28,7 +28,7 @@ async def health(request: Request) -> Response:
     health = await state.backend.health() if state.backend is not None else {}
     facts = server_facts(state, health.get("engine", {}))
     return JSONResponse({"status": "draining" if state.draining else "ok", **health, "models": facts["models"],
-                         "speculative": facts["speculative"]})  # fmt: skip
+                         "speculative": facts["speculative"], "batches": state.batch_report()})  # fmt: skip
 
 
 async def metrics(request: Request) -> Response:

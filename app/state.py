@@ -20,14 +20,14 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from app.backend import Backend
-from app.batch_runner import BATCH_HEADER, BATCH_PRIORITY, BatchRunner
+from app.batch_runner import BATCH_HEADER, BATCH_PRIORITY, NO_BATCHES, BatchRunner
 from app.batch_store import BatchStore
 from app.chat_model import ChatModel, Model, local_backend
 from app.embedding_service import MAX_INPUTS, EmbeddingService
 from app.file_store import DATABASE, MAX_FILE_BYTES, FileStore, default_data_dir
 from app.generation import Generation
 from app.limits import RequestLimits, check_lists
-from app.metrics import Metrics
+from app.metrics import BatchCollector, Metrics
 from app.model_pool import KEEP_ALIVE_S, LazyModel, ModelPool, NotLoaded
 from app.models import ModelRegistry, ServedEntry
 from app.openai.errors import APIError
@@ -115,6 +115,7 @@ class ServerState:
         stored = Gauge("smolserve:responses_stored", "Responses kept for previous_response_id and retrieval",
                        registry=self.metrics.registry)  # fmt: skip
         stored.set_function(lambda: len(self.responses))
+        self.metrics.registry.register(BatchCollector(self.batch_report))
         self._files: FileStore | None = None
         self._interactive_at = 0.0
         self._batches: BatchRunner | None = None
@@ -136,10 +137,8 @@ class ServerState:
         """Whether requests other than batch lines generate now, or did within the last ``HOLD_S`` (one stream of a
         conversation is followed by the next): batches yield to them (``app/batch_runner.py``)."""
         now = time.monotonic()
-        for model in self.pool.loaded:
-            scheduler = getattr(model.backend, "scheduler", None)
-            if scheduler is not None and scheduler.has_priority_below(BATCH_PRIORITY):
-                self._interactive_at = now
+        if any(model.backend.has_priority_below(BATCH_PRIORITY) for model in self.pool.loaded):
+            self._interactive_at = now
         return now - self._interactive_at < HOLD_S
 
     @property
@@ -150,6 +149,10 @@ class ServerState:
             self._batches = BatchRunner(BatchStore(self.data_dir), lambda: self.files, self.app, self.config.api_key,
                                         lambda: self.draining, self.interactive)  # fmt: skip
         return self._batches
+
+    def batch_report(self) -> dict[str, Any]:
+        """The batch queue (``BatchRunner.report``); a server that has run no batch opens no database for it."""
+        return self._batches.report() if self._batches is not None else NO_BATCHES
 
     @property
     def backend(self) -> Backend | None:

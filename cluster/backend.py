@@ -37,8 +37,10 @@ SUBMIT_ATTEMPTS = 3
 class RemoteStream:
     """One sequence's streaming call to its replica; in the backend's in-flight set until it ends or is cancelled."""
 
-    def __init__(self, call: DeploymentResponseGenerator, replica: str, in_flight: set[RemoteStream]) -> None:
+    def __init__(self, call: DeploymentResponseGenerator, replica: str, in_flight: set[RemoteStream],
+                 priority: int = 0) -> None:  # fmt: skip
         self.replica: str | None = replica
+        self.priority = priority
         self.finished = False
         self._call = call
         self._in_flight = in_flight
@@ -111,7 +113,7 @@ class RayBackend:
             if isinstance(first, Rejected):
                 raise QueueFullError(first.message)
             assert isinstance(first, Accepted), f"a replica answered {first!r}"
-            return RemoteStream(call, first.replica, self._streams)
+            return RemoteStream(call, first.replica, self._streams, submission.request.priority)
         raise EngineError("no replica could take the request (they are failing); retry later")
 
     def abort(self, stream: Stream) -> None:
@@ -125,6 +127,10 @@ class RayBackend:
     def fail_all(self, message: str) -> None:
         for stream in list(self._streams):
             stream.cancel(message)
+
+    def has_priority_below(self, priority: int) -> bool:
+        """Read from this ingress's own streams: every sequence of the cluster goes through it."""
+        return any(stream.priority < priority for stream in self._streams)
 
     def register_metrics(self, registry: CollectorRegistry) -> None:
         registry.register(_ReplicaCollector(lambda: self._snapshot))

@@ -7,6 +7,7 @@ and the batch's own errors."""
 from __future__ import annotations
 
 import json
+import re
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -94,12 +95,63 @@ def test_cancel_stops_new_lines_and_keeps_the_finished_ones(tmp_path: Path) -> N
             time.sleep(0.02)
         assert sdk.batches.cancel(batch.id).status == "cancelling"
         done = wait(sdk, batch.id)
-        finished = lines_of(sdk, done.output_file_id)
+        finished, unrun = lines_of(sdk, done.output_file_id), lines_of(sdk, done.error_file_id)
         assert done.status == "cancelled" and done.cancelled_at and 3 <= len(finished) < 200
-        assert len(finished) == done.request_counts.completed
+        assert len(finished) == done.request_counts.completed and len(unrun) == done.request_counts.failed
+        assert {line["error"]["code"] for line in unrun} == {"batch_cancelled"}
+        assert sorted(line["custom_id"] for line in finished + unrun) == sorted(f"r{i}" for i in range(200))
         with pytest.raises(openai.APIStatusError) as again:
             sdk.batches.cancel(batch.id)
         assert again.value.status_code == 409
+
+
+def test_a_batch_past_its_window_expires_its_unrun_lines(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The completion window ends mid-batch (a 1-second window here, 24 hours served): no new line starts, the
+    batch ends ``expired`` with the finished lines in the output and each other line a ``batch_expired`` error."""
+    monkeypatch.setattr("app.batch_runner.WINDOW_S", 1)
+    with fake_client(FakeEngine(max_model_len=256, step_delay=0.01), data_dir=tmp_path) as http:
+        sdk = openai.OpenAI(base_url="http://testserver/v1", api_key="none", http_client=http, max_retries=0)
+        upload = sdk.files.create(file=("in.jsonl", jsonl([chat_line(f"r{i}", 20) for i in range(300)])),
+                                  purpose="batch")  # fmt: skip
+        batch = sdk.batches.create(input_file_id=upload.id, endpoint="/v1/chat/completions", completion_window="24h")
+        done = wait(sdk, batch.id)
+        output, errors = lines_of(sdk, done.output_file_id), lines_of(sdk, done.error_file_id)
+    assert done.status == "expired" and done.expired_at and done.expired_at >= done.expires_at
+    assert 0 < len(output) < 300 and {line["error"]["code"] for line in errors} == {"batch_expired"}
+    assert (done.request_counts.completed, done.request_counts.failed) == (len(output), len(errors))
+    assert sorted(line["custom_id"] for line in output + errors) == sorted(f"r{i}" for i in range(300))
+
+
+def test_metrics_and_health_show_the_batch_queue(tmp_path: Path) -> None:
+    with fake_client(FakeEngine(max_model_len=256, step_delay=0.01), data_dir=tmp_path) as http:
+        idle = http.get("/health").json()["batches"]
+        assert idle == {"by_status": {}, "lines_running": 0, "lines_waiting": 0,
+                        "lines_finished": {"completed": 0, "failed": 0}}  # fmt: skip
+        assert not (tmp_path / "smolserve.db").exists()  # reading the queue opened no database
+        raw = jsonl([chat_line(f"r{i}", 20) for i in range(300)])
+        upload = http.post("/v1/files", files={"file": ("in.jsonl", raw)}, data={"purpose": "batch"}).json()
+        batch = http.post("/v1/batches", json={"input_file_id": upload["id"], "endpoint": "/v1/chat/completions",
+                                               "completion_window": "24h"}).json()  # fmt: skip
+        while (queue := http.get("/health").json()["batches"])["lines_finished"]["completed"] < 3:
+            time.sleep(0.02)
+        assert queue["by_status"] == {"in_progress": 1} and queue["lines_running"] > 0
+        assert queue["lines_running"] + queue["lines_waiting"] + queue["lines_finished"]["completed"] >= 300
+        text = http.get("/metrics").text
+        assert (
+            'smolserve:batches{status="in_progress"} 1.0' in text
+            and 'smolserve:batches{status="completed"} 0.0' in text
+        )
+        running = float(re.search(r"^smolserve:batch_lines_running (\S+)$", text, re.M)[1])
+        waiting = float(re.search(r"^smolserve:batch_lines_waiting (\S+)$", text, re.M)[1])
+        assert running > 0 and waiting > 0
+        http.post(f"/v1/batches/{batch['id']}/cancel")
+        sdk = openai.OpenAI(base_url="http://testserver/v1", api_key="none", http_client=http, max_retries=0)
+        done = wait(sdk, batch["id"])
+        text = http.get("/metrics").text
+    assert 'smolserve:batches{status="cancelled"} 1.0' in text and "smolserve:batch_lines_waiting 0.0" in text
+    completed = re.search(r'^smolserve:batch_lines_total\{outcome="completed"\} (\S+)$', text, re.M)
+    failed = re.search(r'^smolserve:batch_lines_total\{outcome="failed"\} (\S+)$', text, re.M)
+    assert (float(completed[1]), float(failed[1])) == (done.request_counts.completed, done.request_counts.failed)
 
 
 def test_a_restart_runs_the_rest_once(tmp_path: Path) -> None:
@@ -198,3 +250,39 @@ def test_a_batch_yields_the_engine_while_interactive_requests_generate(tmp_path:
         streaming.set()
         thread.join()
         http.post(f"/v1/batches/{batch['id']}/cancel")
+
+
+def test_a_batch_started_beside_an_interactive_stream_keeps_to_one_line(tmp_path: Path) -> None:
+    """A batch created while an interactive stream generates sends one line at a time from its first: the engine
+    never holds more than the stream and one line (lines counted from their launch, not from when they first run,
+    or the launching loop sends 64 before any counts)."""
+    import threading
+
+    with fake_client(FakeEngine(capacity=8, max_model_len=4096, step_delay=0.002), data_dir=tmp_path) as http:
+        scheduler = http.app.state.server.backend.scheduler
+        streaming, done = threading.Event(), threading.Event()
+
+        def interactive() -> None:
+            body = {**chat_line("interactive", 3000)["body"], "stream": True}
+            with http.stream("POST", "/v1/chat/completions", json=body) as response:
+                for _ in response.iter_lines():
+                    streaming.set()
+                    if done.is_set():
+                        return
+
+        thread = threading.Thread(target=interactive)
+        thread.start()
+        assert streaming.wait(10)
+        raw = jsonl([chat_line(f"r{i}", 12) for i in range(200)])
+        upload = http.post("/v1/files", files={"file": ("in.jsonl", raw)}, data={"purpose": "batch"}).json()
+        batch = http.post("/v1/batches", json={"input_file_id": upload["id"], "endpoint": "/v1/chat/completions",
+                                               "completion_window": "24h"}).json()  # fmt: skip
+        most, started = 0, time.monotonic()
+        while http.get("/health").json()["batches"]["lines_finished"]["completed"] < 5:
+            assert time.monotonic() - started < 20
+            most = max(most, scheduler.num_running + scheduler.num_waiting)
+            time.sleep(0.005)
+        done.set()
+        thread.join()
+        http.post(f"/v1/batches/{batch['id']}/cancel")
+    assert most <= 2

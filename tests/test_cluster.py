@@ -244,6 +244,23 @@ def test_abort_cancels_the_call_and_fail_all_tells_the_reader_why() -> None:
     asyncio.run(run())
 
 
+def test_the_ingress_knows_whether_an_interactive_sequence_runs_on_any_replica() -> None:
+    """Batches yield to interactive requests on a cluster too: the ingress reads its own streams' priorities."""
+
+    async def run() -> None:
+        calls = [FakeCall([Accepted("r1")]), FakeCall([Accepted("r2")])]
+        backend = RayBackend(FakeHandle(calls), None, 4)
+        batch_line = await backend.submit(Submission(GenerationRequest((1, 2), 4, priority=1 << 20)))
+        assert not backend.has_priority_below(1 << 20)
+        interactive = await backend.submit(submission())
+        assert backend.has_priority_below(1 << 20) and not backend.has_priority_below(0)
+        backend.abort(interactive)
+        assert not backend.has_priority_below(1 << 20)
+        backend.abort(batch_line)
+
+    asyncio.run(run())
+
+
 def test_replica_metrics_are_labelled_by_replica_in_one_family_each() -> None:
     texts = {}
     for name, running in (("r1", 3), ("r2", 5)):
