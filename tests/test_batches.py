@@ -1,18 +1,24 @@
 """OpenAI's Batch API (``app/batches.py``, ``app/batch_runner.py``) through the openai SDK over the fake engine:
 ``files.create`` → ``batches.create`` → poll → ``files.content``; each line's output exactly as the endpoint answers
 it, the error file (a duplicate ``custom_id``, another url, a stream, a body the endpoint refuses), a malformed file
-failing the batch with its lines named, cancel, a restart in the middle (the rest run once, none lost or repeated),
-and the batch's own errors."""
+failing the batch with its lines named, cancel and the window's end (unrun lines in the error file), a restart in
+the middle (in process, and ``python -m app`` killed with SIGTERM: the rest run once, none lost or repeated), the
+batch's own errors, the queue on ``/metrics`` and ``/health``, and batches yielding to interactive requests."""
 
 from __future__ import annotations
 
 import json
 import re
+import signal
+import socket
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import openai
 import pytest
 from app_helpers import fake_client
@@ -286,3 +292,60 @@ def test_a_batch_started_beside_an_interactive_stream_keeps_to_one_line(tmp_path
         thread.join()
         http.post(f"/v1/batches/{batch['id']}/cancel")
     assert most <= 2
+
+
+def test_kill_term_mid_batch_then_start_again_completes_it_once(tmp_path: Path) -> None:
+    """``python -m app`` over a ``--data-dir`` gets SIGTERM mid-batch: it drains and exits 0 with the batch in
+    progress; started again, it runs the rest: the output holds every line once, in input order, and the engine ran
+    exactly the lines that had not finished."""
+    lines = [chat_line(f"r{i}", 200) for i in range(400)]
+    server, base = _start_server(tmp_path)
+    try:
+        upload = httpx.post(f"{base}/v1/files", files={"file": ("in.jsonl", jsonl(lines))},
+                            data={"purpose": "batch"}).json()  # fmt: skip
+        batch = httpx.post(f"{base}/v1/batches", json={"input_file_id": upload["id"], "completion_window": "24h",
+                                                        "endpoint": "/v1/chat/completions"}).json()  # fmt: skip
+        while httpx.get(f"{base}/v1/batches/{batch['id']}").json()["request_counts"]["completed"] < 40:
+            time.sleep(0.05)
+    finally:
+        server.send_signal(signal.SIGTERM)
+        assert server.wait(60) == 0
+    store = BatchStore(tmp_path)
+    finished_before, status = len(store.results(batch["id"])), store.get(batch["id"])["status"]
+    store.close()
+    assert status == "in_progress" and 40 <= finished_before < len(lines)
+    server, base = _start_server(tmp_path)
+    try:
+        deadline = time.monotonic() + 120
+        while (done := httpx.get(f"{base}/v1/batches/{batch['id']}").json())["status"] != "completed":
+            assert time.monotonic() < deadline, done
+            time.sleep(0.1)
+        content = httpx.get(f"{base}/v1/files/{done['output_file_id']}/content").text
+        output = [json.loads(line) for line in content.splitlines()]
+        ran = httpx.get(f"{base}/metrics").text
+    finally:
+        server.send_signal(signal.SIGTERM)
+        assert server.wait(60) == 0
+    assert [line["custom_id"] for line in output] == [line["custom_id"] for line in lines]
+    assert done["request_counts"] == {"total": 400, "completed": 400, "failed": 0} and done["error_file_id"] is None
+    assert f'smolserve:model_requests_total{{model="fake"}} {float(len(lines) - finished_before)}' in ran
+
+
+def _start_server(data_dir: Path) -> tuple[subprocess.Popen[bytes], str]:
+    """``python -m app`` on the fake engine (4 sequences a step, so that a batch takes a few seconds), its log in a
+    file (a pipe nobody reads would fill and block it)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    command = [sys.executable, "-m", "app", "--model", "fake", "--port", str(port), "--data-dir", str(data_dir),
+               "--max-batch-size", "4"]  # fmt: skip
+    with (data_dir / "server.log").open("ab") as log:
+        server = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+    base, deadline = f"http://127.0.0.1:{port}", time.monotonic() + 60
+    while True:
+        try:
+            httpx.get(f"{base}/health", timeout=1)
+            return server, base
+        except httpx.HTTPError:
+            assert server.poll() is None and time.monotonic() < deadline, (data_dir / "server.log").read_text()
+            time.sleep(0.1)
