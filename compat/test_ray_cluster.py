@@ -33,9 +33,10 @@ PLACE = {
 
 
 @pytest.fixture(scope="module")
-def cluster() -> Iterator[str]:
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     # Batch-invariant, as the one process it is compared with: their batches differ.
-    proc, base = start_server("--model", MODEL, "--replicas", "2", "--batch-invariant", "on")
+    data = tmp_path_factory.mktemp("cluster-data")  # the Batch API's files
+    proc, base = start_server("--model", MODEL, "--replicas", "2", "--batch-invariant", "on", "--data-dir", str(data))
     try:
         wait_for(lambda: live_replicas(base) == 2, 120)
         yield base
@@ -141,6 +142,30 @@ def test_concurrent_requests_spread_over_both_replicas(cluster: str) -> None:
     after = replica_series(cluster, "prefix_cache_queries_total")
     assert len(after) == 2
     assert all(after[r] > before.get(r, 0) for r in after), (before, after)
+
+
+def test_a_batch_runs_across_both_replicas(cluster: str) -> None:
+    """The Batch API on a cluster: the ingress keeps the files and sends each line through its own app, so lines
+    spread over the replicas as any requests do, and each answers as the same request sent alone."""
+    prompts = [f"Batch line {i}: tell me about {FACTS[i % 5]}" for i in range(24)]
+    raw = "".join(json.dumps({"custom_id": f"l{i}", "method": "POST", "url": "/v1/completions",
+                              "body": {"model": MODEL, "prompt": p, "max_tokens": 8, "temperature": 0}}) + "\n"
+                  for i, p in enumerate(prompts))  # fmt: skip
+    before = replica_series(cluster, "prefix_cache_queries_total")
+    with client_for(cluster) as client:
+        upload = client.files.create(file=("lines.jsonl", raw.encode()), purpose="batch")
+        batch = client.batches.create(input_file_id=upload.id, endpoint="/v1/completions", completion_window="24h")
+        wait_for(lambda: client.batches.retrieve(batch.id).status == "completed", 180)
+        done = client.batches.retrieve(batch.id)
+        output = [json.loads(line) for line in client.files.content(done.output_file_id).text.splitlines()]
+        alone = client.completions.create(model=MODEL, prompt=prompts[3], max_tokens=8, temperature=0)
+    assert done.request_counts.completed == 24 and [line["custom_id"] for line in output] == [
+        f"l{i}" for i in range(24)
+    ]
+    assert output[3]["response"]["body"]["choices"][0]["text"] == alone.choices[0].text
+    time.sleep(2.5)  # replicas report their metrics every second
+    grown = growth(cluster, "prefix_cache_queries_total", before)
+    assert len(grown) == 2 and all(queried > 0 for queried in grown.values()), grown
 
 
 def test_a_shared_prefix_stays_on_the_replica_that_holds_it(cluster: str) -> None:
