@@ -128,7 +128,10 @@ class _MemoryCollector(Collector):
         counters = {
             "prefix_cache_queries": ("Prompt tokens looked up in the prefix cache", stats.prefix_queried_tokens),
             "prefix_cache_hits": ("Prompt tokens found in the prefix cache", stats.prefix_hit_tokens),
-            "num_preemptions": ("Sequences preempted for want of KV blocks", stats.preemptions),
+            "num_preemptions": (
+                "Sequences preempted for want of KV blocks or slots (parked for more urgent ones)",
+                stats.preemptions,
+            ),
             "spec_decode_num_drafts": ("Drafts verified by speculative decoding", stats.drafts),
             "spec_decode_num_draft_tokens": ("Tokens drafted by speculative decoding", stats.drafted_tokens),
             "spec_decode_num_accepted_tokens": ("Drafted tokens the model accepted", stats.accepted_tokens),

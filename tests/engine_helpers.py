@@ -56,6 +56,27 @@ def run_outputs(engine: HFEngine, arrivals: list[tuple[int, GenerationRequest]])
     return produced
 
 
+def run_queued(engine: HFEngine, arrivals: list[tuple[int, GenerationRequest]]) -> dict[int, list[int]]:
+    """As the scheduler admits: each request joins a waiting queue at its step (by ``priority``, then arrival),
+    and the head is admitted while ``make_room`` finds it room (parking less urgent sequences) or the engine is
+    idle; return each request's tokens, by its index in `arrivals`."""
+    produced: dict[int, list[int]] = {index: [] for index in range(len(arrivals))}
+    waiting: list[int] = []
+    seq_to_index: dict[int, int] = {}
+    step = 0
+    while step <= max(at for at, _ in arrivals) or waiting or engine.num_active():
+        waiting += [index for index, (at, _) in enumerate(arrivals) if at == step]
+        waiting.sort(key=lambda index: (arrivals[index][1].priority, index))
+        while waiting and (engine.make_room(arrivals[waiting[0]][1]) or not engine.num_active()):
+            index = waiting.pop(0)
+            seq_to_index[engine.admit([arrivals[index][1]])[0]] = index
+        for out in engine.step():
+            produced[seq_to_index[out.seq_id]] += out.token_ids
+        step += 1
+        assert step < 20_000, "the engine made no progress"
+    return produced
+
+
 def prompt_ids(seed: int, length: int) -> tuple[int, ...]:
     """A deterministic prompt of ``length`` ids in a tiny model's vocabulary (8..297, never its EOS 7)."""
     return tuple((seed * 31 + i * 17) % 290 + 8 for i in range(length))

@@ -225,6 +225,26 @@ def test_an_interactive_request_is_admitted_before_the_batch_s_waiting_lines(tmp
         http.post(f"/v1/batches/{batch['id']}/cancel")
 
 
+def test_an_interactive_request_parks_batch_lines_holding_every_slot(tmp_path: Path) -> None:
+    """Long batch lines hold all four slots: an interactive request does not wait for one to end; it parks one
+    (which resumes later, its output whole) and is answered before any line finishes."""
+    with fake_client(FakeEngine(capacity=4, max_model_len=1024, step_delay=0.005), data_dir=tmp_path) as http:
+        scheduler = http.app.state.server.backend.scheduler
+        raw = jsonl([chat_line(f"r{i}", 300) for i in range(6)])
+        upload = http.post("/v1/files", files={"file": ("in.jsonl", raw)}, data={"purpose": "batch"}).json()
+        batch = http.post("/v1/batches", json={"input_file_id": upload["id"], "endpoint": "/v1/chat/completions",
+                                               "completion_window": "24h"}).json()  # fmt: skip
+        while scheduler.num_running < 4:
+            time.sleep(0.01)
+        answer = http.post("/v1/chat/completions", json=chat_line("interactive", 3)["body"])
+        assert answer.status_code == 200 and answer.json()["choices"][0]["message"]["content"] == "abc"
+        assert http.get(f"/v1/batches/{batch['id']}").json()["request_counts"]["completed"] == 0
+        sdk = openai.OpenAI(base_url="http://testserver/v1", api_key="none", http_client=http, max_retries=0)
+        output = lines_of(sdk, wait(sdk, batch["id"]).output_file_id)
+    assert scheduler.engine.planner.num_preemptions >= 1
+    assert all(line["response"]["body"]["usage"]["completion_tokens"] == 300 for line in output) and len(output) == 6
+
+
 def test_a_batch_yields_the_engine_while_interactive_requests_generate(tmp_path: Path) -> None:
     """While an interactive stream generates, no new batch line starts while one runs: the engine's batch shrinks to
     the stream and one line (without the rule the batch keeps 64 lines in the server)."""

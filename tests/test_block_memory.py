@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 import torch
-from engine_helpers import make_engine, prompt_ids, reference, run_staggered
+from engine_helpers import make_engine, prompt_ids, reference, run_queued, run_staggered
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from transformers import AutoModelForCausalLM, PreTrainedModel
@@ -146,6 +146,35 @@ def test_a_preempted_seeded_sequence_draws_what_it_draws_unpreempted(tiny_pair) 
     assert got[0] == expected
 
 
+@pytest.mark.parametrize("room", ["slots", "blocks"])
+def test_a_parked_sequence_resumes_its_stream_exactly(tiny_pair, room: str) -> None:
+    """Low-priority sequences (a batch's lines) hold every slot, or the pool's blocks; an urgent request parks the
+    newest (``make_room``), is admitted at once and finishes first; the parked one resumes, from the prefix cache,
+    and every stream is token-identical to `generate`."""
+    model, ref_model = tiny_pair
+    limits = {"capacity": 2} if room == "slots" else {"capacity": 4, "kv_cache_bytes": bytes_for_blocks(model, 12)}
+    engine = make_engine(model, frozenset({7}), max_model_len=128, **limits)
+    low = [GenerationRequest(prompt_ids(30 + i, 60), 40, ignore_eos=True, priority=10) for i in range(2)]
+    urgent = GenerationRequest(prompt_ids(40, 60), 12, ignore_eos=True)
+    index = {engine.admit([request])[0]: i for i, request in enumerate(low)}
+    produced: dict[int, list[int]] = {0: [], 1: [], 2: []}
+    finished: list[int] = []
+    for step in range(500):
+        if step == 6:
+            assert not engine.can_admit(urgent) and engine.make_room(urgent)
+            index[engine.admit([urgent])[0]] = 2
+        for out in engine.step():
+            produced[index[out.seq_id]] += out.token_ids
+            finished += [index[out.seq_id]] if out.finish_reason else []
+        if not engine.num_active():
+            break
+    assert finished[0] == 2 and engine.num_preemptions >= 1
+    assert engine.memory_stats().prefix_hit_tokens >= 48  # the parked one's full blocks, found again
+    for i, request in enumerate([*low, urgent]):
+        assert produced[i] == reference(ref_model, request), i
+    assert_pool_settled(engine)
+
+
 @settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(
     st.lists(
@@ -171,6 +200,37 @@ def test_a_small_pool_never_serves_stale_kv(tiny_pair, requests: list[tuple[int,
     roomy = make_engine(model, frozenset({7}), max_model_len=128, prefix_caching=False, max_num_batched_tokens=32)
     assert run_staggered(tight, arrivals) == run_staggered(roomy, arrivals)
     assert_pool_settled(tight)
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    st.lists(
+        st.tuples(st.integers(0, 5), st.integers(1, 60), st.integers(1, 20), st.integers(0, 6), st.integers(0, 2)),
+        min_size=1,
+        max_size=8,
+    )
+)
+def test_priorities_parking_and_a_small_pool_never_change_a_stream(
+    tiny_pair, requests: list[tuple[int, int, int, int, int]]
+) -> None:
+    """As above, each request of a random ``priority`` queued and admitted as the scheduler does, three slots:
+    more urgent ones park less urgent ones, which resume; every output equals a roomy run's, the pool settles."""
+    model, _ = tiny_pair
+    arrivals = [
+        (
+            at,
+            GenerationRequest(
+                prompt_ids(stem, 40)[: 10 + length % 30] + prompt_ids(50 + length, length % 7), new, priority=priority
+            ),
+        )
+        for stem, length, new, at, priority in requests
+    ]
+    tight = make_engine(model, frozenset({7}), capacity=3, max_model_len=128,
+                        kv_cache_bytes=bytes_for_blocks(model, 10), max_num_batched_tokens=32)  # fmt: skip
+    roomy = make_engine(model, frozenset({7}), max_model_len=128, prefix_caching=False, max_num_batched_tokens=32)
+    assert run_queued(tight, arrivals) == run_staggered(roomy, arrivals)
+    assert_pool_settled(tight)
+    assert tight.num_active() == 0
 
 
 def test_prompt_logprobs_score_every_prompt_token_past_the_cache(tiny_pair) -> None:

@@ -262,7 +262,7 @@ class AdmissionEngine(FakeEngine):
 
 def test_waiting_requests_are_admitted_by_priority_then_arrival() -> None:
     """vLLM's ``priority``: with the one slot busy, the waiting queue admits lower values first, FIFO within a
-    value; the running sequence is not preempted."""
+    value; the running sequence (0) is parked for the one more urgent (-1) alone and resumes before the other 0s."""
     import dataclasses
 
     engine = AdmissionEngine(capacity=1)
@@ -276,3 +276,29 @@ def test_waiting_requests_are_admitted_by_priority_then_arrival() -> None:
         assert engine.admitted == [b"run", b"d-1", b"c0", b"e0", b"b5", b"f5"]
 
     run(engine, body)
+
+
+def test_a_more_urgent_request_parks_a_running_one_which_resumes_where_it_stopped() -> None:
+    """Both slots held by low-priority sequences (a batch's lines): an urgent request is admitted at once, parking
+    the newest of them, and finishes while they run; the parked one resumes with no letter repeated or lost."""
+    import dataclasses
+
+    engine = FakeEngine(capacity=2, step_delay=0.002)
+    finished: list[str] = []
+
+    async def body(s: Scheduler) -> None:
+        async def named(name: str, stream: RequestStream) -> str:
+            text = text_of(await collect(stream))
+            finished.append(name)
+            return text
+
+        low = [asyncio.ensure_future(named(f"low{i}", s.submit(dataclasses.replace(req(60), priority=100))))
+               for i in range(2)]  # fmt: skip
+        await asyncio.sleep(0.03)
+        urgent = await named("urgent", s.submit(req(5)))
+        assert urgent == "abcde" and finished == ["urgent"]
+        expected = "".join(chr(ord("a") + i % 26) for i in range(60))
+        assert await asyncio.gather(*low) == [expected, expected]
+
+    run(engine, body)
+    assert engine.planner.num_preemptions >= 1

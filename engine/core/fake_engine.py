@@ -62,6 +62,9 @@ class FakeEngine(InferenceEngine):
     def can_admit(self, request: GenerationRequest) -> bool:
         return self.planner.can_admit(request)
 
+    def make_room(self, request: GenerationRequest) -> bool:
+        return self.planner.make_room(request)
+
     def admit(self, requests: list[GenerationRequest]) -> list[int]:
         return [seq.seq_id for seq in self.planner.admit(requests)]
 

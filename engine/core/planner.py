@@ -15,6 +15,12 @@ they are still there); the last row of that recompute yields its next token, and
 token repeated or lost. Its sampling state goes on too (grammar, penalties; a seeded row's randomness is keyed by
 the token's index).
 
+Priority. A request of a lower ``priority`` value (an interactive one beside a batch's lines) that finds no slot
+or no blocks parks resident sequences of a higher value, the least urgent and newest first (``make_room``): a parked
+sequence gives back its slot and its blocks (full ones stay in the prefix cache) and, once there is room again,
+resumes as a preempted one does, before any newcomer of its priority or a higher value. KV preemption picks its
+victims the same way.
+
 Speculation (``--speculative``, ``engine/core/drafter.py``). A decoding sequence may carry a draft: tokens its
 text suggests will follow. It then runs as a verification chunk: its pending token and the draft, ``1 + k`` rows
 at consecutive positions, every row's logits kept. The runtime accepts the longest prefix of the draft the model
@@ -194,6 +200,7 @@ class Planner:
         self.seqs: dict[int, Seq] = {}
         self._decoding: list[Seq] = []
         self._prefilling: list[Seq] = []  # FIFO; preempted sequences go back to its head
+        self._parked: list[Seq] = []  # parked for more urgent requests: no slot, no blocks, not in a step
         self._next_seq_id = 0
         self.num_preemptions = 0
         #: Sequences preempted while the current step was planned: whatever was planned for them is void.
@@ -205,19 +212,64 @@ class Planner:
 
     # -- admission ------------------------------------------------------------------------------------
 
+    @property
+    def num_resident(self) -> int:
+        """Sequences holding a slot: every admitted one but the parked."""
+        return len(self.seqs) - len(self._parked)
+
     def can_admit(self, request: GenerationRequest) -> bool:
-        """Room for the prompt's blocks (and a first generated token) beside what prefilling sequences are still
-        to take, keeping a headroom for decoding ones."""
-        if len(self.seqs) >= self.capacity:
+        """A slot, and room for the prompt's blocks (and a first generated token) beside what prefilling
+        sequences are still to take, keeping a headroom for decoding ones; no parked sequence as urgent waits."""
+        return not self._parked_ahead(request.priority) and self._fits(len(request.prompt_ids))
+
+    def make_room(self, request: GenerationRequest) -> bool:
+        """``can_admit``, after parking resident sequences of a higher ``priority`` value (the least urgent and
+        newest first) while the request does not fit; none is parked where parking them all would not do."""
+        if self._parked_ahead(request.priority):
             return False
-        ledger = self.ledger
-        promised = sum(ledger.blocks_for(s.target + 1) - len(s.blocks.blocks) for s in self._prefilling)
-        needed = ledger.blocks_for(len(request.prompt_ids) + 1)
-        return self.pool.num_available - promised - self._headroom >= needed
+        victims = sorted((s for s in self.seqs.values() if s.request.priority > request.priority and s not in
+                          self._parked), key=lambda s: (s.request.priority, s.seq_id))  # fmt: skip
+        if not self._fits(len(request.prompt_ids), victims):
+            return False
+        while victims and not self._fits(len(request.prompt_ids)):
+            self._park(victims.pop())
+        return self._fits(len(request.prompt_ids))
+
+    def _parked_ahead(self, priority: int) -> bool:
+        return any(seq.request.priority <= priority for seq in self._parked)
+
+    def _fits(self, positions: int, parking: list[Seq] | None = None) -> bool:
+        """A slot and the blocks for ``positions`` (and a first generated token) beside what prefilling sequences
+        are still to take and the headroom, once ``parking`` (resident sequences) gave back theirs."""
+        parking = parking or []
+        if self.num_resident - len(parking) >= self.capacity:
+            return False
+        ledger, pool = self.ledger, self.pool
+        promised = sum(ledger.blocks_for(s.target + 1) - len(s.blocks.blocks) for s in self._prefilling
+                       if s not in parking)  # fmt: skip
+        freed = sum(1 for s in parking for block in s.blocks.blocks if pool.refs(block) == 1)
+        return pool.num_available + freed - promised - self._headroom >= ledger.blocks_for(positions + 1)
+
+    def _park(self, seq: Seq) -> None:
+        """``seq`` leaves its slot and its blocks (full ones stay cached) until there is room again."""
+        self._unqueue(seq)
+        self.ledger.close(seq.blocks)
+        self._forget_computed(seq)
+        self._parked.append(seq)
+        self.num_preemptions += 1
+
+    def _resume_parked(self) -> None:
+        """Parked sequences back in the prefill queue, the most urgent and oldest first, while each has a slot
+        and room for what it recomputes."""
+        self._parked.sort(key=lambda s: (s.request.priority, s.seq_id))
+        while self._parked and self._fits(self._parked[0].target):
+            seq = self._parked.pop(0)
+            seq.blocks = self.ledger.open()
+            self._prefilling.append(seq)
 
     def admit(self, requests: list[GenerationRequest]) -> list[Seq]:
         """Atomic: every request is checked before any is queued."""
-        if len(self.seqs) + len(requests) > self.capacity:
+        if self.num_resident + len(requests) > self.capacity:
             raise RuntimeError(f"admit of {len(requests)} would exceed capacity {self.capacity}")
         for request in requests:
             validate_request(request, self.max_model_len, self.vocab_size)
@@ -238,6 +290,9 @@ class Planner:
         seq = self.seqs.pop(seq_id, None)
         if seq is None:
             return
+        if seq in self._parked:  # its slot and blocks are given back already
+            self._parked.remove(seq)
+            return
         self._unqueue(seq)
         self.ledger.close(seq.blocks)
 
@@ -246,12 +301,14 @@ class Planner:
         self.seqs.clear()
         self._decoding.clear()
         self._prefilling.clear()
+        self._parked.clear()
         self.ledger.reset()
 
     # -- planning -------------------------------------------------------------------------------------
 
     def plan(self) -> Plan:
         self._preempted_in_plan.clear()
+        self._resume_parked()
         decoding = []
         for seq in list(self._decoding):  # oldest first: the newest are preempted first
             if seq.seq_id not in self._preempted_in_plan and self._grow(seq, 1):
@@ -331,12 +388,12 @@ class Planner:
         return max(length, 0)
 
     def _grow(self, seq: Seq, rows: int, preempt_self: bool = True) -> bool:
-        """Give ``seq`` blocks for its next ``rows`` positions, preempting the most recently admitted sequences
-        while the pool has none. When ``seq`` is itself the most recent, it is preempted (``preempt_self``) or
-        left to wait with what it got; returns whether it has them all."""
+        """Give ``seq`` blocks for its next ``rows`` positions, preempting the least urgent (highest ``priority``
+        value), most recently admitted sequences while the pool has none. When ``seq`` is itself that one, it is
+        preempted (``preempt_self``) or left to wait with what it got; returns whether it has them all."""
         while not self.ledger.grow(seq.blocks, seq.num_computed + rows):
             holders = [other for other in self.seqs.values() if other.blocks.blocks and other is not seq]
-            victim = max([*holders, seq], key=lambda s: s.seq_id)
+            victim = max([*holders, seq], key=lambda s: (s.request.priority, s.seq_id))
             if victim is seq:
                 if preempt_self:
                     self._preempt(seq)
@@ -348,14 +405,19 @@ class Planner:
         """Free ``seq``'s blocks and put it back at the head of the prefill queue, to recompute what it held."""
         self._unqueue(seq)
         self.ledger.clear(seq.blocks)
+        self._forget_computed(seq)
+        self._prefilling.insert(0, seq)
+        self.num_preemptions += 1
+        self._preempted_in_plan.add(seq.seq_id)
+
+    @staticmethod
+    def _forget_computed(seq: Seq) -> None:
+        """``seq`` holds no K/V now: it recomputes its prompt and its output (from the prefix cache where it can)."""
         seq.num_computed = 0
         seq.target = seq.prompt_len + len(seq.output_ids)
         seq.matched = seq.scores_prompt  # a prompt still to score is computed whole again
         if seq.scores_prompt:
             seq.prompt_logprobs = [None]
-        self._prefilling.insert(0, seq)
-        self.num_preemptions += 1
-        self._preempted_in_plan.add(seq.seq_id)
 
     def _unqueue(self, seq: Seq) -> None:
         """Take ``seq`` out of whichever list it is in: decoding or prefilling."""

@@ -161,12 +161,13 @@ class Scheduler:
 
     def _admit_waiting(self) -> None:
         """Admit from the head of the queue while the engine has room (in priority order, FIFO within one: no
-        overtaking).
+        overtaking). A request finding none has the engine park running sequences of a higher ``priority`` value
+        (``make_room``): interactive requests never wait behind batch work.
 
         An idle engine takes the head regardless: a request that cannot fit even then is rejected by
         ``admit`` instead of blocking the queue forever.
         """
-        while self._waiting and (self.engine.can_admit(self._waiting[0].request) or not self.engine.num_active()):
+        while self._waiting and (self.engine.make_room(self._waiting[0].request) or not self.engine.num_active()):
             stream = self._waiting.popleft()
             try:
                 stream.seq_id = self.engine.admit([stream.request])[0]

@@ -30,6 +30,12 @@ class InferenceEngine(ABC):
     def can_admit(self, request: GenerationRequest) -> bool:
         """Whether ``request`` fits now, in sequence slots and in KV memory. False means: wait, try later."""
 
+    def make_room(self, request: GenerationRequest) -> bool:
+        """``can_admit``, after setting aside (parking) running sequences of a higher ``priority`` value where that
+        makes room: they resume, where they stopped, once there is room again. An engine that cannot park only
+        answers ``can_admit``."""
+        return self.can_admit(request)
+
     @abstractmethod
     def admit(self, requests: list[GenerationRequest]) -> list[int]:
         """Admit newcomers, returning one seq_id per request in order.

@@ -108,6 +108,9 @@ class HFEngine(InferenceEngine):
     def can_admit(self, request: GenerationRequest) -> bool:
         return self.planner.can_admit(request)
 
+    def make_room(self, request: GenerationRequest) -> bool:
+        return self.planner.make_room(request)
+
     def admit(self, requests: list[GenerationRequest]) -> list[int]:
         return [seq.seq_id for seq in self.planner.admit(requests)]
 
