@@ -227,9 +227,11 @@ class Planner:
         newest first) while the request does not fit; none is parked where parking them all would not do."""
         if self._parked_ahead(request.priority):
             return False
+        if self._fits(len(request.prompt_ids)):
+            return True
         victims = sorted((s for s in self.seqs.values() if s.request.priority > request.priority and s not in
                           self._parked), key=lambda s: (s.request.priority, s.seq_id))  # fmt: skip
-        if not self._fits(len(request.prompt_ids), victims):
+        if not victims or not self._fits(len(request.prompt_ids), victims):
             return False
         while victims and not self._fits(len(request.prompt_ids)):
             self._park(victims.pop())
