@@ -56,6 +56,13 @@ def wait(sdk: openai.OpenAI, batch_id: str, seconds: float = 30) -> Any:
     return batch
 
 
+def start_batch(http: TestClient, raw: bytes) -> dict[str, Any]:
+    """Upload ``raw`` and start a chat batch over it: the batch as created."""
+    upload = http.post("/v1/files", files={"file": ("in.jsonl", raw)}, data={"purpose": "batch"}).json()
+    body = {"input_file_id": upload["id"], "endpoint": "/v1/chat/completions", "completion_window": "24h"}
+    return http.post("/v1/batches", json=body).json()
+
+
 def lines_of(sdk: openai.OpenAI, file_id: str | None) -> list[dict[str, Any]]:
     return [json.loads(line) for line in sdk.files.content(file_id).text.splitlines()] if file_id else []
 
@@ -135,9 +142,7 @@ def test_metrics_and_health_show_the_batch_queue(tmp_path: Path) -> None:
                         "lines_finished": {"completed": 0, "failed": 0}}  # fmt: skip
         assert not (tmp_path / "smolserve.db").exists()  # reading the queue opened no database
         raw = jsonl([chat_line(f"r{i}", 20) for i in range(300)])
-        upload = http.post("/v1/files", files={"file": ("in.jsonl", raw)}, data={"purpose": "batch"}).json()
-        batch = http.post("/v1/batches", json={"input_file_id": upload["id"], "endpoint": "/v1/chat/completions",
-                                               "completion_window": "24h"}).json()  # fmt: skip
+        batch = start_batch(http, raw)
         while (queue := http.get("/health").json()["batches"])["lines_finished"]["completed"] < 3:
             time.sleep(0.02)
         assert queue["by_status"] == {"in_progress": 1} and queue["lines_running"] > 0
@@ -164,9 +169,7 @@ def test_a_restart_runs_the_rest_once(tmp_path: Path) -> None:
     """The server stops mid-batch; a new one over the same ``--data-dir`` resumes it: every line once."""
     lines = [chat_line(f"r{i}", 20) for i in range(120)]
     with fake_client(FakeEngine(max_model_len=256, step_delay=0.01), data_dir=tmp_path) as http:
-        upload = http.post("/v1/files", files={"file": ("in.jsonl", jsonl(lines))}, data={"purpose": "batch"}).json()
-        batch = http.post("/v1/batches", json={"input_file_id": upload["id"], "endpoint": "/v1/chat/completions",
-                                               "completion_window": "24h"}).json()  # fmt: skip
+        batch = start_batch(http, jsonl(lines))
         while http.get(f"/v1/batches/{batch['id']}").json()["request_counts"]["completed"] < 5:
             time.sleep(0.02)
         http.app.state.server.draining = True  # as SIGTERM's drain: lines refused from now on are not failures
@@ -209,9 +212,7 @@ def test_an_interactive_request_is_admitted_before_the_batch_s_waiting_lines(tmp
     as soon as one slot frees (first in FIFO order, it would wait for those 28 to be admitted)."""
     with fake_client(FakeEngine(capacity=4, max_model_len=256, step_delay=0.005), data_dir=tmp_path) as http:
         raw = jsonl([chat_line(f"r{i}", 12) for i in range(80)])
-        upload = http.post("/v1/files", files={"file": ("in.jsonl", raw)}, data={"purpose": "batch"}).json()
-        batch = http.post("/v1/batches", json={"input_file_id": upload["id"], "endpoint": "/v1/chat/completions",
-                                               "completion_window": "24h"}).json()  # fmt: skip
+        batch = start_batch(http, raw)
 
         def completed() -> int:
             return http.get(f"/v1/batches/{batch['id']}").json()["request_counts"]["completed"]
@@ -231,9 +232,7 @@ def test_an_interactive_request_parks_batch_lines_holding_every_slot(tmp_path: P
     with fake_client(FakeEngine(capacity=4, max_model_len=1024, step_delay=0.005), data_dir=tmp_path) as http:
         scheduler = http.app.state.server.backend.scheduler
         raw = jsonl([chat_line(f"r{i}", 300) for i in range(6)])
-        upload = http.post("/v1/files", files={"file": ("in.jsonl", raw)}, data={"purpose": "batch"}).json()
-        batch = http.post("/v1/batches", json={"input_file_id": upload["id"], "endpoint": "/v1/chat/completions",
-                                               "completion_window": "24h"}).json()  # fmt: skip
+        batch = start_batch(http, raw)
         while scheduler.num_running < 4:
             time.sleep(0.01)
         answer = http.post("/v1/chat/completions", json=chat_line("interactive", 3)["body"])
@@ -253,9 +252,7 @@ def test_a_batch_yields_the_engine_while_interactive_requests_generate(tmp_path:
     with fake_client(FakeEngine(capacity=8, max_model_len=4096, step_delay=0.002), data_dir=tmp_path) as http:
         scheduler = http.app.state.server.backend.scheduler
         raw = jsonl([chat_line(f"r{i}", 12) for i in range(3000)])
-        upload = http.post("/v1/files", files={"file": ("in.jsonl", raw)}, data={"purpose": "batch"}).json()
-        batch = http.post("/v1/batches", json={"input_file_id": upload["id"], "endpoint": "/v1/chat/completions",
-                                               "completion_window": "24h"}).json()  # fmt: skip
+        batch = start_batch(http, raw)
         while scheduler.num_running + scheduler.num_waiting < 32:
             time.sleep(0.01)
         streaming = threading.Event()
@@ -300,9 +297,7 @@ def test_a_batch_started_beside_an_interactive_stream_keeps_to_one_line(tmp_path
         thread.start()
         assert streaming.wait(10)
         raw = jsonl([chat_line(f"r{i}", 12) for i in range(200)])
-        upload = http.post("/v1/files", files={"file": ("in.jsonl", raw)}, data={"purpose": "batch"}).json()
-        batch = http.post("/v1/batches", json={"input_file_id": upload["id"], "endpoint": "/v1/chat/completions",
-                                               "completion_window": "24h"}).json()  # fmt: skip
+        batch = start_batch(http, raw)
         most, started = 0, time.monotonic()
         while http.get("/health").json()["batches"]["lines_finished"]["completed"] < 5:
             assert time.monotonic() - started < 20
