@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import uuid
 from collections.abc import Callable
 from typing import Any
@@ -24,6 +25,8 @@ import httpx
 from app.batch_store import UNFINISHED, BatchStore, Results, now
 from app.file_store import FileStore
 from app.openai.errors import APIError
+
+log = logging.getLogger(__name__)
 
 ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/responses")
 #: Batch lines' ``priority`` (set by the server for a request with ``BATCH_HEADER``): after every interactive
@@ -92,9 +95,21 @@ class BatchRunner:
         self.store.close()
 
     def launch(self, batch_id: str) -> None:
-        task = asyncio.ensure_future(self._run(batch_id))
+        task = asyncio.ensure_future(self._guarded(batch_id))
         self._tasks[batch_id] = task
         task.add_done_callback(lambda _: self._tasks.pop(batch_id, None))
+
+    async def _guarded(self, batch_id: str) -> None:
+        """The batch run; a failure of the batch's own (its input file deleted, a full disk) fails it with the
+        reason in ``errors``, where it would have stayed unfinished for ever (and failed again at each start)."""
+        try:
+            await self._run(batch_id)
+        except Exception as exc:
+            log.exception("batch %s failed", batch_id)
+            code = exc.code if isinstance(exc, APIError) and exc.code else "server_error"
+            batch = self.store.get(batch_id)
+            batch["errors"] = {"object": "list", "data": [{"code": code, "message": str(exc), "line": None}]}
+            self._move(batch, "failed")
 
     async def _run(self, batch_id: str) -> None:
         batch = self.store.get(batch_id)

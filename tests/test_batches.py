@@ -24,7 +24,9 @@ import pytest
 from app_helpers import fake_client
 from starlette.testclient import TestClient
 
+from app.batch_runner import batch_object
 from app.batch_store import BatchStore
+from app.file_store import FileStore
 from engine.core.fake_engine import FakeEngine
 
 
@@ -188,6 +190,22 @@ def test_a_restart_runs_the_rest_once(tmp_path: Path) -> None:
     assert done.status == "completed" and sorted(line["custom_id"] for line in output) == sorted(
         line["custom_id"] for line in lines)  # fmt: skip
     assert [line["custom_id"] for line in output] == [line["custom_id"] for line in lines]  # input order
+
+
+def test_a_batch_whose_input_file_is_gone_fails_saying_so(tmp_path: Path) -> None:
+    """The input file deleted before the batch ran (here: between a stop and the next start): the batch fails with
+    the reason in ``errors``, instead of staying unfinished and failing again at every start."""
+    files = FileStore(tmp_path)
+    upload = files.create("in.jsonl", "batch", jsonl([chat_line("a")]))
+    store = BatchStore(tmp_path)
+    store.create(batch_object("batch_orphan", upload["id"], "/v1/chat/completions", None))
+    store.close()
+    files.delete(upload["id"])
+    files.close()
+    with fake_client(FakeEngine(max_model_len=256), data_dir=tmp_path) as http:
+        sdk = openai.OpenAI(base_url="http://testserver/v1", api_key="none", http_client=http, max_retries=0)
+        done = wait(sdk, "batch_orphan")
+    assert done.status == "failed" and done.failed_at and done.errors.data[0].code == "file_not_found"
 
 
 def test_batch_requests_are_checked(http: TestClient) -> None:
