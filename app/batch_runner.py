@@ -158,9 +158,9 @@ class BatchRunner:
         batch_id = batch["id"]
         try:
             try:
-                ok, result = await self._answer(batch["endpoint"], line, duplicate)
+                answered = await self._answer(batch, line, duplicate)
             except Exception as exc:  # the line's failure, never the batch's
-                ok, result = (
+                answered = (
                     False,
                     {
                         "id": f"batch_req_{uuid.uuid4().hex}",
@@ -169,8 +169,9 @@ class BatchRunner:
                         "error": {"code": "server_error", "message": str(exc)},
                     },
                 )
-            if self._draining() and not ok:  # a 503 of the shutdown (or a line it cut): run again at the next start
-                return
+            if answered is None or (self._draining() and not answered[0]):
+                return  # the batch stopped first, or a 503 of the shutdown: unrun (a restart runs it)
+            ok, result = answered
             self.store.record(batch_id, index, ok, result)
             self._finished["completed" if ok else "failed"] += 1
             fresh = self.store.get(batch_id)
@@ -180,13 +181,17 @@ class BatchRunner:
             self._flying -= 1
             slots.release()
 
-    async def _answer(self, endpoint: str, line: dict[str, Any], duplicate: bool) -> tuple[bool, dict[str, Any]]:
-        """One line's output line, and whether it goes to the output file (else the error file)."""
-        refused = _refusal(endpoint, line, duplicate)
+    async def _answer(self, batch: dict[str, Any], line: dict[str, Any], duplicate: bool,
+                      ) -> tuple[bool, dict[str, Any]] | None:  # fmt: skip
+        """One line's output line, and whether it goes to the output file (else the error file); None where the
+        batch stopped (cancelled, draining, past its window) while the line waited for room."""
+        refused = _refusal(batch["endpoint"], line, duplicate)
         entry = {"id": f"batch_req_{uuid.uuid4().hex}", "custom_id": line["custom_id"]}
         if refused is not None:
             return False, {**entry, "response": None, "error": refused}
-        answer = await self._client.post(line["url"], json=line["body"])
+        answer = await self._post(batch["id"], line)
+        if answer is None:
+            return None
         try:
             answered = answer.json()
         except ValueError:
@@ -194,6 +199,18 @@ class BatchRunner:
         response = {"status_code": answer.status_code, "request_id": answer.headers.get("x-request-id", ""),
                     "body": answered}  # fmt: skip
         return answer.status_code == 200, {**entry, "response": response, "error": None}
+
+    async def _post(self, batch_id: str, line: dict[str, Any]) -> httpx.Response | None:
+        """The endpoint's answer to a line. A full queue (429) is waited out, ``Retry-After`` at a time: a line never
+        fails for want of room (a batch has 24 hours). None where the batch stopped meanwhile."""
+        while True:
+            answer = await self._client.post(line["url"], json=line["body"])
+            if answer.status_code != 429:
+                return answer
+            await asyncio.sleep(float(answer.headers.get("retry-after", "1")))
+            batch = self.store.get(batch_id)
+            if batch["status"] != "in_progress" or now() > batch["expires_at"] or self._draining():
+                return None
 
     async def _finish(self, batch_id: str, lines: list[dict[str, Any]]) -> None:
         """The output and error files from every finished line, in input order (a line a cancel or the window's end

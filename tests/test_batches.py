@@ -208,6 +208,17 @@ def test_a_batch_whose_input_file_is_gone_fails_saying_so(tmp_path: Path) -> Non
     assert done.status == "failed" and done.failed_at and done.errors.data[0].code == "file_not_found"
 
 
+def test_a_full_queue_is_waited_out_not_a_failed_line(tmp_path: Path) -> None:
+    """A server whose waiting queue holds 4 (``--max-queue``) answers most of a batch's 64 lines in flight 429: the
+    lines wait their turn and all complete (they failed with 429 in the error file)."""
+    with fake_client(FakeEngine(capacity=2, max_model_len=256, step_delay=0.002), data_dir=tmp_path,
+                     max_queue=4) as http:  # fmt: skip
+        batch = start_batch(http, jsonl([chat_line(f"r{i}", 5) for i in range(100)]))
+        sdk = openai.OpenAI(base_url="http://testserver/v1", api_key="none", http_client=http, max_retries=0)
+        done = wait(sdk, batch["id"], 60)
+    assert (done.status, done.request_counts.completed, done.request_counts.failed) == ("completed", 100, 0)
+
+
 def test_batch_requests_are_checked(http: TestClient) -> None:
     upload = http.post("/v1/files", files={"file": ("in.jsonl", jsonl([chat_line("a")]))},
                        data={"purpose": "user_data"}).json()  # fmt: skip
