@@ -92,6 +92,37 @@ def test_a_batch_end_to_end_through_the_sdk(sdk: openai.OpenAI, http: TestClient
     assert [b.id for b in sdk.batches.list()] == [batch.id]
 
 
+@pytest.mark.parametrize(
+    ("endpoint", "body", "read"),
+    [
+        ("/v1/completions", {"prompt": "hi", "max_tokens": 4}, lambda b: b["choices"][0]["text"]),
+        ("/v1/responses", {"input": "hi", "max_output_tokens": 4}, lambda b: b["output"][0]["content"][0]["text"]),
+        ("/v1/embeddings", {"input": ["hi", "there"]}, lambda b: [d["embedding"] for d in b["data"]]),
+    ],
+)
+def test_every_endpoint_s_lines_are_answered_as_it_answers(tmp_path: Path, endpoint: str, body: dict[str, Any],
+                                                          read: Any) -> None:  # fmt: skip
+    from app.server import create_app
+    from app.state import ServerConfig
+    from engine import chooser
+    from engine.core.config import EngineConfig
+
+    app = create_app(chooser.build(EngineConfig(model="fake")), ServerConfig(data_dir=tmp_path))
+    with TestClient(app) as http:
+        model = "fake-embedding" if "embed" in endpoint else "fake"
+        lines = [{"custom_id": f"l{i}", "method": "POST", "url": endpoint, "body": {"model": model, **body}}
+                 for i in range(2)]  # fmt: skip
+        upload = http.post("/v1/files", files={"file": ("in.jsonl", jsonl(lines))}, data={"purpose": "batch"}).json()
+        batch = http.post("/v1/batches", json={"input_file_id": upload["id"], "endpoint": endpoint,
+                                               "completion_window": "24h"}).json()  # fmt: skip
+        sdk = openai.OpenAI(base_url="http://testserver/v1", api_key="none", http_client=http, max_retries=0)
+        done = wait(sdk, batch["id"])
+        output = lines_of(sdk, done.output_file_id)
+        alone = http.post(endpoint, json=lines[0]["body"]).json()
+    assert done.status == "completed" and done.request_counts.completed == 2 and len(output) == 2
+    assert read(output[0]["response"]["body"]) == read(alone) and output[0]["response"]["status_code"] == 200
+
+
 def test_a_malformed_file_fails_the_batch_naming_its_lines(sdk: openai.OpenAI) -> None:
     raw = jsonl([chat_line("a")]) + b"not json\n" + b'{"custom_id": "b"}\n'
     upload = sdk.files.create(file=("bad.jsonl", raw), purpose="batch")
