@@ -22,6 +22,8 @@ import httpx
 import openai
 import pytest
 from app_helpers import fake_client
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from starlette.testclient import TestClient
 
 from app.batch_runner import batch_object
@@ -121,6 +123,46 @@ def test_every_endpoint_s_lines_are_answered_as_it_answers(tmp_path: Path, endpo
         alone = http.post(endpoint, json=lines[0]["body"]).json()
     assert done.status == "completed" and done.request_counts.completed == 2 and len(output) == 2
     assert read(output[0]["response"]["body"]) == read(alone) and output[0]["response"]["status_code"] == 200
+
+
+_LINE_KINDS = st.sampled_from(["ok", "ok", "ok", "duplicate", "other_url", "stream", "refused", "not_json", "no_body"])
+
+
+def test_every_line_of_any_file_is_answered_once_or_names_the_batch_s_failure(tmp_path: Path) -> None:
+    """Random files (ids in any script, duplicates, other urls, streams, refused bodies, lines that are not
+    requests): where every line is a request, each is in the output or the error file exactly once, the output in
+    input order, ``completed + failed == total``; else the batch fails naming exactly the lines that are not."""
+    with fake_client(FakeEngine(max_model_len=256), data_dir=tmp_path) as http:
+        sdk = openai.OpenAI(base_url="http://testserver/v1", api_key="none", http_client=http, max_retries=0)
+
+        @settings(max_examples=60, deadline=None)
+        @given(st.lists(st.tuples(_LINE_KINDS, st.text(min_size=1, max_size=8)), min_size=1, max_size=12))
+        def check(kinds: list[tuple[str, str]]) -> None:
+            rows, seen, bad, answered = [], [], [], []
+            for number, (kind, name) in enumerate(kinds, start=1):
+                custom_id = seen[0] if kind == "duplicate" and seen else f"{name}-{number}"
+                answered += [custom_id] if kind in ("ok", "duplicate") and custom_id not in seen else []
+                line = chat_line(custom_id, 2)
+                if kind == "other_url":
+                    line["url"] = "/v1/completions"
+                line["body"].update({"stream": True} if kind == "stream" else {"max_tokens": -1} if kind == "refused"
+                                    else {})  # fmt: skip
+                text = "{not json" if kind == "not_json" else json.dumps({**line, "body": None} if kind == "no_body"
+                                                                          else line)  # fmt: skip
+                bad += [number] if kind in ("not_json", "no_body") else []
+                seen.append(custom_id)
+                rows.append(text)
+            done = wait(sdk, start_batch(http, ("\n".join(rows) + "\n").encode())["id"])
+            if bad:
+                assert done.status == "failed" and [error.line for error in done.errors.data] == bad
+                return
+            output, errors = lines_of(sdk, done.output_file_id), lines_of(sdk, done.error_file_id)
+            assert done.status == "completed" and done.request_counts.total == len(rows)
+            assert (done.request_counts.completed, done.request_counts.failed) == (len(output), len(errors))
+            assert sorted(line["custom_id"] for line in output + errors) == sorted(seen)
+            assert [line["custom_id"] for line in output] == answered
+
+        check()
 
 
 def test_a_malformed_file_fails_the_batch_naming_its_lines(sdk: openai.OpenAI) -> None:
