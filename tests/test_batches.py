@@ -383,7 +383,7 @@ def test_a_batch_started_beside_an_interactive_stream_keeps_to_one_line(tmp_path
     or the launching loop sends 64 before any counts)."""
     import threading
 
-    with fake_client(FakeEngine(capacity=8, max_model_len=4096, step_delay=0.002), data_dir=tmp_path) as http:
+    with fake_client(FakeEngine(capacity=8, max_model_len=4096, step_delay=0.005), data_dir=tmp_path) as http:
         scheduler = http.app.state.server.backend.scheduler
         streaming, done = threading.Event(), threading.Event()
 
