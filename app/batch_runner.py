@@ -80,12 +80,14 @@ class BatchRunner:
         self._client = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://batch",
                                          headers=headers, timeout=None)  # fmt: skip
         self._tasks: dict[str, asyncio.Task[None]] = {}
+        self._stopping = False  # the server stops: a batch's task cut short resumes at the next start
 
     async def start(self) -> None:
         for batch in self.store.unfinished():  # a restart: take them up again
             self.launch(batch["id"])
 
     async def stop(self) -> None:
+        self._stopping = True
         for task in self._tasks.values():
             task.cancel()
         for task in list(self._tasks.values()):
@@ -105,6 +107,8 @@ class BatchRunner:
         try:
             await self._run(batch_id)
         except Exception as exc:
+            if self._stopping:
+                return
             log.exception("batch %s failed", batch_id)
             code = exc.code if isinstance(exc, APIError) and exc.code else "server_error"
             batch = self.store.get(batch_id)

@@ -88,7 +88,9 @@ class BatchStore:
         return {line: (bool(ok), json.loads(result)) for line, ok, result in rows}
 
     def close(self) -> None:
-        self._db.close()
+        """After the statement in progress, if any (as ``FileStore.close``)."""
+        with self._lock:
+            self._db.close()
 
 
 def now() -> int:

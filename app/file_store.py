@@ -111,7 +111,10 @@ class FileStore:
         return {"id": file_id, "object": "file", "deleted": True}
 
     def close(self) -> None:
-        self._db.close()
+        """After the statement in progress, if any (a batch's output written on a worker thread while the server
+        stops): closing a connection another thread is using crashes the process."""
+        with self._lock:
+            self._db.close()
 
 
 def _file_object(row: tuple[Any, ...]) -> dict[str, Any]:

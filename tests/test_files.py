@@ -70,3 +70,24 @@ def test_bad_uploads_are_refused(sdk: openai.OpenAI, http: TestClient) -> None:
     for bad in ({"limit": "0"}, {"order": "up"}, {"after": "file-nope"}):
         assert client.get("/v1/files", params=bad).status_code == 400
     assert client.delete("/v1/files/file-nope").status_code == 404
+
+
+def test_closing_the_store_waits_for_a_statement_in_progress(tmp_path: Path) -> None:
+    """A batch's output is recorded on a worker thread; the server stopping meanwhile closes the store. Closing an
+    SQLite connection another thread is using crashed the whole process (a segfault in CI): close waits for the
+    statement, and a statement after it is a clean error."""
+    import sqlite3
+    import threading
+
+    from app.file_store import FileStore
+
+    store = FileStore(tmp_path)
+    closed = threading.Event()
+    with store._lock:  # a statement in progress on another thread
+        closer = threading.Thread(target=lambda: (store.close(), closed.set()))
+        closer.start()
+        assert not closed.wait(0.2)
+    closer.join(5)
+    assert closed.is_set()
+    with pytest.raises(sqlite3.ProgrammingError):
+        store.create("late.jsonl", "batch", b"{}\n")
