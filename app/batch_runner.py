@@ -135,8 +135,7 @@ class BatchRunner:
             await slots.acquire()
             while self._interactive() and self._flying >= IN_FLIGHT_BESIDE and not self._draining():
                 await asyncio.sleep(0.02)  # interactive requests first: the batch waits its turn
-            batch = self.store.get(batch_id)
-            if batch["status"] != "in_progress" or now() > batch["expires_at"] or self._draining():
+            if self._stopped(batch_id):
                 slots.release()
                 break
             self._flying += 1  # at launch: the loop launches without yielding while the gate is open
@@ -164,15 +163,7 @@ class BatchRunner:
             try:
                 answered = await self._answer(batch, line, duplicate)
             except Exception as exc:  # the line's failure, never the batch's
-                answered = (
-                    False,
-                    {
-                        "id": f"batch_req_{uuid.uuid4().hex}",
-                        "custom_id": line["custom_id"],
-                        "response": None,
-                        "error": {"code": "server_error", "message": str(exc)},
-                    },
-                )
+                answered = False, _error_line(line, {"code": "server_error", "message": str(exc)})
             if answered is None or (self._draining() and not answered[0]):
                 return  # the batch stopped first, or a 503 of the shutdown: unrun (a restart runs it)
             ok, result = answered
@@ -190,9 +181,8 @@ class BatchRunner:
         """One line's output line, and whether it goes to the output file (else the error file); None where the
         batch stopped (cancelled, draining, past its window) while the line waited for room."""
         refused = _refusal(batch["endpoint"], line, duplicate)
-        entry = {"id": f"batch_req_{uuid.uuid4().hex}", "custom_id": line["custom_id"]}
         if refused is not None:
-            return False, {**entry, "response": None, "error": refused}
+            return False, _error_line(line, refused)
         answer = await self._post(batch["id"], line)
         if answer is None:
             return None
@@ -202,6 +192,7 @@ class BatchRunner:
             answered = {"error": {"message": answer.text, "type": "server_error"}}
         response = {"status_code": answer.status_code, "request_id": answer.headers.get("x-request-id", ""),
                     "body": answered}  # fmt: skip
+        entry = {"id": f"batch_req_{uuid.uuid4().hex}", "custom_id": line["custom_id"]}
         return answer.status_code == 200, {**entry, "response": response, "error": None}
 
     async def _post(self, batch_id: str, line: dict[str, Any]) -> httpx.Response | None:
@@ -212,9 +203,13 @@ class BatchRunner:
             if answer.status_code != 429:
                 return answer
             await asyncio.sleep(float(answer.headers.get("retry-after", "1")))
-            batch = self.store.get(batch_id)
-            if batch["status"] != "in_progress" or now() > batch["expires_at"] or self._draining():
+            if self._stopped(batch_id):
                 return None
+
+    def _stopped(self, batch_id: str) -> bool:
+        """Whether no line of the batch starts now: it was cancelled, its window ended, or the server drains."""
+        batch = self.store.get(batch_id)
+        return batch["status"] != "in_progress" or now() > batch["expires_at"] or self._draining()
 
     async def _finish(self, batch_id: str, lines: list[dict[str, Any]]) -> None:
         """The output and error files from every finished line, in input order (a line a cancel or the window's end
@@ -240,12 +235,10 @@ class BatchRunner:
         """Every line that never ran, recorded as failed with OpenAI's ``batch_cancelled`` or ``batch_expired``: each
         input line is in the output or the error file, and ``completed + failed == total``."""
         code, message = _UNRUN[final]
-        for index, line in enumerate(lines):
-            if index not in results:
-                error = {"id": f"batch_req_{uuid.uuid4().hex}", "custom_id": line["custom_id"], "response": None,
-                         "error": {"code": code, "message": message}}  # fmt: skip
-                self.store.record(batch_id, index, False, error)
-                self._finished["failed"] += 1
+        unrun = [(index, False, _error_line(line, {"code": code, "message": message}))
+                 for index, line in enumerate(lines) if index not in results]  # fmt: skip
+        self.store.record_many(batch_id, unrun)  # one transaction: a cancelled batch may leave 50,000
+        self._finished["failed"] += len(unrun)
         return self.store.results(batch_id)
 
     def _move(self, batch: dict[str, Any], status: str) -> None:
@@ -270,6 +263,11 @@ class BatchRunner:
         if batch["status"] in ("validating", "in_progress"):
             self._move(batch, "cancelling")
         return batch
+
+
+def _error_line(line: dict[str, Any], error: dict[str, str]) -> dict[str, Any]:
+    """A line's error-file line where the endpoint gave no answer (refused first, failed, or never run)."""
+    return {"id": f"batch_req_{uuid.uuid4().hex}", "custom_id": line["custom_id"], "response": None, "error": error}
 
 
 def _final_status(batch: dict[str, Any], every_line_ran: bool) -> str:

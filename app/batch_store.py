@@ -77,9 +77,15 @@ class BatchStore:
 
     def record(self, batch_id: str, line: int, ok: bool, result: dict[str, Any]) -> None:
         """One line's result; a line recorded already (a restart raced its end) keeps its first."""
+        self.record_many(batch_id, [(line, ok, result)])
+
+    def record_many(self, batch_id: str, lines: list[tuple[int, bool, dict[str, Any]]]) -> None:
+        """Lines' results (index, whether ok, the line), in one transaction."""
+        rows = [(batch_id, line, int(ok), json.dumps(result)) for line, ok, result in lines]
         with self._lock:
-            self._db.execute("INSERT OR IGNORE INTO batch_lines VALUES (?, ?, ?, ?)",
-                             (batch_id, line, int(ok), json.dumps(result)))  # fmt: skip
+            self._db.execute("BEGIN")
+            self._db.executemany("INSERT OR IGNORE INTO batch_lines VALUES (?, ?, ?, ?)", rows)
+            self._db.execute("COMMIT")
 
     def results(self, batch_id: str) -> Results:
         with self._lock:

@@ -107,6 +107,11 @@ class Seq:
         return self.prompt_logprobs is not None and not self.output_ids
 
 
+def _urgency(seq: Seq) -> tuple[int, int]:
+    """Most urgent first: lower ``priority`` values, then earlier admissions (the last is preempted or parked first)."""
+    return seq.request.priority, seq.seq_id
+
+
 @dataclass(slots=True)
 class Plan:
     """Who runs in one step: decoding sequences (one row each), verification chunks of decoding sequences with a
@@ -230,7 +235,7 @@ class Planner:
         if self._fits(len(request.prompt_ids)):
             return True
         victims = sorted((s for s in self.seqs.values() if s.request.priority > request.priority and s not in
-                          self._parked), key=lambda s: (s.request.priority, s.seq_id))  # fmt: skip
+                          self._parked), key=_urgency)  # fmt: skip
         if not victims or not self._fits(len(request.prompt_ids), victims):
             return False
         while victims and not self._fits(len(request.prompt_ids)):
@@ -263,7 +268,7 @@ class Planner:
     def _resume_parked(self) -> None:
         """Parked sequences back in the prefill queue, the most urgent and oldest first, while each has a slot
         and room for what it recomputes."""
-        self._parked.sort(key=lambda s: (s.request.priority, s.seq_id))
+        self._parked.sort(key=_urgency)
         while self._parked and self._fits(self._parked[0].target):
             seq = self._parked.pop(0)
             seq.blocks = self.ledger.open()
@@ -395,7 +400,7 @@ class Planner:
         preempted (``preempt_self``) or left to wait with what it got; returns whether it has them all."""
         while not self.ledger.grow(seq.blocks, seq.num_computed + rows):
             holders = [other for other in self.seqs.values() if other.blocks.blocks and other is not seq]
-            victim = max([*holders, seq], key=lambda s: (s.request.priority, s.seq_id))
+            victim = max([*holders, seq], key=_urgency)
             if victim is seq:
                 if preempt_self:
                     self._preempt(seq)
