@@ -77,7 +77,7 @@ class BatchRunner:
         self._flying = 0  # lines of every batch in the server now
         self._finished = {"completed": 0, "failed": 0}  # lines finished since the server started
         headers = {BATCH_HEADER: "1", **({"Authorization": f"Bearer {api_key}"} if api_key else {})}
-        self._client = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://batch",
+        self._client = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://127.0.0.1",
                                          headers=headers, timeout=None)  # fmt: skip
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self._stopping = False  # the server stops: a batch's task cut short resumes at the next start

@@ -7,6 +7,7 @@ import argparse
 import os
 from pathlib import Path
 
+from app.browser_guard import is_loopback
 from app.limits import RequestLimits
 from app.state import ServerConfig
 from engine.core.config import DEFAULT_MODEL, EngineConfig
@@ -18,6 +19,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.models = chat_models(parser, args)
     args.model = args.models[0][1]
     _check_cluster(parser, args)
+    if args.api_key is not None and not args.api_key.strip():
+        parser.error("--api-key (or $SMOLSERVE_API_KEY) is empty: give a key, or leave it unset to serve without one")
     return args
 
 
@@ -191,9 +194,20 @@ def _server_flags(parser: argparse.ArgumentParser, defaults: ServerConfig) -> No
     parser.add_argument(
         "--api-key",
         default=os.environ.get("SMOLSERVE_API_KEY"),
-        help="require `Authorization: Bearer <key>` on /v1/* (default: $SMOLSERVE_API_KEY)",
+        help="require `Authorization: Bearer <key>` on every route but /health and /metrics (default: "
+        "$SMOLSERVE_API_KEY)",
     )
-    parser.add_argument("--cors-origins", nargs="*", default=[], help="origins allowed by CORS, e.g. '*'")
+    parser.add_argument(
+        "--cors-origins", nargs="*", default=[], help="web origins allowed by CORS, e.g. '*' (others are refused)"
+    )
+    parser.add_argument(
+        "--allowed-hosts",
+        nargs="*",
+        default=None,
+        metavar="NAME",
+        help="Host names accepted besides the loopback ones while bound to a loopback address (421 for others: "
+        "DNS rebinding); bound elsewhere, the only names accepted if given",
+    )
     parser.add_argument(
         "--sse-keepalive",
         type=float,
@@ -302,6 +316,13 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     )
 
 
+def _allowed_hosts(bound: str, names: list[str] | None) -> tuple[str, ...] | None:
+    """Bound to a loopback address: the loopback names and ``names``; elsewhere ``names`` if given, else any."""
+    if is_loopback(bound):
+        return tuple(names or ())
+    return None if names is None else (*names, bound)
+
+
 def server_config(args: argparse.Namespace) -> ServerConfig:
     first = args.models[0][0]
     return ServerConfig(
@@ -317,6 +338,7 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
         kv_cache_idle_release_s=args.kv_cache_idle_release,
         api_key=args.api_key,
         cors_origins=tuple(args.cors_origins),
+        allowed_hosts=_allowed_hosts(args.host, args.allowed_hosts),
         sse_keepalive_s=args.sse_keepalive,
         limits=RequestLimits(max_request_bytes=args.max_request_bytes),
         responses_store_size=args.responses_store_size,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hmac
+import re
 import logging
 import time
 import uuid
@@ -17,12 +18,18 @@ from app.openai.errors import error_body
 
 access_log = logging.getLogger("smolserve.access")
 
-#: Routes that need the API key when one is set; /health and /metrics stay open for probes and scrapers.
-PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize", "/models/")
+#: The only paths open without the API key when one is set: liveness and readiness probes, and Prometheus scrapers.
+#: Every other path, a route added later included, needs the key (``tests/test_auth.py`` walks the route table).
+OPEN_PATHS = frozenset({"/health", "/metrics"})
+
+
+#: A client's ``X-Request-Id`` kept as it is: printable, no blanks or quotes, so it cannot forge fields or lines of
+#: the access log; any other is replaced by one of ours.
+_REQUEST_ID = re.compile(r"[A-Za-z0-9._:/+=@-]{1,128}")
 
 
 class RequestIdMiddleware:
-    """Echoes ``X-Request-Id`` (or makes one up) and logs one line per request when its response ends.
+    """Echoes ``X-Request-Id`` (or makes one up, also for one that is not a plain token) and logs one line per request when its response ends.
 
     Routes put token counts in ``scope["state"]["usage"]`` (prompt, completion, cached prompt, drafted tokens
     accepted by speculative decoding) for the log line.
@@ -37,7 +44,8 @@ class RequestIdMiddleware:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        request_id = Headers(scope=scope).get("x-request-id") or uuid.uuid4().hex
+        given = Headers(scope=scope).get("x-request-id", "")
+        request_id = given if _REQUEST_ID.fullmatch(given) else uuid.uuid4().hex
         scope.setdefault("state", {})["request_id"] = request_id
         started = time.perf_counter()
         status = 500
@@ -72,13 +80,16 @@ class RequestIdMiddleware:
 
 
 class APIKeyMiddleware:
+    """``Authorization: Bearer <key>`` (or Anthropic's ``x-api-key``) on every path but ``OPEN_PATHS``; a 401 in the
+    path's API's envelope otherwise, before the body is read."""
+
     def __init__(self, app: ASGIApp, api_key: str, on_reject: Callable[[], None]) -> None:
         self.app = app
         self._expected = f"Bearer {api_key}".encode()
         self._on_reject = on_reject
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"].startswith(PROTECTED_PREFIXES):
+        if scope["type"] == "http" and scope["path"] not in OPEN_PATHS:
             headers = Headers(scope=scope)
             given = headers.get("authorization", "").encode()
             if "x-api-key" in headers:  # Anthropic's SDKs send the key so

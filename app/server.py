@@ -12,6 +12,7 @@ from starlette.middleware import Middleware
 from starlette.middleware.cors import CORSMiddleware
 
 from app.backend import Backend
+from app.browser_guard import BrowserGuardMiddleware
 from app.chat_model import Model
 from app.handlers import HANDLERS
 from app.limits import BodyLimitMiddleware
@@ -48,8 +49,9 @@ def create_app(model: Model, config: ServerConfig | None = None, backend: Backen
 
 
 def _middleware(state: ServerState, config: ServerConfig) -> list[Middleware]:
-    """Request ids outermost; then CORS and the API key where configured; innermost the body-size limit, so that a
-    client without the API key is refused before its body is read."""
+    """Request ids outermost; then CORS where configured (it answers preflights), the API key, the browser guard
+    (web pages kept out); innermost the body-size limit, so that a client refused is refused before its body is
+    read."""
     middleware = [Middleware(RequestIdMiddleware, on_response=state.metrics.observe_response)]
     if config.cors_origins:
         origins = list(config.cors_origins)
@@ -57,6 +59,8 @@ def _middleware(state: ServerState, config: ServerConfig) -> list[Middleware]:
     if config.api_key:
         rejected = state.metrics.requests_rejected.labels("invalid_api_key")
         middleware.append(Middleware(APIKeyMiddleware, api_key=config.api_key, on_reject=rejected.inc))
+    middleware.append(Middleware(BrowserGuardMiddleware, allowed_hosts=config.allowed_hosts,
+                                 origins=config.cors_origins))  # fmt: skip
     too_large = state.metrics.requests_rejected.labels("request_too_large")
     limit = config.limits.max_request_bytes
     uploads = {"/v1/files": config.max_file_bytes}

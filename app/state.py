@@ -64,10 +64,13 @@ class ServerConfig:
     max_queue: int = MAX_QUEUE
     #: Seconds the engine may sit idle before it hands back the KV memory it keeps for the next requests.
     kv_cache_idle_release_s: float = IDLE_RELEASE_S
-    #: When set, ``Authorization: Bearer <key>`` is required on /v1/* and /tokenize, /detokenize.
+    #: When set, ``Authorization: Bearer <key>`` is required on every route but /health and /metrics.
     api_key: str | None = None
-    #: Origins allowed by CORS; empty means no CORS headers.
+    #: Origins allowed by CORS; empty means no CORS headers, and a request with a foreign ``Origin`` is refused.
     cors_origins: tuple[str, ...] = ()
+    #: The ``Host`` names accepted besides the loopback ones (``app/browser_guard.py``); None accepts any (a server
+    #: bound to an address other machines reach).
+    allowed_hosts: tuple[str, ...] | None = ()
     #: Seconds between SSE comment lines (``: ping``) on a quiet stream; ``None`` sends none, as OpenAI does
     #: (simple ``data:``-only parsers choke on them), but a proxy that cuts idle connections may need them.
     sse_keepalive_s: float | None = None

@@ -13,12 +13,15 @@ from engine.chooser import ServedModel
 from engine.core.fake_engine import FakeEngine
 from engine.core.tokenizer import ByteTokenizer
 
+#: Where test clients send requests: a loopback name, as the browser guard requires (``app/browser_guard.py``).
+LOCAL = "http://127.0.0.1"
+
 
 def fake_client(engine: FakeEngine | None = None, **config: Any) -> TestClient:
     """The app over ``engine`` (a fake engine of 64 positions by default) and the byte tokenizer; ``config``:
     ``ServerConfig`` fields. Use it as a context manager, which runs the app's lifespan."""
     served = ServedModel("fake", engine or FakeEngine(max_model_len=64), ByteTokenizer())
-    return TestClient(create_app(served, ServerConfig(**config)))
+    return TestClient(create_app(served, ServerConfig(**config)), base_url=LOCAL)
 
 
 def sse_events(client: TestClient, body: dict[str, Any], path: str = "/v1/completions") -> list[str]:

@@ -213,6 +213,18 @@ def test_request_id_is_echoed_or_generated(client: TestClient) -> None:
     assert len(made_up) >= 16 and made_up != client.get("/health").headers["x-request-id"]
 
 
+def test_a_request_id_cannot_forge_the_access_log(client: TestClient, caplog: pytest.LogCaptureFixture) -> None:
+    """An id with blanks, quotes or a log line's own shape is replaced by one of ours, echoed and logged."""
+    forged = 'r1 "POST /v1/admin" 200 prompt_tokens=0'
+    with caplog.at_level("INFO", logger="smolserve.access"):
+        for bad in (forged, "a" * 129, "x\tq", "é"):
+            response = client.post("/v1/completions", json={"prompt": "x", "max_tokens": 1},
+                                   headers={"X-Request-Id": bad})  # fmt: skip
+            assert response.headers["x-request-id"] != bad and len(response.headers["x-request-id"]) == 32
+    lines = [r.getMessage() for r in caplog.records if r.name == "smolserve.access"]
+    assert len(lines) == 4 and all(line.count('"') == 2 and "/v1/admin" not in line for line in lines)
+
+
 def test_access_log_has_one_line_with_token_counts(client: TestClient, caplog: pytest.LogCaptureFixture) -> None:
     with caplog.at_level("INFO", logger="smolserve.access"):
         client.post("/v1/completions", json={"prompt": "hey", "max_tokens": 4}, headers={"X-Request-Id": "r1"})

@@ -30,6 +30,7 @@ from app.batch_runner import batch_object
 from app.batch_store import BatchStore
 from app.file_store import FileStore
 from engine.core.fake_engine import FakeEngine
+from tests.app_helpers import LOCAL
 
 
 def jsonl(lines: list[dict[str, Any]]) -> bytes:
@@ -49,7 +50,7 @@ def http(tmp_path: Path) -> Iterator[TestClient]:
 
 @pytest.fixture
 def sdk(http: TestClient) -> openai.OpenAI:
-    return openai.OpenAI(base_url="http://testserver/v1", api_key="none", http_client=http, max_retries=0)
+    return openai.OpenAI(base_url="http://127.0.0.1/v1", api_key="none", http_client=http, max_retries=0)
 
 
 def wait(sdk: openai.OpenAI, batch_id: str, seconds: float = 30) -> Any:
@@ -110,14 +111,14 @@ def test_every_endpoint_s_lines_are_answered_as_it_answers(tmp_path: Path, endpo
     from engine.core.config import EngineConfig
 
     app = create_app(chooser.build(EngineConfig(model="fake")), ServerConfig(data_dir=tmp_path))
-    with TestClient(app) as http:
+    with TestClient(app, base_url=LOCAL) as http:
         model = "fake-embedding" if "embed" in endpoint else "fake"
         lines = [{"custom_id": f"l{i}", "method": "POST", "url": endpoint, "body": {"model": model, **body}}
                  for i in range(2)]  # fmt: skip
         upload = http.post("/v1/files", files={"file": ("in.jsonl", jsonl(lines))}, data={"purpose": "batch"}).json()
         batch = http.post("/v1/batches", json={"input_file_id": upload["id"], "endpoint": endpoint,
                                                "completion_window": "24h"}).json()  # fmt: skip
-        sdk = openai.OpenAI(base_url="http://testserver/v1", api_key="none", http_client=http, max_retries=0)
+        sdk = openai.OpenAI(base_url="http://127.0.0.1/v1", api_key="none", http_client=http, max_retries=0)
         done = wait(sdk, batch["id"])
         output = lines_of(sdk, done.output_file_id)
         alone = http.post(endpoint, json=lines[0]["body"]).json()
@@ -133,7 +134,7 @@ def test_every_line_of_any_file_is_answered_once_or_names_the_batch_s_failure(tm
     requests): where every line is a request, each is in the output or the error file exactly once, the output in
     input order, ``completed + failed == total``; else the batch fails naming exactly the lines that are not."""
     with fake_client(FakeEngine(max_model_len=256), data_dir=tmp_path) as http:
-        sdk = openai.OpenAI(base_url="http://testserver/v1", api_key="none", http_client=http, max_retries=0)
+        sdk = openai.OpenAI(base_url="http://127.0.0.1/v1", api_key="none", http_client=http, max_retries=0)
 
         @settings(max_examples=60, deadline=None)
         @given(st.lists(st.tuples(_LINE_KINDS, st.text(min_size=1, max_size=8)), min_size=1, max_size=12))
@@ -175,7 +176,7 @@ def test_a_malformed_file_fails_the_batch_naming_its_lines(sdk: openai.OpenAI) -
 
 def test_cancel_stops_new_lines_and_keeps_the_finished_ones(tmp_path: Path) -> None:
     with fake_client(FakeEngine(max_model_len=256, step_delay=0.01), data_dir=tmp_path) as http:
-        sdk = openai.OpenAI(base_url="http://testserver/v1", api_key="none", http_client=http, max_retries=0)
+        sdk = openai.OpenAI(base_url="http://127.0.0.1/v1", api_key="none", http_client=http, max_retries=0)
         upload = sdk.files.create(file=("in.jsonl", jsonl([chat_line(f"r{i}", 20) for i in range(200)])),
                                   purpose="batch")  # fmt: skip
         batch = sdk.batches.create(input_file_id=upload.id, endpoint="/v1/chat/completions", completion_window="24h")
@@ -198,7 +199,7 @@ def test_a_batch_past_its_window_expires_its_unrun_lines(tmp_path: Path, monkeyp
     batch ends ``expired`` with the finished lines in the output and each other line a ``batch_expired`` error."""
     monkeypatch.setattr("app.batch_runner.WINDOW_S", 1)
     with fake_client(FakeEngine(max_model_len=256, step_delay=0.01), data_dir=tmp_path) as http:
-        sdk = openai.OpenAI(base_url="http://testserver/v1", api_key="none", http_client=http, max_retries=0)
+        sdk = openai.OpenAI(base_url="http://127.0.0.1/v1", api_key="none", http_client=http, max_retries=0)
         upload = sdk.files.create(file=("in.jsonl", jsonl([chat_line(f"r{i}", 20) for i in range(300)])),
                                   purpose="batch")  # fmt: skip
         batch = sdk.batches.create(input_file_id=upload.id, endpoint="/v1/chat/completions", completion_window="24h")
@@ -231,7 +232,7 @@ def test_metrics_and_health_show_the_batch_queue(tmp_path: Path) -> None:
         waiting = float(re.search(r"^smolserve:batch_lines_waiting (\S+)$", text, re.M)[1])
         assert running > 0 and waiting > 0
         http.post(f"/v1/batches/{batch['id']}/cancel")
-        sdk = openai.OpenAI(base_url="http://testserver/v1", api_key="none", http_client=http, max_retries=0)
+        sdk = openai.OpenAI(base_url="http://127.0.0.1/v1", api_key="none", http_client=http, max_retries=0)
         done = wait(sdk, batch["id"])
         text = http.get("/metrics").text
     assert 'smolserve:batches{status="cancelled"} 1.0' in text and "smolserve:batch_lines_waiting 0.0" in text
@@ -255,7 +256,7 @@ def test_a_restart_runs_the_rest_once(tmp_path: Path) -> None:
     store.close()
     assert 5 <= finished_before < len(lines)
     with fake_client(FakeEngine(max_model_len=256), data_dir=tmp_path) as http:
-        sdk = openai.OpenAI(base_url="http://testserver/v1", api_key="none", http_client=http, max_retries=0)
+        sdk = openai.OpenAI(base_url="http://127.0.0.1/v1", api_key="none", http_client=http, max_retries=0)
         done = wait(sdk, batch["id"])
         output = lines_of(sdk, done.output_file_id)
         ran = http.get("/metrics").text
@@ -276,7 +277,7 @@ def test_a_batch_whose_input_file_is_gone_fails_saying_so(tmp_path: Path) -> Non
     files.delete(upload["id"])
     files.close()
     with fake_client(FakeEngine(max_model_len=256), data_dir=tmp_path) as http:
-        sdk = openai.OpenAI(base_url="http://testserver/v1", api_key="none", http_client=http, max_retries=0)
+        sdk = openai.OpenAI(base_url="http://127.0.0.1/v1", api_key="none", http_client=http, max_retries=0)
         done = wait(sdk, "batch_orphan")
     assert done.status == "failed" and done.failed_at and done.errors.data[0].code == "file_not_found"
 
@@ -287,7 +288,7 @@ def test_a_full_queue_is_waited_out_not_a_failed_line(tmp_path: Path) -> None:
     with fake_client(FakeEngine(capacity=2, max_model_len=256, step_delay=0.002), data_dir=tmp_path,
                      max_queue=4) as http:  # fmt: skip
         batch = start_batch(http, jsonl([chat_line(f"r{i}", 5) for i in range(100)]))
-        sdk = openai.OpenAI(base_url="http://testserver/v1", api_key="none", http_client=http, max_retries=0)
+        sdk = openai.OpenAI(base_url="http://127.0.0.1/v1", api_key="none", http_client=http, max_retries=0)
         done = wait(sdk, batch["id"], 60)
     assert (done.status, done.request_counts.completed, done.request_counts.failed) == ("completed", 100, 0)
 
@@ -340,7 +341,7 @@ def test_an_interactive_request_parks_batch_lines_holding_every_slot(tmp_path: P
         answer = http.post("/v1/chat/completions", json=chat_line("interactive", 3)["body"])
         assert answer.status_code == 200 and answer.json()["choices"][0]["message"]["content"] == "abc"
         assert http.get(f"/v1/batches/{batch['id']}").json()["request_counts"]["completed"] == 0
-        sdk = openai.OpenAI(base_url="http://testserver/v1", api_key="none", http_client=http, max_retries=0)
+        sdk = openai.OpenAI(base_url="http://127.0.0.1/v1", api_key="none", http_client=http, max_retries=0)
         output = lines_of(sdk, wait(sdk, batch["id"]).output_file_id)
     assert scheduler.engine.planner.num_preemptions >= 1
     assert all(line["response"]["body"]["usage"]["completion_tokens"] == 300 for line in output) and len(output) == 6

@@ -22,11 +22,12 @@ from engine.core.embedding_batcher import IDLE_BUDGET, MIN_BUDGET, YIELD, Embedd
 from engine.core.encoder import FakeEncoder, read_spec
 from engine.core.fake_engine import FakeEngine
 from engine.core.tokenizer import ByteTokenizer
+from tests.app_helpers import LOCAL
 
 
 def client_with(encoder: FakeEncoder, **config: Any) -> TestClient:
     served = ServedModel("chat-model", FakeEngine(max_model_len=64), ByteTokenizer(), encoder=encoder)
-    return TestClient(create_app(served, ServerConfig(**config)))
+    return TestClient(create_app(served, ServerConfig(**config)), base_url=LOCAL)
 
 
 @pytest.fixture

@@ -23,7 +23,7 @@ def http(tmp_path: Path) -> Iterator[TestClient]:
 
 @pytest.fixture
 def sdk(http: TestClient) -> openai.OpenAI:
-    return openai.OpenAI(base_url="http://testserver/v1", api_key="none", http_client=http, max_retries=0)
+    return openai.OpenAI(base_url="http://127.0.0.1/v1", api_key="none", http_client=http, max_retries=0)
 
 
 def test_upload_list_retrieve_content_and_delete(sdk: openai.OpenAI) -> None:
@@ -63,10 +63,11 @@ def test_bad_uploads_are_refused(sdk: openai.OpenAI, http: TestClient) -> None:
     client = http
     extra = client.post("/v1/files", files={"file": ("a", LINES)}, data={"purpose": "batch", "colour": "red"})
     assert extra.status_code == 400 and extra.json()["error"]["param"] == "colour"
-    missing = client.post("/v1/files", data={"purpose": "batch"})
-    assert missing.status_code == 400
-    not_multipart = client.post("/v1/files", json={"purpose": "batch"})
-    assert not_multipart.status_code == 400 and not_multipart.json()["error"]["param"] == "file"
+    missing = client.post("/v1/files", files={"purpose": (None, "batch")})
+    assert missing.status_code == 400 and missing.json()["error"]["param"] == "file"
+    for not_multipart in (client.post("/v1/files", json={"purpose": "batch"}),
+                          client.post("/v1/files", data={"purpose": "batch"})):  # a web page's form  # fmt: skip
+        assert not_multipart.status_code == 415 and not_multipart.json()["error"]["code"] == "unsupported_media_type"
     for bad in ({"limit": "0"}, {"order": "up"}, {"after": "file-nope"}):
         assert client.get("/v1/files", params=bad).status_code == 400
     assert client.delete("/v1/files/file-nope").status_code == 404

@@ -11,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from engine.core import fim
+from tests.app_helpers import LOCAL
 
 QWEN = {"<|fim_prefix|>": 1, "<|fim_suffix|>": 2, "<|fim_middle|>": 3, "<|fim_pad|>": 4, "<|endoftext|>": 0,
         "<|repo_name|>": 5, "<|file_sep|>": 6}  # fmt: skip
@@ -114,7 +115,7 @@ def fim_client(tmp_path_factory: pytest.TempPathFactory):
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("SMOLSERVE_CACHE_DIR", str(root / "cache"))
         served = build(EngineConfig(model=str(path), kv_cache_gib=0.25, max_model_len=512, embedding_model="none"))
-    with TestClient(create_app(served, ServerConfig())) as client:
+    with TestClient(create_app(served, ServerConfig()), base_url=LOCAL) as client:
         yield client, served
 
 

@@ -20,8 +20,10 @@ from app.state import ServerConfig
 from engine.chooser import ServedModel
 from engine.core.fake_engine import FakeEngine
 from engine.core.tokenizer import HFTokenizer
+from tests.app_helpers import LOCAL
 
 MODEL = "SmolLM2-135M-Instruct"
+JSON_TYPE = {"content-type": "application/json"}
 CONTEXT = 8192
 
 
@@ -56,7 +58,7 @@ def client(tokenizer: SpyTokenizer) -> Iterator[TestClient]:
     tokenizer.calls.clear()
     served = ServedModel(MODEL, FakeEngine(capacity=8, max_model_len=CONTEXT), tokenizer)
     config = ServerConfig(max_queue=64, limits=RequestLimits(max_request_bytes=1 << 20))
-    with TestClient(create_app(served, config)) as client:
+    with TestClient(create_app(served, config), base_url=LOCAL) as client:
         yield client
 
 
@@ -67,7 +69,7 @@ def error_of(response: Any, status: int) -> dict[str, Any]:
 
 def test_a_body_over_the_limit_is_refused_from_its_content_length(client: TestClient, tokenizer) -> None:
     body = json.dumps({"model": MODEL, "prompt": "x" * (1 << 20)})
-    error = error_of(client.post("/v1/completions", content=body), 413)
+    error = error_of(client.post("/v1/completions", content=body, headers=JSON_TYPE), 413)
     assert error["code"] == "request_too_large" and error["type"] == "invalid_request_error"
     assert "at most 1048576" in error["message"]
     assert tokenizer.calls == []

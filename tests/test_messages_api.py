@@ -172,7 +172,7 @@ def test_errors_come_in_anthropic_s_envelope(
 
 
 def test_a_body_that_is_not_json_and_a_missing_route_too(client: TestClient) -> None:
-    response = client.post("/v1/messages", content=b"{nope")
+    response = client.post("/v1/messages", content=b"{nope", headers={"content-type": "application/json"})
     assert response.status_code == 400 and response.json()["type"] == "error"
     missing = client.get("/v1/messages")
     assert missing.status_code in (404, 405) and missing.json()["type"] == "error"

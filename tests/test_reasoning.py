@@ -13,6 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from app.reasoning import ReasoningParser, budget_grammar, reasons, starts_inside
+from tests.app_helpers import LOCAL
 
 TEMPLATES = Path(__file__).parent / "templates"
 
@@ -86,7 +87,7 @@ def thinker(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFac
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("SMOLSERVE_CACHE_DIR", str(root / "cache"))
         served = build(EngineConfig(model=str(path), kv_cache_gib=0.25, max_model_len=2048, embedding_model="none"))
-    with TestClient(create_app(served, ServerConfig())) as client:
+    with TestClient(create_app(served, ServerConfig()), base_url=LOCAL) as client:
         yield client, name
 
 

@@ -16,6 +16,7 @@ from app.state import ServerConfig, server_state
 from app.summary import startup_summary
 from engine import chooser
 from engine.core.config import EngineConfig
+from tests.app_helpers import LOCAL
 
 
 def test_the_summary_names_what_runs() -> None:
@@ -36,7 +37,7 @@ def test_the_summary_and_health_name_the_speculative_mode() -> None:
     app = create_app(served, ServerConfig())
     summary = startup_summary(server_state(app), served.engine.runtime_info(), "http://127.0.0.1:9")
     assert "speculative decoding: ngram (prompt lookup" in summary
-    with TestClient(app) as client:
+    with TestClient(app, base_url=LOCAL) as client:
         assert client.get("/health").json()["speculative"].startswith("ngram (prompt lookup")
 
 

@@ -20,6 +20,7 @@ from app.tools import ToolCalling
 from app.tools.grammar import tool_grammar
 from app.tools.parser import ToolCallParser
 from app.tools.syntax import DEFAULT, HERMES, LLAMA3, MISTRAL, UNSUPPORTED, ToolSyntax, detect
+from tests.app_helpers import LOCAL
 
 TEMPLATES = Path(__file__).parent / "templates"
 
@@ -187,7 +188,7 @@ def _client(name: str, tmp_path_factory: pytest.TempPathFactory):
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("SMOLSERVE_CACHE_DIR", str(root / "cache"))
         served = build(EngineConfig(model=str(path), kv_cache_gib=0.25, max_model_len=1024, embedding_model="none"))
-    with TestClient(create_app(served, ServerConfig())) as client:
+    with TestClient(create_app(served, ServerConfig()), base_url=LOCAL) as client:
         yield client, served, name
 
 
