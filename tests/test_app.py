@@ -217,7 +217,7 @@ def test_a_request_id_cannot_forge_the_access_log(client: TestClient, caplog: py
     """An id with blanks, quotes or a log line's own shape is replaced by one of ours, echoed and logged."""
     forged = 'r1 "POST /v1/admin" 200 prompt_tokens=0'
     with caplog.at_level("INFO", logger="smolserve.access"):
-        for bad in (forged, "a" * 129, "x\tq", "é"):
+        for bad in (forged, "a" * 129, "x\tq", "id;drop"):
             response = client.post("/v1/completions", json={"prompt": "x", "max_tokens": 1},
                                    headers={"X-Request-Id": bad})  # fmt: skip
             assert response.headers["x-request-id"] != bad and len(response.headers["x-request-id"]) == 32
