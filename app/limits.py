@@ -6,9 +6,9 @@ so that one client cannot stall the event loop or bloat the heap for everyone el
   4 MiB holds a full 8,192-token context many times over (~32 KB of plain text; ~74 KB for CJK text with every
   character JSON-escaped; ~49 KB as token ids), 128 tools of 2 KB each, and a batch of 32 full-context prompts
   escaped at worst, or 128 of plain text. A 5 MB prompt took 1.8 s to tokenize and raised RSS by ~400 MB.
-- Lists: prompts per request, messages, tools, stop strings, stop token ids and ``logit_bias`` entries; a 400
-  naming the field (a 429 would tell the client to retry what can never succeed). The sequences a request asks
-  for (prompts x ``n`` or ``best_of``) must also fit the waiting queue at once.
+- Lists: prompts per request, messages, tools, stop strings (and their lengths), stop token ids and ``logit_bias``
+  entries; a 400 naming the field (a 429 would tell the client to retry what can never succeed). The sequences a
+  request asks for (prompts x ``n`` or ``best_of``) must also fit the waiting queue at once.
 - Text: a prompt (or a conversation) longer in characters than the context could hold, at the tokenizer's longest
   token, is a 400 without tokenizing it: no token stands for more characters than the longest one's spelling.
 """
@@ -36,8 +36,12 @@ class RequestLimits:
     max_messages: int = 2048
     #: Tools offered in one request (OpenAI's limit).
     max_tools: int = 128
-    #: Stop strings (each is matched against every new token's text).
+    #: Stop strings, OpenAI's ``stop`` or Anthropic's ``stop_sequences`` (vLLM and llama.cpp set no bound).
     max_stop: int = 64
+    #: Characters of one stop string: all of a sequence's are matched in one pass over each new token's text
+    #: (``engine/core/stop.py``), at a cost that does not grow with them; but their automaton is built once per
+    #: request (64 x 256 characters: ~20 ms) and as much text may be held back from a stream.
+    max_stop_chars: int = 256
     #: ``stop_token_ids`` and ``logit_bias`` entries.
     max_token_ids: int = 1024
 
@@ -53,12 +57,14 @@ def check_lists(body: dict[str, Any], limits: RequestLimits, max_sequences: int)
         "messages": (_length(body.get("messages")), limits.max_messages),
         "tools": (_length(body.get("tools")), limits.max_tools),
         "stop": (_length(stop) if isinstance(stop, list) else 0, limits.max_stop),
+        "stop_sequences": (_length(body.get("stop_sequences")), limits.max_stop),
         "stop_token_ids": (_length(body.get("stop_token_ids")), limits.max_token_ids),
         "logit_bias": (_length(body.get("logit_bias")), limits.max_token_ids),
     }
     for name, (size, most) in sizes.items():
         if size > most:
             raise bad_request(f"{name} has {size} entries; this server accepts at most {most}", name)
+    _check_stop_lengths(body, limits.max_stop_chars)
     samples = max(_count(body.get("n")), _count(body.get("best_of")))
     if prompts * samples > max_sequences:
         param = "prompt" if prompts > max_sequences else "n"
@@ -67,6 +73,15 @@ def check_lists(body: dict[str, Any], limits: RequestLimits, max_sequences: int)
             f"{max_sequences} can wait for the batch at once",
             param,
         )
+
+
+def _check_stop_lengths(body: dict[str, Any], most: int) -> None:
+    for name in ("stop", "stop_sequences"):
+        value = body.get(name)
+        for index, stop in enumerate([value] if isinstance(value, str) else value if isinstance(value, list) else []):
+            if isinstance(stop, str) and len(stop) > most:
+                where = name if isinstance(value, str) else f"{name}[{index}]"
+                raise bad_request(f"{where} has {len(stop)} characters; this server accepts at most {most}", where)
 
 
 def _length(value: Any) -> int:

@@ -150,6 +150,28 @@ def test_completions_lists_over_their_limits_are_a_400_naming_the_field(client, 
 
 
 @pytest.mark.parametrize(
+    ("path", "body", "param"),
+    [
+        ("/v1/completions", {"prompt": "hi", "stop": "x" * 257}, "stop"),
+        ("/v1/completions", {"prompt": "hi", "stop": ["ok", "x" * 257]}, "stop[1]"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "stop": ["y" * 300]}, "stop[0]"),
+        ("/infill", {"input_prefix": "a", "stop": ["z" * 257]}, "stop[0]"),
+        ("/v1/messages", {"max_tokens": 4, "messages": [{"role": "user", "content": "hi"}],
+                          "stop_sequences": ["x"] * 250_000}, "stop_sequences"),  # fmt: skip
+        ("/v1/messages", {"max_tokens": 4, "messages": [{"role": "user", "content": "hi"}],
+                          "stop_sequences": ["x" * 257]}, "stop_sequences[0]"),  # fmt: skip
+    ],
+)
+def test_stop_strings_are_bounded_on_every_api(client, tokenizer, path, body, param) -> None:
+    """Before: 250,000 ``stop_sequences`` (3.5 MB) ran, 25 s for 64 tokens, and slowed a neighbouring stream 4.6x."""
+    response = client.post(path, json={"model": MODEL, **body})
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error.get("param", param) == param and "at most" in error["message"]
+    assert tokenizer.calls == []
+
+
+@pytest.mark.parametrize(
     ("field", "value"),
     [
         ("messages", [{"role": "user", "content": "hi"}] * 2049),

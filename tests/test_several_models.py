@@ -55,7 +55,7 @@ async def served(builds: Builds, names: list[str], step_delay: float = 0.0, **co
     reload = LazyModel(("alpha",), "alpha", lambda: first_model(step_delay), 64)
     app = create_app(first_model(step_delay), ServerConfig(**config), lazy=[builds.lazy(n, step_delay) for n in names],
                      reload=reload)  # fmt: skip
-    return app, httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test", timeout=30)
+    return app, httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://127.0.0.1", timeout=30)
 
 
 async def _lifespan(app, body: Callable[[], Any]) -> None:
@@ -257,7 +257,7 @@ def test_models_load_and_unload_as_llama_cpp_s_router() -> None:
 
 def test_one_chat_model_stays_loaded() -> None:
     app = create_app(first_model(), ServerConfig(keep_alive_s=0.0))
-    client = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test")
+    client = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://127.0.0.1")
 
     async def body() -> None:
         async with client:

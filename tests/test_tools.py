@@ -243,3 +243,32 @@ def test_a_native_template_gets_arguments_as_objects() -> None:
     rendered = render(conversation, ToolCalling((NOW,), "auto"), HERMES)
     assert rendered[1]["tool_calls"][0]["function"]["arguments"] == {"a": 1}
     assert rendered[2] == {"role": "tool", "content": "noon", "tool_call_id": "c"}
+
+
+def _streamed_seconds(head: str, filler: str, count: int, syntax: ToolSyntax = HERMES) -> float:
+    import time
+
+    best = float("inf")
+    for _ in range(3):
+        parser, started = ToolCallParser(syntax), time.perf_counter()
+        parser.feed(head)
+        for _ in range(count):
+            parser.feed(filler)
+        parser.finish()
+        best = min(best, time.perf_counter() - started)
+    return best
+
+
+def test_streamed_white_space_costs_the_same_per_token_however_much_came_before() -> None:
+    """A reply of white space after a call's marker re-ran a backtracking regex over all of it at every token:
+    8,000 spaces took 460 s, blocking the event loop. Four times the tokens now cost about four times the time."""
+    for head in (OPEN, OPEN + '{"name"', ""):
+        short, long = _streamed_seconds(head, " ", 1500), _streamed_seconds(head, " ", 6000)
+        assert long < 8 * short + 0.05, (head, short, long)
+
+
+def test_a_head_that_never_becomes_a_call_is_content() -> None:
+    parser = ToolCallParser(HERMES)
+    content, deltas = parser.feed(OPEN + '{"nome": ' + "x" * 1100)
+    rest, more = parser.finish()
+    assert content + rest == OPEN + '{"nome": ' + "x" * 1100 and not deltas and not more and not parser.calls

@@ -12,10 +12,14 @@ from typing import Any, Literal
 from app.tools.syntax import HERMES, ToolSyntax
 
 # A call's object up to its arguments' value (a mistral call may open the array; llama3 says "parameters").
-# A bare call may come in a JSON code fence.
-_OBJECT = r'\s*(?:```json\s*)?\[?\s*\{\s*"name"\s*:\s*'
-_NAMED_HEAD = re.compile(_OBJECT + r'("(?:[^"\\]|\\.)*")')
-_HEAD = re.compile(_OBJECT + r'("(?:[^"\\]|\\.)*")\s*,\s*"(?:arguments|parameters)"\s*:\s*')
+# A bare call may come in a JSON code fence. Every quantifier is possessive: with plain ``\s*`` runs side by side a
+# head of white space that never matched was tried at every split, each token (8,000 spaces: 460 s).
+_OBJECT = r'\s*+(?:```json\s*+)?+\[?+\s*+\{\s*+"name"\s*+:\s*+'
+_NAMED_HEAD = re.compile(_OBJECT + r'("(?:[^"\\]|\\.)*+")')
+_HEAD = re.compile(_OBJECT + r'("(?:[^"\\]|\\.)*+")\s*+,\s*+"(?:arguments|parameters)"\s*+:\s*+')
+#: The longest head (``{"name": "...", "arguments": ``) waited for; past it the call is malformed and is content
+#: (each token re-reads the head, so what it may hold is bounded).
+MAX_HEAD = 1024
 #: What a reply that is a bare call begins with (white space aside): its object, or a JSON code fence around it.
 _CALL_STARTS = ('{"name":"', '```json{"name":"')
 
@@ -47,6 +51,7 @@ class ToolCallParser:
     _escaped: bool = False
     _said: bool = False  # content other than white space has been released
     _bare: bool = False  # the calls began the reply without the marker (``ToolSyntax.at_start``)
+    _blank: int = 0  # the pending text's start known to be white space holding no marker
 
     def feed(self, text: str) -> tuple[str, list[dict[str, Any]]]:
         self._pending += text
@@ -63,7 +68,7 @@ class ToolCallParser:
             case "text":
                 return self._text(released)
             case "head":
-                return self._head(deltas)
+                return self._head(released, deltas)
             case "arguments":
                 return self._arguments(deltas)
             case "tail":
@@ -96,25 +101,29 @@ class ToolCallParser:
             begun = self._begins_call()
             if begun is not None:
                 return begun
-        start = self._pending.find(self.syntax.open)
+        start = self._pending.find(self.syntax.open, self._blank)
         if start < 0:
             cut = len(self._pending) - partial_suffix(self._pending, self.syntax.open)
-            if self._said or self._pending[:cut].strip():  # leading white space waits: a call may follow
+            if self._said or self._pending[self._blank : cut].strip():  # leading white space waits: a call may follow
                 self._release(self._pending[:cut], released)
-                self._pending = self._pending[cut:]
+                self._pending, self._blank = self._pending[cut:], 0
+            else:  # white space without a marker: not read again at the next token
+                self._blank = cut
             return False
         self._release(self._pending[:start], released)
-        self._pending = self._pending[start + len(self.syntax.open) :]
+        self._pending, self._blank = self._pending[start + len(self.syntax.open) :], 0
         self._state = "head"
         return True
 
     def _begins_call(self) -> bool | None:
         """Before anything is said: a reply that begins ``{"name": "`` is a call (True: its head is next);
         False: it may yet (wait); None: it is text."""
-        squeezed = "".join(self._pending.split())
+        squeezed = "".join(self._pending[:MAX_HEAD].split())
         if squeezed.startswith(_CALL_STARTS):
-            self._state, self._bare = "head", True
+            self._state, self._bare, self._blank = "head", True, 0
             return True
+        if len(self._pending) > MAX_HEAD:
+            return None
         return False if any(start.startswith(squeezed) for start in _CALL_STARTS) else None
 
     def _release(self, text: str, released: list[str]) -> None:
@@ -129,8 +138,13 @@ class ToolCallParser:
             return uuid.uuid4().hex[: self.syntax.id_length]
         return f"call_{uuid.uuid4().hex[:24]}"
 
-    def _head(self, deltas: list[dict[str, Any]]) -> bool:
+    def _head(self, released: list[str], deltas: list[dict[str, Any]]) -> bool:
         match = _HEAD.match(self._pending)
+        if match is None and len(self._pending) > MAX_HEAD:  # no call: what was held is content
+            self._said = True
+            self._release(("" if self._bare else self.syntax.open) + self._pending, released)
+            self._pending, self._state = "", "text"
+            return True
         if match is None:
             return False  # wait for more text
         call = ParsedCall(self._new_id(), _json_string(match.group(1)))
@@ -174,7 +188,8 @@ class ToolCallParser:
         end of mistral's array, or text."""
         if self.syntax.close and not self._bare:
             end = self._pending.find(self.syntax.close)
-            if end < 0:
+            if end < 0:  # what comes before the block's end is dropped: keep only what may begin it
+                self._pending = self._pending[len(self._pending) - partial_suffix(self._pending, self.syntax.close) :]
                 return False
             self._pending = self._pending[end + len(self.syntax.close) :]
             self._state = "text"
