@@ -28,9 +28,7 @@ STATUSES = (*UNFINISHED, "completed", "failed", "expired", "cancelled")
 
 class BatchStore:
     def __init__(self, data_dir: Path) -> None:
-        self._db = connect(data_dir)
-        for statement in _SCHEMA:
-            self._db.execute(statement)
+        self._db = connect(data_dir, _SCHEMA)
         self._lock = threading.Lock()
 
     def create(self, batch: dict[str, Any]) -> None:

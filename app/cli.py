@@ -256,6 +256,19 @@ def _file_flags(parser: argparse.ArgumentParser, defaults: ServerConfig) -> None
         default=defaults.max_file_bytes,
         help="largest file one upload to /v1/files may hold (413 beyond)",
     )
+    parser.add_argument(
+        "--max-data-bytes",
+        type=int,
+        default=defaults.max_data_bytes,
+        help="what all files under --data-dir may hold together, uploads and batch outputs (507 beyond)",
+    )
+    parser.add_argument(
+        "--max-concurrent-uploads",
+        type=int,
+        default=defaults.max_concurrent_uploads,
+        metavar="N",
+        help="uploads received at once (429 beyond)",
+    )
 
 
 def _cluster_flags(parser: argparse.ArgumentParser) -> None:
@@ -332,6 +345,8 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
         max_loaded_models=args.max_loaded_models,
         data_dir=args.data_dir,
         max_file_bytes=args.max_file_bytes,
+        max_data_bytes=args.max_data_bytes,
+        max_concurrent_uploads=args.max_concurrent_uploads,
         embedding_model_names=tuple(args.embedding_model_name or ()),
         max_embedding_inputs=args.max_embedding_inputs,
         max_queue=args.max_queue,

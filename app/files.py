@@ -5,16 +5,13 @@ read). Torch-free."""
 
 from __future__ import annotations
 
-from starlette.datastructures import UploadFile
 from starlette.requests import Request
 from starlette.responses import FileResponse, JSONResponse, Response
 
 from app.file_store import MAX_PAGE, FileStore
 from app.openai.errors import bad_request
 from app.state import server_state
-
-#: The multipart fields an upload may carry (``expires_after`` is OpenAI's, for files that expire: not here).
-FIELDS = {"file", "purpose"}
+from app.upload import receive_file
 
 
 def _store(request: Request) -> FileStore:
@@ -22,21 +19,14 @@ def _store(request: Request) -> FileStore:
 
 
 async def create_file(request: Request) -> Response:
-    if not request.headers.get("content-type", "").startswith("multipart/form-data"):
-        raise bad_request("a file is uploaded as multipart/form-data with the fields file and purpose", "file")
-    async with request.form(max_files=1, max_fields=8) as form:
-        unknown = sorted(set(form) - FIELDS)
-        if unknown:
-            raise bad_request(f"{unknown[0]}: not a field of a file upload here", unknown[0])
-        upload, purpose = form.get("file"), form.get("purpose")
-        if not isinstance(upload, UploadFile):
-            raise bad_request("file: required, a file part", "file")
-        if not isinstance(purpose, str):
-            raise bad_request("purpose: required", "purpose")
-        content = await upload.read()
-        name = upload.filename or "upload"
+    """The upload read as it arrives (``app/upload.py``), at most ``--max-concurrent-uploads`` at once; the store
+    opened and its writes made on the event loop in chunks (a chunk is at most the socket's read, 64 KiB)."""
     state = server_state(request)
-    return JSONResponse(await state.prepare(lambda: state.files.create(name, purpose, content), len(content)))
+    store = state.files
+    with state.uploads:
+        made = await receive_file(request.headers.get("content-type", ""), request.stream(), store,
+                                  state.config.max_file_bytes)  # fmt: skip
+    return JSONResponse(made)
 
 
 async def list_files(request: Request) -> Response:

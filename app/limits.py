@@ -23,7 +23,7 @@ from starlette.datastructures import Headers
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from app.openai.errors import bad_request, error_body
+from app.openai.errors import APIError, bad_request, error_body
 
 
 @dataclass(slots=True, frozen=True)
@@ -113,7 +113,9 @@ def _blanks(text: str) -> int:
 
 class BodyLimitMiddleware:
     """Reads each request body up to ``max_bytes``, then hands it to the app; a 413 in the error envelope as soon
-    as ``Content-Length`` or the bytes received so far exceed it (the rest is never read)."""
+    as ``Content-Length`` or the bytes received so far exceed it (the rest is never read). An upload route's body
+    (``paths``) is not read first: it streams to the route, counted, and the 413 comes from the route as soon as
+    the count passes its limit."""
 
     def __init__(self, app: ASGIApp, max_bytes: int, on_reject: Callable[[], None] = lambda: None,
                  paths: dict[str, int] | None = None) -> None:  # fmt: skip
@@ -131,6 +133,9 @@ class BodyLimitMiddleware:
         declared = Headers(scope=scope).get("content-length", "")
         if declared.isdigit() and int(declared) > limit:
             await self._refuse(scope, receive, send, int(declared), limit)
+            return
+        if scope["path"] in self._paths:
+            await self.app(scope, _counted(receive, limit, self._on_reject), send)
             return
         body = await self._read(receive, limit)
         if body is None:
@@ -160,6 +165,23 @@ class BodyLimitMiddleware:
         body = error_body(413, f"the request body has {said}; this server accepts at most {limit}")
         body["error"]["code"] = "request_too_large"
         await JSONResponse(body, status_code=413, headers={"Connection": "close"})(scope, receive, send)
+
+
+def _counted(receive: Receive, limit: int, on_reject: Callable[[], None]) -> Callable[[], Awaitable[Message]]:
+    """A ``receive`` that counts the body's bytes as they pass, raising a 413 once they exceed ``limit``."""
+    size = 0
+
+    async def counted() -> Message:
+        nonlocal size
+        message = await receive()
+        size += len(message.get("body", b""))
+        if size > limit:
+            on_reject()
+            raise APIError(413, f"the request body has more than {limit} bytes; this server accepts at most {limit}",
+                           code="request_too_large")  # fmt: skip
+        return message
+
+    return counted
 
 
 def _replay(body: bytes, receive: Receive) -> Callable[[], Awaitable[Message]]:

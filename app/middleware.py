@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import hmac
-import re
 import logging
+import re
 import time
 import uuid
 from collections.abc import Callable
@@ -29,7 +29,8 @@ _REQUEST_ID = re.compile(r"[A-Za-z0-9._:/+=@-]{1,128}")
 
 
 class RequestIdMiddleware:
-    """Echoes ``X-Request-Id`` (or makes one up, also for one that is not a plain token) and logs one line per request when its response ends.
+    """Echoes ``X-Request-Id`` (or makes one up, also for one that is not a plain token) and logs one line per
+    request when its response ends.
 
     Routes put token counts in ``scope["state"]["usage"]`` (prompt, completion, cached prompt, drafted tokens
     accepted by speculative decoding) for the log line.

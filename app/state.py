@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
+import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -24,7 +26,7 @@ from app.batch_runner import BATCH_HEADER, BATCH_PRIORITY, NO_BATCHES, BatchRunn
 from app.batch_store import BatchStore
 from app.chat_model import ChatModel, Model, local_backend
 from app.embedding_service import MAX_INPUTS, EmbeddingService
-from app.file_store import DATABASE, MAX_FILE_BYTES, FileStore, default_data_dir
+from app.file_store import DATABASE, MAX_DATA_BYTES, MAX_FILE_BYTES, FileStore, StoreError, default_data_dir
 from app.generation import Generation
 from app.limits import RequestLimits, check_lists
 from app.metrics import BatchCollector, Metrics
@@ -33,6 +35,7 @@ from app.models import ModelRegistry, ServedEntry
 from app.openai.errors import APIError
 from app.openai.request import parse_json_object
 from app.response_store import STORE_SIZE, ResponseStore
+from app.upload import UploadGate
 from engine.chooser import ServedModel
 from engine.core.config import IDLE_RELEASE_S, MAX_QUEUE
 from engine.core.encoder import Encoder
@@ -41,6 +44,9 @@ from engine.core.heap import trim_heap
 from engine.core.scheduler import QueueFullError
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
+#: Uploads received at once, by default.
+MAX_UPLOADS = 8
 #: Threads that parse, tokenize and render requests off the event loop: as many as the machine's two cores, so a
 #: burst of large requests queues here instead of taking the CPU from the engine's steps.
 PREPARE_WORKERS = 2
@@ -86,6 +92,10 @@ class ServerConfig:
     data_dir: Path | None = None
     #: The most one uploaded file may hold (413 beyond).
     max_file_bytes: int = MAX_FILE_BYTES
+    #: The most all files under ``data_dir`` may hold together (uploads and batch outputs; 507 beyond).
+    max_data_bytes: int = MAX_DATA_BYTES
+    #: Uploads received at once (429 beyond): each holds a connection and a file being written.
+    max_concurrent_uploads: int = MAX_UPLOADS
 
 
 class ServerState:
@@ -120,6 +130,8 @@ class ServerState:
         stored.set_function(lambda: len(self.responses))
         self.metrics.registry.register(BatchCollector(self.batch_report))
         self._files: FileStore | None = None
+        self._stores_lock = threading.RLock()  # the files and batches stores: one each, opened on first use
+        self.uploads = UploadGate(config.max_concurrent_uploads)
         self._interactive_at = 0.0
         self._batches: BatchRunner | None = None
         #: The ASGI app serving this state (the batch runner sends its lines through it).
@@ -131,10 +143,12 @@ class ServerState:
 
     @property
     def files(self) -> FileStore:
-        """The uploaded files, opened on first use (a server nobody uploads to writes nothing to disk)."""
-        if self._files is None:
-            self._files = FileStore(self.data_dir)
-        return self._files
+        """The uploaded files, opened on first use (a server nobody uploads to writes nothing to disk), once however
+        many first requests come at once; a 503 naming the file where the data directory cannot be used."""
+        with self._stores_lock:
+            if self._files is None:
+                self._files = _opened(lambda: FileStore(self.data_dir, self.config.max_data_bytes))
+            return self._files
 
     def interactive(self) -> bool:
         """Whether requests other than batch lines generate now, or did within the last ``HOLD_S`` (one stream of a
@@ -147,11 +161,13 @@ class ServerState:
     @property
     def batches(self) -> BatchRunner:
         """The Batch API's runner, made on first use (or at start, where a database holds batches)."""
-        if self._batches is None:
-            assert self.app is not None, "create_app sets the app"
-            self._batches = BatchRunner(BatchStore(self.data_dir), lambda: self.files, self.app, self.config.api_key,
-                                        lambda: self.draining, self.interactive)  # fmt: skip
-        return self._batches
+        with self._stores_lock:
+            if self._batches is None:
+                assert self.app is not None, "create_app sets the app"
+                store = _opened(lambda: BatchStore(self.data_dir))
+                self._batches = BatchRunner(store, lambda: self.files, self.app, self.config.api_key,
+                                            lambda: self.draining, self.interactive)  # fmt: skip
+            return self._batches
 
     def batch_report(self) -> dict[str, Any]:
         """The batch queue (``BatchRunner.report``); a server that has run no batch opens no database for it."""
@@ -190,7 +206,10 @@ class ServerState:
         if self.embeddings is not None:
             await self.embeddings.batcher.start()
         if (self.data_dir / DATABASE).exists():  # batches a restart interrupted run on
-            await self.batches.start()
+            try:
+                await self.batches.start()
+            except APIError as exc:  # the server serves on; files and batches answer this until it is mended
+                log.error("%s", exc.message)
 
     async def stop(self) -> None:
         if self._batches is not None:
@@ -283,6 +302,15 @@ def _usage_for_log(generation: Generation) -> tuple[int, int, int, int]:
         generation.num_prompt_tokens, generation.num_completion_tokens, generation.num_cached_tokens,
         generation.num_accepted_tokens,
     )  # fmt: skip
+
+
+def _opened(open_store: Callable[[], T]) -> T:
+    """A store of the data directory, or a 503 naming what cannot be used (a corrupt database, an unwritable
+    folder): the operator's to mend; the request may be sent again then."""
+    try:
+        return open_store()
+    except StoreError as exc:
+        raise APIError(503, str(exc), code="storage_unavailable") from None
 
 
 def server_state(source: Request | Starlette) -> ServerState:
