@@ -17,7 +17,8 @@ import contextlib
 import json
 import logging
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -40,6 +41,11 @@ IN_FLIGHT_BESIDE = 1
 #: The header that marks a request as a batch's line (its own requests do not hold the batch back).
 BATCH_HEADER = "x-smolserve-batch"
 WINDOW_S = 24 * 3600
+#: Requests in one batch's input file (OpenAI's bound).
+MAX_LINES = 50_000
+#: ``metadata``: at most this many keys, each of at most this many characters, each value of at most this many
+#: (OpenAI's bounds).
+MAX_METADATA = (16, 64, 512)
 #: The error lines of the lines a batch's end left unrun, by its last status (OpenAI's codes).
 _UNRUN = {
     "cancelled": ("batch_cancelled", "The batch was cancelled before this request executed."),
@@ -147,7 +153,7 @@ class BatchRunner:
     async def _lines(self, batch: dict[str, Any]) -> list[dict[str, Any]] | None:
         """The input file's lines; None where the file is not a batch's (the batch failed, its errors named)."""
         path = self._files().path(batch["input_file_id"])
-        lines, errors = await asyncio.to_thread(lambda: _read_lines(path.read_bytes()))  # 200 MB: off the loop
+        lines, errors = await asyncio.to_thread(_read_lines, path)  # up to 200 MB: off the loop
         if errors or not lines:
             errors = errors or [{"code": "empty_file", "message": "the input file has no requests", "line": None}]
             batch["errors"] = {"object": "list", "data": errors}
@@ -223,13 +229,19 @@ class BatchRunner:
         batch["request_counts"] = {"total": len(lines), "completed": completed, "failed": len(results) - completed}
         self._move(batch, "finalizing")
         for ok, key in ((True, "output_file_id"), (False, "error_file_id")):
-            chosen = [json.dumps(results[i][1]) for i in sorted(results) if results[i][0] is ok]
-            if chosen:
-                content = ("\n".join(chosen) + "\n").encode()
-                name = f"{batch_id}_{'output' if ok else 'error'}.jsonl"
-                batch[key] = (await asyncio.to_thread(self._files().create, name, "batch_output", content,
-                                                      True))["id"]  # fmt: skip
+            name = f"{batch_id}_{'output' if ok else 'error'}.jsonl"
+            batch[key] = await asyncio.to_thread(self._write, name, _jsonl(results, ok))
         self._move(batch, final)
+
+    def _write(self, name: str, lines: Iterator[bytes]) -> str | None:
+        """A batch's output or error file, written line by line as the lines are made; None if it has none."""
+        files = self._files()
+        with files.writing(files.max_bytes) as pending:
+            for line in lines:
+                pending.writer.write(line)
+            if pending.writer.size:
+                pending.keep(name, "batch_output", internal=True)
+        return pending.made["id"] if pending.made else None
 
     def _close_unrun(self, batch_id: str, lines: list[dict[str, Any]], results: Results, final: str) -> Results:
         """Every line that never ran, recorded as failed with OpenAI's ``batch_cancelled`` or ``batch_expired``: each
@@ -265,6 +277,13 @@ class BatchRunner:
         return batch
 
 
+def _jsonl(results: Results, ok: bool) -> Iterator[bytes]:
+    """The lines that went to the output file (``ok``) or the error file, in input order, one at a time."""
+    for index in sorted(results):
+        if results[index][0] is ok:
+            yield json.dumps(results[index][1]).encode() + b"\n"
+
+
 def _error_line(line: dict[str, Any], error: dict[str, str]) -> dict[str, Any]:
     """A line's error-file line where the endpoint gave no answer (refused first, failed, or never run)."""
     return {"id": f"batch_req_{uuid.uuid4().hex}", "custom_id": line["custom_id"], "response": None, "error": error}
@@ -280,25 +299,35 @@ def _final_status(batch: dict[str, Any], every_line_ran: bool) -> str:
     return batch["status"]
 
 
-def _read_lines(raw: bytes) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """Each line as a request object, and an error for each line that is not one (1-based line numbers)."""
+def _read_lines(path: Path) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """Each line as a request object, and an error for each line that is not one (1-based line numbers); read line
+    by line, never whole, and no further than ``MAX_LINES`` requests."""
     lines, errors = [], []
-    for number, text in enumerate(raw.decode("utf-8", errors="replace").splitlines(), start=1):
-        if not text.strip():
-            continue
-        try:
-            line = json.loads(text)
-        except ValueError:
-            line = None
-        fields_ok = isinstance(line, dict) and isinstance(line.get("custom_id"), str) and isinstance(
-            line.get("url"), str) and line.get("method") == "POST" and isinstance(line.get("body"), dict)  # fmt: skip
-        if not fields_ok:
-            errors.append({"code": "invalid_request", "line": number, "message":
-                           'each line must be a JSON object {"custom_id": string, "method": "POST", "url": string, '
-                           '"body": object}'})  # fmt: skip
-            continue
-        lines.append(line)
+    with path.open("rb") as file:
+        for number, raw in enumerate(file, start=1):
+            text = raw.decode("utf-8", errors="replace")
+            if not text.strip():
+                continue
+            if len(lines) + len(errors) == MAX_LINES:
+                return [], [{"code": "too_many_requests", "line": number, "message":
+                             f"a batch holds at most {MAX_LINES} requests (OpenAI's bound)"}]  # fmt: skip
+            _read_line(text, number, lines, errors)
     return lines, errors
+
+
+def _read_line(text: str, number: int, lines: list[dict[str, Any]], errors: list[dict[str, Any]]) -> None:
+    try:
+        line = json.loads(text)
+    except ValueError:
+        line = None
+    fields_ok = isinstance(line, dict) and isinstance(line.get("custom_id"), str) and isinstance(
+        line.get("url"), str) and line.get("method") == "POST" and isinstance(line.get("body"), dict)  # fmt: skip
+    if not fields_ok:
+        errors.append({"code": "invalid_request", "line": number, "message":
+                       'each line must be a JSON object {"custom_id": string, "method": "POST", "url": string, '
+                       '"body": object}'})  # fmt: skip
+        return
+    lines.append(line)
 
 
 def _refusal(endpoint: str, line: dict[str, Any], duplicate: bool) -> dict[str, str] | None:

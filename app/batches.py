@@ -9,7 +9,7 @@ import uuid
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from app.batch_runner import ENDPOINTS, BatchRunner, batch_object
+from app.batch_runner import ENDPOINTS, MAX_METADATA, BatchRunner, batch_object
 from app.openai.errors import bad_request
 from app.state import server_state
 
@@ -29,8 +29,7 @@ async def create_batch(request: Request) -> Response:
     if body.get("completion_window") != "24h":
         raise bad_request("completion_window: 24h", "completion_window")
     metadata = body.get("metadata")
-    if metadata is not None and not (isinstance(metadata, dict) and all(isinstance(v, str) for v in metadata.values())):
-        raise bad_request("metadata: an object of strings", "metadata")
+    _check_metadata(metadata)
     file_id = body.get("input_file_id")
     if not isinstance(file_id, str) or state.files.get(file_id)["purpose"] != "batch":
         raise bad_request("input_file_id: a file uploaded with purpose batch", "input_file_id")
@@ -38,6 +37,21 @@ async def create_batch(request: Request) -> Response:
     state.batches.store.create(batch)
     state.batches.launch(batch["id"])
     return JSONResponse(batch)
+
+
+def _check_metadata(metadata: object) -> None:
+    """OpenAI's bounds: at most 16 keys, of at most 64 characters, each value a string of at most 512."""
+    keys, key_chars, value_chars = MAX_METADATA
+    if metadata is None:
+        return
+    if not (isinstance(metadata, dict) and all(isinstance(v, str) for v in metadata.values())):
+        raise bad_request("metadata: an object of strings", "metadata")
+    if len(metadata) > keys:
+        raise bad_request(f"metadata has {len(metadata)} keys; at most {keys}", "metadata")
+    for key, value in metadata.items():
+        if len(key) > key_chars or len(value) > value_chars:
+            raise bad_request(f"metadata: keys of at most {key_chars} characters, values of at most {value_chars}; "
+                              f"{key[:20]!r} has {len(key)} and {len(value)}", f"metadata.{key[:64]}")  # fmt: skip
 
 
 async def get_batch(request: Request) -> Response:

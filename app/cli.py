@@ -192,6 +192,12 @@ def _server_flags(parser: argparse.ArgumentParser, defaults: ServerConfig) -> No
         "0 keeps none)",
     )
     parser.add_argument(
+        "--responses-store-bytes",
+        type=int,
+        default=defaults.responses_store_bytes,
+        help="what the stored responses may hold together (least recently used leave first)",
+    )
+    parser.add_argument(
         "--api-key",
         default=os.environ.get("SMOLSERVE_API_KEY"),
         help="require `Authorization: Bearer <key>` on every route but /health and /metrics (default: "
@@ -357,4 +363,5 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
         sse_keepalive_s=args.sse_keepalive,
         limits=RequestLimits(max_request_bytes=args.max_request_bytes),
         responses_store_size=args.responses_store_size,
+        responses_store_bytes=args.responses_store_bytes,
     )

@@ -6,6 +6,7 @@ Torch-free."""
 
 from __future__ import annotations
 
+import json
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
@@ -15,6 +16,9 @@ from app.openai.messages import Message
 
 #: Responses kept for ``previous_response_id`` and retrieval, by default.
 STORE_SIZE = 1000
+#: What they may hold together, by default: each can carry megabytes (its tools' schemas, a long conversation), so
+#: a count alone does not bound the heap.
+STORE_BYTES = 256 * 2**20
 
 
 @dataclass(slots=True)
@@ -25,34 +29,45 @@ class StoredResponse:
     #: Input and output as chat messages, ``instructions`` left out (they are not inherited).
     conversation: list[Message]
 
+    def size(self) -> int:
+        """Bytes it holds, as JSON (the objects in memory hold a small multiple of it)."""
+        conversation = sum(len(message.model_dump_json()) for message in self.conversation)
+        return len(json.dumps(self.response)) + len(json.dumps(self.input_items)) + conversation
+
 
 class ResponseStore:
-    """Stored responses by id, at most ``size``, least recently used dropped first."""
+    """Stored responses by id, at most ``size`` of them holding at most ``max_bytes``, least recently used dropped
+    first; one larger than ``max_bytes`` alone is not kept."""
 
-    def __init__(self, size: int = STORE_SIZE) -> None:
+    def __init__(self, size: int = STORE_SIZE, max_bytes: int = STORE_BYTES) -> None:
         self.size = size
-        self._items: OrderedDict[str, StoredResponse] = OrderedDict()
+        self.max_bytes = max_bytes
+        self.num_bytes = 0
+        self._items: OrderedDict[str, tuple[StoredResponse, int]] = OrderedDict()
 
     def __len__(self) -> int:
         return len(self._items)
 
     def put(self, stored: StoredResponse) -> None:
-        if self.size <= 0:
+        response_id, size = stored.response["id"], stored.size()
+        if self.size <= 0 or size > self.max_bytes:
             return
-        self._items[stored.response["id"]] = stored
-        self._items.move_to_end(stored.response["id"])
-        while len(self._items) > self.size:
-            self._items.popitem(last=False)
+        if response_id in self._items:
+            self.num_bytes -= self._items.pop(response_id)[1]
+        self._items[response_id] = (stored, size)
+        self.num_bytes += size
+        while len(self._items) > self.size or self.num_bytes > self.max_bytes:
+            self.num_bytes -= self._items.popitem(last=False)[1][1]
 
     def get(self, response_id: str, param: str | None = None) -> StoredResponse:
         """The stored response; a 404 naming the id when there is none (never stored, deleted, or evicted)."""
-        stored = self._items.get(response_id)
-        if stored is None:
+        item = self._items.get(response_id)
+        if item is None:
             raise APIError(404, f"No response with id '{response_id}' is stored here.", param=param,
                            code="response_not_found")  # fmt: skip
         self._items.move_to_end(response_id)
-        return stored
+        return item[0]
 
     def delete(self, response_id: str) -> None:
         self.get(response_id)
-        del self._items[response_id]
+        self.num_bytes -= self._items.pop(response_id)[1]

@@ -34,7 +34,7 @@ from app.model_pool import KEEP_ALIVE_S, LazyModel, ModelPool, NotLoaded
 from app.models import ModelRegistry, ServedEntry
 from app.openai.errors import APIError
 from app.openai.request import parse_json_object
-from app.response_store import STORE_SIZE, ResponseStore
+from app.response_store import STORE_BYTES, STORE_SIZE, ResponseStore
 from app.upload import UploadGate
 from engine.chooser import ServedModel
 from engine.core.config import IDLE_RELEASE_S, MAX_QUEUE
@@ -84,6 +84,8 @@ class ServerConfig:
     limits: RequestLimits = field(default_factory=RequestLimits)
     #: Responses kept for ``previous_response_id`` and ``GET /v1/responses/{id}`` (least recently used leave first).
     responses_store_size: int = STORE_SIZE
+    #: What the stored responses may hold together, in bytes (least recently used leave first).
+    responses_store_bytes: int = STORE_BYTES
     #: With several chat models: seconds a model may sit idle before it is unloaded (-1: never; ``app/model_pool.py``).
     keep_alive_s: float = KEEP_ALIVE_S
     #: With several chat models: the most loaded at once (None: no bound).
@@ -124,7 +126,7 @@ class ServerState:
         #: Set when shutdown begins: new requests get 503 while in-flight ones finish.
         self.draining = False
         self.registry, self.embeddings = self._models(model, config)
-        self.responses = ResponseStore(config.responses_store_size)
+        self.responses = ResponseStore(config.responses_store_size, config.responses_store_bytes)
         stored = Gauge("smolserve:responses_stored", "Responses kept for previous_response_id and retrieval",
                        registry=self.metrics.registry)  # fmt: skip
         stored.set_function(lambda: len(self.responses))

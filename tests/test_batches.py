@@ -303,11 +303,31 @@ def test_batch_requests_are_checked(http: TestClient) -> None:
         ({}, "input_file_id"),
         ({"colour": "red"}, "colour"),
         ({"metadata": {"a": 1}}, "metadata"),
+        ({"metadata": {f"k{i}": "v" for i in range(17)}}, "metadata"),
+        ({"metadata": {"k" * 65: "v"}}, "metadata." + "k" * 64),
+        ({"metadata": {"note": "v" * 513}}, "metadata.note"),
     ):
         refused = http.post("/v1/batches", json={**base, **bad})
         assert refused.status_code == 400 and refused.json()["error"]["param"] == param
     assert http.post("/v1/batches", json={**base, "input_file_id": "file-nope"}).status_code == 404
     assert http.get("/v1/batches/batch_nope").status_code == 404
+
+
+def test_a_file_of_more_than_50000_requests_fails_the_batch(sdk: openai.OpenAI, http: TestClient) -> None:
+    """OpenAI's bound: the input file is read line by line and no further than 50,000 requests; none runs."""
+    line = json.dumps(chat_line("x")).encode() + b"\n"
+    batch = start_batch(http, line * 50_001)
+    done = wait(sdk, batch["id"], 120)
+    assert done.status == "failed" and done.errors.data[0].code == "too_many_requests"
+    assert done.errors.data[0].line == 50_001 and done.request_counts.completed == 0
+
+
+def test_the_output_file_is_written_line_by_line_in_input_order(sdk: openai.OpenAI, http: TestClient) -> None:
+    batch = start_batch(http, jsonl([chat_line(f"r{i}") for i in range(30)] + [chat_line("r0")]))
+    done = wait(sdk, batch["id"])
+    assert [line["custom_id"] for line in lines_of(sdk, done.output_file_id)] == [f"r{i}" for i in range(30)]
+    assert [line["custom_id"] for line in lines_of(sdk, done.error_file_id)] == ["r0"]
+    assert sdk.files.retrieve(done.output_file_id).bytes == len(sdk.files.content(done.output_file_id).content)
 
 
 def test_an_interactive_request_is_admitted_before_the_batch_s_waiting_lines(tmp_path: Path) -> None:

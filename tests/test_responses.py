@@ -131,6 +131,21 @@ def test_the_store_is_bounded_least_recently_used_first_and_on_metrics(client: T
     assert client.get(f"/v1/responses/{unstored}").status_code == 404
 
 
+def test_the_store_is_bounded_in_bytes() -> None:
+    """Each stored response can carry megabytes (tools' schemas, a long input): a count alone let 1,000 of them
+    hold gigabytes. Past ``responses_store_bytes`` the least recently used leave; one larger alone is not kept."""
+    with fake_client(FakeEngine(max_model_len=1 << 19), responses_store_bytes=300_000) as client:
+        big = "word " * 20_000  # 100 KB of input each
+        ids = [create(client, input=[{"role": "user", "content": big + str(i)}])["id"] for i in range(4)]
+        assert client.get(f"/v1/responses/{ids[0]}").status_code == 404  # four of ~200 KB: the first left
+        assert client.get(f"/v1/responses/{ids[3]}").status_code == 200
+        huge = create(client, input="hi", metadata={f"k{i}": "v" * 512 for i in range(16)},
+                      tools=[{"type": "function", "name": f"f{i}", "parameters": {"type": "object", "description":
+                              "d" * 3000}} for i in range(100)])["id"]  # fmt: skip
+        assert client.get(f"/v1/responses/{huge}").status_code == 404
+        assert client.app.state.server.responses.num_bytes <= 300_000
+
+
 def test_input_items_in_pages(client: TestClient) -> None:
     items = [{"role": "user", "content": f"m{i}"} for i in range(5)]
     rid = create(client, input=items)["id"]
