@@ -126,7 +126,7 @@ def test_chat_template_kwargs_reach_the_template(thinker) -> None:
     """Qwen3's ``enable_thinking: false`` closes an empty reasoning in the prompt, and the reply has none; the
     variables the server sets are a 400 on either template."""
     client, name = thinker
-    for bad in ({"tools": []}, {"add_generation_prompt": False}, "yes"):
+    for bad in ({"tools": []}, {"add_generation_prompt": False}, "yes", {"conversation": 1}, {"return_tensors": "pt"}):
         response = client.post("/v1/chat/completions", json={"messages": ASK, "chat_template_kwargs": bad})
         assert response.status_code == 400 and response.json()["error"]["param"].startswith("chat_template_kwargs")
     off = {"messages": ASK, "chat_template_kwargs": {"enable_thinking": False}}

@@ -33,10 +33,13 @@ class ChatBody(SamplingBody):
     chat_template_kwargs: dict[str, Any] | None = None
 
 
-#: The chat template's variables the server sets itself: ``chat_template_kwargs`` may not.
+#: The chat template's variables the server sets itself, and the rendering's own parameters (transformers'
+#: ``apply_chat_template``: ``conversation`` given again was a TypeError, a 500): ``chat_template_kwargs`` may not.
 RESERVED_TEMPLATE_KWARGS = frozenset(
     {"messages", "tools", "add_generation_prompt", "tokenize", "continue_final_message", "return_dict", "documents",
-     "chat_template", "tools_in_user_message", "custom_tools", "bos_token", "eos_token"}
+     "chat_template", "tools_in_user_message", "custom_tools", "bos_token", "eos_token", "conversation",
+     "sanitize_control_tokens", "padding", "truncation", "max_length", "return_tensors", "return_assistant_tokens_mask",
+     "tokenizer_kwargs", "processor_kwargs", "kwargs", "self"}
 )  # fmt: skip
 
 

@@ -128,6 +128,8 @@ class HFTokenizer:
             )
         except TemplateError as exc:  # the template's raise_exception, or a conversation it cannot render
             raise ChatTemplateError(str(exc)) from None
+        except TypeError as exc:  # a template variable that is also a parameter of the rendering
+            raise ChatTemplateError(f"chat_template_kwargs: {exc}") from None
         # The template writes the special tokens out as text; encoding must not add more.
         return list(self._tok.encode(text, add_special_tokens=False))
 
