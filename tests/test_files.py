@@ -92,3 +92,83 @@ def test_closing_the_store_waits_for_a_statement_in_progress(tmp_path: Path) -> 
     assert closed.is_set()
     with pytest.raises(sqlite3.ProgrammingError):
         store.create("late.jsonl", "batch", b"{}\n")
+
+
+def test_a_full_disk_is_a_507_and_leaves_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The disk filling mid-upload: a clear error naming the folder, the half-written file removed at once, the
+    store's count of bytes as before; the next upload, with room again, is kept."""
+    import errno
+
+    from app import file_store
+
+    with fake_client(data_dir=tmp_path) as client:
+        assert client.post("/v1/files", files={"file": ("a", LINES)}, data={"purpose": "batch"}).status_code == 200
+        used = client.app.state.server.files.used_bytes
+        real_write = file_store.FileWriter.write
+
+        def full(self, chunk: bytes) -> None:
+            real_write(self, chunk[:10])
+            raise file_store._disk_error(OSError(errno.ENOSPC, "No space left on device"), tmp_path / "files")
+
+        monkeypatch.setattr(file_store.FileWriter, "write", full)
+        refused = client.post("/v1/files", files={"file": ("b", LINES * 100)}, data={"purpose": "batch"})
+        assert refused.status_code == 507 and refused.json()["error"]["code"] == "disk_full"
+        assert str(tmp_path / "files") in refused.json()["error"]["message"]
+        assert len(list((tmp_path / "files").iterdir())) == 1  # the first file only, no .partial
+        assert client.app.state.server.files.used_bytes == used
+        monkeypatch.setattr(file_store.FileWriter, "write", real_write)
+        assert client.post("/v1/files", files={"file": ("c", LINES)}, data={"purpose": "batch"}).status_code == 200
+
+
+def test_strays_and_orphans_are_removed_at_start(tmp_path: Path) -> None:
+    with fake_client(data_dir=tmp_path) as client:
+        kept = client.post("/v1/files", files={"file": ("a", LINES)}, data={"purpose": "batch"}).json()
+        gone = client.post("/v1/files", files={"file": ("b", LINES)}, data={"purpose": "batch"}).json()
+    (tmp_path / "files" / "file-crashed.partial").write_bytes(b"half")
+    (tmp_path / "files" / "file-unrecorded").write_bytes(b"orphan")
+    (tmp_path / "files" / gone["id"]).unlink()  # a record whose bytes are gone
+    with fake_client(data_dir=tmp_path) as client:
+        assert [f["id"] for f in client.get("/v1/files").json()["data"]] == [kept["id"]]
+        assert sorted(p.name for p in (tmp_path / "files").iterdir()) == [kept["id"]]
+        assert client.app.state.server.files.used_bytes == len(LINES)
+
+
+def test_a_corrupt_database_is_a_503_naming_the_file(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """Not a traceback at start: the server starts, logs what is wrong, serves generations, and answers the file and
+    batch routes with the file's name and what to do; nothing is deleted."""
+    database = tmp_path / "smolserve.db"
+    database.write_bytes(b"this is not an SQLite database" * 100)
+    with caplog.at_level("ERROR"), fake_client(data_dir=tmp_path) as client:
+        assert any(str(database) in record.getMessage() for record in caplog.records)
+        for response in (client.get("/v1/files"), client.get("/v1/batches"),
+                         client.post("/v1/files", files={"file": ("a", LINES)}, data={"purpose": "batch"})):  # fmt: skip
+            assert response.status_code == 503, response.text
+            error = response.json()["error"]
+            assert error["code"] == "storage_unavailable" and str(database) in error["message"]
+        assert client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2}).status_code == 200
+    assert database.read_bytes().startswith(b"this is not")
+
+
+def test_concurrent_first_uploads_open_one_store(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import threading
+    import time
+
+    from app import state as state_module
+
+    opened: list[object] = []
+    real = state_module.FileStore
+
+    def slow_store(*args: object) -> object:
+        time.sleep(0.2)  # two first requests meet while the first store is being opened
+        opened.append(args)
+        return real(*args)
+
+    monkeypatch.setattr(state_module, "FileStore", slow_store)
+    with fake_client(data_dir=tmp_path) as client:
+        server = client.app.state.server
+        threads = [threading.Thread(target=lambda: server.files) for _ in range(2)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    assert len(opened) == 1
