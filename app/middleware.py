@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hmac
+import json
 import logging
 import re
 import time
@@ -69,7 +70,7 @@ class RequestIdMiddleware:
                 "latency=%.3fs%s",
                 request_id,
                 scope["method"],
-                scope["path"],
+                json.dumps(scope["path"])[1:-1],  # quotes, control and non-ASCII characters escaped: one line
                 status,
                 prompt,
                 cached,

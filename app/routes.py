@@ -19,6 +19,7 @@ from app.openai.completions import CompletionFormat
 from app.openai.errors import APIError, bad_request
 from app.openai.models import model_list
 from app.openai.request import parse_model
+from app.openapi import openapi
 from app.state import ServerState, server_state
 from app.summary import server_facts
 
@@ -124,4 +125,5 @@ ROUTES = [
     Route("/models/unload", unload_model, methods=["POST"]),
     Route("/tokenize", tokens.tokenize, methods=["POST"]),
     Route("/detokenize", tokens.detokenize, methods=["POST"]),
+    Route("/openapi.json", openapi, methods=["GET"]),
 ]

@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from python_multipart.exceptions import FormParserError
 from python_multipart.multipart import MultipartParser, parse_options_header
 
 from app.file_store import FileStore, FileWriter
@@ -116,9 +117,12 @@ async def receive_file(content_type: str, chunks: AsyncIterator[bytes], store: F
     with store.writing(max_bytes) as pending:
         form = _Form(pending.writer)
         parser = MultipartParser(boundary, form.callbacks())
-        async for chunk in chunks:
-            parser.write(chunk)
-        parser.finalize()
+        try:
+            async for chunk in chunks:
+                parser.write(chunk)
+            parser.finalize()
+        except FormParserError as exc:
+            raise bad_request(f"the multipart body is malformed: {exc}", "file") from None
         if not form.has_file:
             raise bad_request("file: required, a file part", "file")
         purpose = form.fields.get("purpose")

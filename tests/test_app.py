@@ -221,8 +221,11 @@ def test_a_request_id_cannot_forge_the_access_log(client: TestClient, caplog: py
             response = client.post("/v1/completions", json={"prompt": "x", "max_tokens": 1},
                                    headers={"X-Request-Id": bad})  # fmt: skip
             assert response.headers["x-request-id"] != bad and len(response.headers["x-request-id"]) == 32
+        client.get('/v1/x%0A2026 INFO smolserve.access: forged "GET /v1/ok" 200')
     lines = [r.getMessage() for r in caplog.records if r.name == "smolserve.access"]
-    assert len(lines) == 4 and all(line.count('"') == 2 and "/v1/admin" not in line for line in lines)
+    assert len(lines) == 5
+    assert all(line.count('"') - line.count('\\"') == 2 and "/v1/admin" not in line for line in lines)
+    assert all("\n" not in line for line in lines)
 
 
 def test_access_log_has_one_line_with_token_counts(client: TestClient, caplog: pytest.LogCaptureFixture) -> None:
