@@ -21,9 +21,12 @@ import httpx
 import pytest
 from conftest import MODEL, start_server, stop_server
 
-#: Refusals and gaps: generous bounds for a busy 2-core CI machine (measured: README "Limits").
+#: Refusals: a generous bound for a busy 2-core CI machine (measured: README "Limits").
 REFUSED_WITHIN_S = 2.0
-LARGEST_GAP_S = 1.0
+#: The running stream's largest gap under the abuse, as a part of the time the abuse took (the same run's measure:
+#: a neighbour's load stretches both). Before the limits the stream stopped for 31.6 s of the 32 s (0.99); with
+#: them 0.25 s of 4.6 s (0.05) here, and 1.13 s once on a busy machine, where a fixed 1.0 s bound failed.
+GAP_SHARE = 0.3
 RSS_GROWTH_MIB = 300
 
 
@@ -57,8 +60,8 @@ class Stream:
         for line in self._proc.stdout:
             self.stamps.append(float(line))
 
-    def largest_gap(self, since: float) -> float:
-        stamps = [s for s in self.stamps if s >= since]
+    def largest_gap(self, since: float, until: float = float("inf")) -> float:
+        stamps = [s for s in self.stamps if since <= s <= until]
         return max((b - a for a, b in itertools.pairwise(stamps)), default=float("inf"))
 
     def close(self) -> None:
@@ -94,8 +97,9 @@ def test_oversized_and_large_requests_do_not_stall_a_stream_or_keep_memory(serve
     before = rss_mib(pid)
     stream = Stream(base)
     try:
-        while len(stream.stamps) < 20:
+        while len(stream.stamps) < 80:
             time.sleep(0.05)
+        idle_gap = stream.largest_gap(stream.stamps[20])
         began = time.time()
         text = "The quick brown fox jumps over the lazy dog. "
         oversized = {
@@ -120,16 +124,52 @@ def test_oversized_and_large_requests_do_not_stall_a_stream_or_keep_memory(serve
         status, answer, seconds = post(base, "/tokenize", json.dumps({"model": MODEL, "prompt": text * 60000}).encode())
         report.append(("2.7 MB /tokenize", status, seconds))
         assert status == 200 and answer["count"] > 500_000
-        gap = stream.largest_gap(began)
+        gap, took = stream.largest_gap(began), time.time() - began
     finally:
         stream.close()
     time.sleep(1)
     after = rss_mib(pid)
     for name, status, seconds in report:
         print(f"{name}: {status} in {seconds:.2f} s")
-    print(f"the running stream's largest gap: {gap:.3f} s; RSS {before:.0f} -> {after:.0f} MiB")
-    assert gap < LARGEST_GAP_S
+    print(f"the running stream's largest gap: {gap:.3f} s of {took:.1f} s (idle: {idle_gap:.3f} s); RSS "
+          f"{before:.0f} -> {after:.0f} MiB")  # fmt: skip
+    assert gap < GAP_SHARE * took
     assert after - before < RSS_GROWTH_MIB
+
+
+def _median_gap(stamps: list[float], since: float, until: float) -> float:
+    gaps = sorted(b - a for a, b in itertools.pairwise(s for s in stamps if since <= s <= until))
+    return gaps[len(gaps) // 2]
+
+
+@pytest.mark.real_model
+def test_a_body_at_the_stop_bounds_costs_a_neighbour_nothing(server: tuple[int, str]) -> None:
+    """64 stop strings of 256 characters (the bounds) on a neighbouring request, against the same request with none:
+    a running stream's inter-token time within 1.2x (paired, alternated). Before, 250,000 stop strings were
+    accepted and stretched a neighbour's 64 tokens from 6.3 s to 29.1 s."""
+    import random
+
+    _, base = server
+    rng = random.Random(7)
+    stops = ["".join(rng.choices("QXZJVKWqxzjvkw\x01", k=256)) for _ in range(64)]
+    body = {"model": MODEL, "prompt": "Write a long story.", "max_tokens": 160, "ignore_eos": True, "temperature": 0}
+    stream = Stream(base)
+    ratios = []
+    try:
+        while len(stream.stamps) < 20:
+            time.sleep(0.05)
+        for _ in range(3):
+            medians = []
+            for extra in ({}, {"stop": stops}):
+                began = time.time()
+                answer = httpx.post(f"{base}/v1/completions", json={**body, **extra}, timeout=120)
+                assert answer.status_code == 200 and answer.json()["usage"]["completion_tokens"] == 160
+                medians.append(_median_gap(stream.stamps, began, time.time()))
+            ratios.append(medians[1] / medians[0])
+    finally:
+        stream.close()
+    print(f"inter-token time beside 64 x 256-character stops / beside none: {[round(r, 3) for r in ratios]}")
+    assert sorted(ratios)[1] <= 1.2
 
 
 @pytest.mark.real_model
@@ -139,7 +179,7 @@ def test_a_body_sent_one_byte_at_a_time_holds_up_no_one(server: tuple[int, str])
     _, base = server
     port = int(base.rsplit(":", 1)[1])
     body = json.dumps({"model": MODEL, "prompt": "Hello", "max_tokens": 2}).encode()
-    head = f"POST /v1/completions HTTP/1.1\r\nHost: x\r\ncontent-type: application/json\r\ncontent-length: {len(body)}"
+    head = f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\ncontent-type: application/json\r\ncontent-length: {len(body)}"
     with socket.create_connection(("127.0.0.1", port), timeout=60) as slow:
         slow.sendall(head.encode() + b"\r\n\r\n")
         for byte in body[:20]:
