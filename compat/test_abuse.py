@@ -179,7 +179,8 @@ def test_a_body_sent_one_byte_at_a_time_holds_up_no_one(server: tuple[int, str])
     _, base = server
     port = int(base.rsplit(":", 1)[1])
     body = json.dumps({"model": MODEL, "prompt": "Hello", "max_tokens": 2}).encode()
-    head = f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\ncontent-type: application/json\r\ncontent-length: {len(body)}"
+    head = (f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\ncontent-type: application/json\r\n"
+            f"content-length: {len(body)}")  # fmt: skip
     with socket.create_connection(("127.0.0.1", port), timeout=60) as slow:
         slow.sendall(head.encode() + b"\r\n\r\n")
         for byte in body[:20]:
