@@ -32,5 +32,5 @@ async def chat_completions(request: Request) -> Response:
     model, req, prompt = await state.prepare(lambda: prepare(state, raw), len(raw))
     options = model.up_to_context(req.options, prompt)
     fmt = ChatFormat(model.tokenizer, reading=model.reading(req.tools, prompt))
-    generation = await model.generation(fmt, options, [prompt], None, arrived, req.tools)
+    generation = await model.generation(fmt, options, [prompt], None, arrived, req.tools, prompt_param="messages")
     return await state.respond(request, generation)

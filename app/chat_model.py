@@ -129,13 +129,16 @@ class ChatModel:
             raise bad_request(f"{param} token ids must be below the vocabulary size {self.tokenizer.vocab_size}", param)
         return prompt
 
-    def check_context(self, num_prompt: int, max_tokens: int) -> None:
-        if num_prompt + max_tokens > self.max_model_len:
+    def check_context(self, num_prompt: int, max_tokens: int, param: str) -> None:
+        """A 400 for a prompt that leaves no room for one token (or does not fit, echoed alone). A ``max_tokens``
+        beyond what the prompt leaves is not an error: the reply stops there, with ``length`` (``Generation``
+        clamps each sequence's), as llama.cpp's server and Anthropic's API do, and as agents that ask for the
+        whole context every turn (Qwen Code: 32,768 of a 32,768-token model) need."""
+        if num_prompt + min(max_tokens, 1) > self.max_model_len:
             raise bad_request(
-                f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
-                f"{num_prompt + max_tokens} tokens ({num_prompt} in the prompt, {max_tokens} in the completion). "
-                "Please reduce the prompt or max_tokens.",
-                "max_tokens",
+                f"This model's maximum context length is {self.max_model_len} tokens. However, the prompt has "
+                f"{num_prompt} tokens, which leaves no room for the completion. Please reduce the prompt.",
+                param,
             )
 
     def check_tokens(self, options: GenerationOptions) -> None:
@@ -154,18 +157,21 @@ class ChatModel:
         arrived: float,
         calling: ToolCalling | None = None,
         kind: type[Generation] = Generation,
+        prompt_param: str = "prompt",
         **extra: Any,
     ) -> Generation:
+        """The generation of ``prompts``; ``prompt_param``: the field that holds them (a prompt that leaves no room
+        is a 400 naming it)."""
         assert options.max_tokens is not None, "the route fills in chat's default"
         for ids in prompts:
-            self.check_context(len(ids), options.max_tokens)
+            self.check_context(len(ids), options.max_tokens, prompt_param)
         self.check_tokens(options)
         grammar = await self.grammar(options, calling)
         syntax = self.call_syntax(calling)
         kept = (syntax.kept_special if syntax is not None else frozenset()) | self.think_ids
         return kind(
             self.backend, self.metrics, self.tokenizer, self.name, fmt, options, prompts, echo_texts, arrived,
-            grammar, kept_special=kept, **extra,
+            grammar, kept_special=kept, context=self.max_model_len, **extra,
         )  # fmt: skip
 
     async def grammar(self, options: GenerationOptions, calling: ToolCalling | None) -> str | None:

@@ -44,6 +44,8 @@ class Generation:
     grammar: str | None = None
     #: Special tokens whose spelling the text keeps: the markers of the tool calls the reply may hold.
     kept_special: frozenset[int] = frozenset()
+    #: The model's context: each sequence's ``max_tokens`` is clamped to what its prompt leaves (None: as asked).
+    context: int | None = None
     choices: list[Choice] = field(default_factory=list)
     request_id: str = ""
     created: int = 0  # seconds since the epoch, one value for the whole response
@@ -101,13 +103,14 @@ class Generation:
             sampling = dataclasses.replace(sampling, seed=(sampling.seed + sample) % 2**64)
         # best_of ranks samples by cumulative logprob, so it needs the chosen tokens' logprobs.
         logprobs = opts.logprobs if opts.logprobs is not None else (0 if opts.best_of > opts.n else None)
+        max_tokens = opts.max_tokens if self.context is None else min(opts.max_tokens, self.context - len(prompt_ids))
         return GenerationRequest(
             tuple(prompt_ids),
-            max(opts.max_tokens, 1),  # a prompt-only sequence generates one token nobody sees
+            max(max_tokens, 1),  # a prompt-only sequence generates one token nobody sees
             ignore_eos=opts.ignore_eos,
             sampling=sampling,
             stop_token_ids=opts.stop_token_ids,
-            min_tokens=opts.min_tokens,
+            min_tokens=min(opts.min_tokens, max(max_tokens, 1)),
             logprobs=logprobs,
             prompt_logprobs=opts.logprobs if self.scores_prompt else None,
             kept_special=self.kept_special,

@@ -128,16 +128,17 @@ def prepare(state: ServerState, raw: bytes) -> tuple[ChatModel, ResponsesRequest
     history = [] if previous is None else state.responses.get(previous, "previous_response_id").conversation
     messages = history + conversation(req.items)
     prompt = model.chat_prompt(with_instructions(req.instructions, messages), req.tools)
+    # truncation: auto drops the oldest items to leave max_output_tokens; past that (or without it) the reply is
+    # clamped to what the prompt leaves, and only a prompt that leaves nothing is refused.
     need = req.options.max_tokens or 1
     while req.truncate and len(prompt) + need > model.max_model_len and len(messages) > 1:
         messages = _drop_oldest(messages)
         prompt = model.chat_prompt(with_instructions(req.instructions, messages), req.tools)
-    if len(prompt) + need > model.max_model_len:
-        param = "max_output_tokens" if req.options.max_tokens else "input"
+    if len(prompt) >= model.max_model_len:
         raise bad_request(
             f"This model's maximum context length is {model.max_model_len} tokens. However, the input is "
-            f"{len(prompt)} tokens and {need} more were asked for. Shorten the input, or set truncation: auto.",
-            param,
+            f"{len(prompt)} tokens, which leaves no room for the output. Shorten the input, or set truncation: auto.",
+            "input",
         )
     return model, req, prompt, messages
 
@@ -159,7 +160,7 @@ async def responses(request: Request) -> Response:
         ChatFormat(model.tokenizer), model.up_to_context(req.options, prompt), [prompt], None, arrived, req.tools,
         kind=ResponseGeneration, request=req, store=state.responses if req.store else None, history=messages,
         stored_items=stored_input_items(req.items), reading=model.reading(req.tools, prompt),
-        response_id=new_id("resp"),
+        response_id=new_id("resp"), prompt_param="input",
     )  # fmt: skip
     return await state.respond(request, generation)
 

@@ -107,10 +107,52 @@ def test_unknown_model_is_404(client: TestClient) -> None:
     assert error["code"] == "model_not_found"
 
 
-def test_context_overflow_is_400(client: TestClient) -> None:
-    response = client.post("/v1/completions", json={"prompt": "x" * 60, "max_tokens": 10})
-    error = assert_envelope(response, 400)
-    assert "context length" in error["message"]
+def test_a_prompt_that_leaves_no_room_is_400(client: TestClient) -> None:
+    response = client.post("/v1/completions", json={"prompt": "x" * 64, "max_tokens": 10})
+    error = assert_envelope(response, 400, "prompt")
+    assert "context length" in error["message"] and "64 tokens" in error["message"]
+    chat = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x" * 64}]})
+    assert_envelope(chat, 400, "messages")
+    responses = client.post("/v1/responses", json={"input": "x" * 64})
+    assert_envelope(responses, 400, "input")
+
+
+USER = [{"role": "user", "content": "x" * 40}]
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "read"),
+    [
+        ("/v1/completions", {"prompt": "x" * 60, "max_tokens": 32_768},
+         lambda a: (a["usage"]["completion_tokens"], a["choices"][0]["finish_reason"])),
+        ("/v1/completions", {"prompt": ["x" * 60, "y" * 50], "max_tokens": 100, "min_tokens": 90},
+         lambda a: ([c["finish_reason"] for c in a["choices"]], a["usage"]["completion_tokens"])),
+        ("/v1/chat/completions", {"messages": USER, "max_tokens": 32_768},
+         lambda a: (a["usage"]["completion_tokens"], a["choices"][0]["finish_reason"])),
+        ("/v1/chat/completions", {"messages": USER, "max_completion_tokens": 32_768},
+         lambda a: a["choices"][0]["finish_reason"]),
+        ("/v1/responses", {"input": "x" * 40, "max_output_tokens": 32_768},
+         lambda a: (a["status"], a["incomplete_details"])),
+        ("/v1/messages", {"model": MODEL, "messages": USER, "max_tokens": 32_000},
+         lambda a: a["stop_reason"]),
+    ],
+)  # fmt: skip
+def test_max_tokens_beyond_the_context_is_clamped_on_every_api(client: TestClient, path: str, body: dict[str, Any],
+                                                               read: Any) -> None:  # fmt: skip
+    """Agents ask for the whole context every turn (Qwen Code: 32,768 of a 32,768-token model): the reply stops
+    where the context ends, with ``length``, as llama.cpp's server and Anthropic's API answer; it was a 400."""
+    response = client.post(path, json=body)
+    assert response.status_code == 200, response.text
+    expected = {
+        ("/v1/completions", 1): (4, "length"), ("/v1/completions", 2): (["length", "length"], 4 + 14),
+        ("/v1/chat/completions", 3): None, ("/v1/chat/completions", 4): "length",
+        ("/v1/responses", 5): ("incomplete", {"reason": "max_output_tokens"}), ("/v1/messages", 6): "max_tokens",
+    }  # fmt: skip
+    got = read(response.json())
+    if path == "/v1/chat/completions" and "max_tokens" in body:
+        assert got[1] == "length" and 0 < got[0] < 64
+        return
+    assert got in [value for (where, _), value in expected.items() if where == path]
 
 
 def test_unknown_route_and_method_are_enveloped(client: TestClient) -> None:

@@ -131,7 +131,7 @@ def test_text_that_cannot_fit_the_context_is_refused_without_tokenizing(client: 
     # White space alone is not counted: a tokenizer may fold a run of it into a token or none.
     spaces = {"model": MODEL, "prompt": "a" + " " * (CONTEXT * longest + 10), "max_tokens": 1}
     error = error_of(client.post("/v1/completions", json=spaces), 400)
-    assert error["param"] == "max_tokens" and tokenizer.calls  # tokenized, then over the context
+    assert error["param"] == "prompt" and tokenizer.calls  # tokenized, then over the context
 
 
 @pytest.mark.parametrize(

@@ -174,10 +174,14 @@ def test_previous_response_id_continues_with_the_earlier_turns_cached(client: Te
 def test_truncation_auto_drops_the_oldest_items(client: TestClient) -> None:
     long = [{"role": "user", "content": "x" * 700}, {"role": "assistant", "content": "y" * 700}]
     fields = {"input": [*long, {"role": "user", "content": "last"}], "max_output_tokens": 700}
-    refused = client.post("/v1/responses", json=fields)
-    assert refused.status_code == 400 and refused.json()["error"]["param"] == "max_output_tokens"
+    clamped = create(client, **fields)  # truncation disabled: the whole input, the output clamped to what is left
+    assert clamped["usage"]["input_tokens"] > 1400 and clamped["usage"]["output_tokens"] <= 2048 - 1400
+    assert clamped["status"] == "incomplete"
     body = create(client, **fields, truncation="auto")
     assert body["truncation"] == "auto" and body["usage"]["input_tokens"] < 2048 - 700
+    huge = {"input": [{"role": "user", "content": "x" * 2100}]}
+    refused = client.post("/v1/responses", json=huge)
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "input"
 
 
 def test_a_failure_mid_stream_is_an_error_event_then_response_failed() -> None:
