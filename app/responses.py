@@ -6,6 +6,7 @@ generation, answered as a response object or its events (``app/openai/response_e
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -22,6 +23,7 @@ from app.openai.errors import bad_request, error_body
 from app.openai.messages import Message
 from app.openai.response_events import ResponseEvents
 from app.openai.responses import (
+    SKIPPED_HEADER,
     ResponsesRequest,
     conversation,
     input_item_list,
@@ -39,6 +41,9 @@ from app.response_store import ResponseStore, StoredResponse
 from app.state import ServerState, server_state
 from engine.core.streams import EngineError
 
+log = logging.getLogger(__name__)
+#: The hosted tool types already named in the log (once each per process).
+_LOGGED_SKIPS: set[str] = set()
 
 @dataclass(slots=True)
 class ResponseGeneration(Generation):
@@ -89,7 +94,9 @@ class ResponseGeneration(Generation):
 
     def _builder(self) -> ResponseEvents:
         assert self.request is not None
-        return ResponseEvents(self.tokenizer, self.reading, self.request.logprobs)
+        req = self.request
+        return ResponseEvents(self.tokenizer, self.reading, req.logprobs, namespaced=req.namespaced,
+                              encrypted_reasoning=req.encrypted_reasoning)  # fmt: skip
 
     def _object(self, status: str, output: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
         assert self.request is not None
@@ -162,7 +169,14 @@ async def responses(request: Request) -> Response:
         stored_items=stored_input_items(req.items), reading=model.reading(req.tools, prompt),
         response_id=new_id("resp"), prompt_param="input",
     )  # fmt: skip
-    return await state.respond(request, generation)
+    response = await state.respond(request, generation)
+    if req.skipped:  # hosted tools: not run here, said so (and logged once per type)
+        response.headers[SKIPPED_HEADER] = ", ".join(req.skipped)
+        for kind in set(req.skipped) - _LOGGED_SKIPS:
+            _LOGGED_SKIPS.add(kind)
+            log.warning("hosted %s tools are offered by clients but not run here: left out of the tools the "
+                        "model sees (named in the %s header)", kind, SKIPPED_HEADER)  # fmt: skip
+    return response
 
 
 async def get_response(request: Request) -> Response:

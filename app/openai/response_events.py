@@ -8,6 +8,7 @@ opens a message item, each call a ``function_call`` item whose arguments stream 
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -44,6 +45,10 @@ class ResponseEvents:
     reading: Reading
     #: ``include: ["message.output_text.logprobs"]``: the output text's logprobs, in items and deltas.
     logprobs: bool
+    #: A namespace's functions by the name the model was offered (``call_item``).
+    namespaced: Mapping[str, tuple[str, str]] = field(default_factory=dict)
+    #: ``include: ["reasoning.encrypted_content"]``: reasoning items carry it.
+    encrypted_reasoning: bool = False
     output: list[dict[str, Any]] = field(default_factory=list)
     sequence_number: int = 0
     _reader: ReplyReader | None = None
@@ -98,7 +103,8 @@ class ResponseEvents:
         thought, self._thought = self._thought, None
         if thought is None:
             return []
-        item = self.output[thought.output_index] = reasoning_item(thought.item_id, thought.text, status)
+        item = reasoning_item(thought.item_id, thought.text, status, self.encrypted_reasoning)
+        self.output[thought.output_index] = item
         where = {"item_id": thought.item_id, "output_index": thought.output_index, "content_index": 0}
         return [
             self.event("response.reasoning_text.done", **where, text=thought.text),
@@ -134,7 +140,7 @@ class ResponseEvents:
                 events += self._close_call("completed")
                 function = delta["function"]
                 call = self._call = _Call(new_id("fc"), len(self.output), delta["id"], function["name"])
-                self.output.append(call_item(call.item_id, call.call_id, call.name, "", "in_progress"))
+                self.output.append(self._call_item(call, "in_progress"))
                 events.append(self._item_event("response.output_item.added", call.output_index))
                 fragment = function.get("arguments") or ""
             else:
@@ -165,17 +171,20 @@ class ResponseEvents:
         call, self._call = self._call, None
         if call is None:
             return []
-        self.output[call.output_index] = call_item(call.item_id, call.call_id, call.name, call.arguments, status)
+        item = self.output[call.output_index] = self._call_item(call, status)
         return [
             self.event(
                 "response.function_call_arguments.done",
                 item_id=call.item_id,
                 output_index=call.output_index,
-                name=call.name,
+                name=item["name"],
                 arguments=call.arguments,
             ),
             self._item_event("response.output_item.done", call.output_index),
         ]
+
+    def _call_item(self, call: _Call, status: str) -> dict[str, Any]:
+        return call_item(call.item_id, call.call_id, call.name, call.arguments, status, self.namespaced)
 
     def _item_event(self, kind: str, output_index: int) -> dict[str, Any]:
         return self.event(kind, output_index=output_index, item=self.output[output_index])

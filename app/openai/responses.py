@@ -9,11 +9,14 @@ completion of the same conversation see the same prompt. Function tools are spel
 
 from __future__ import annotations
 
+import base64
 import dataclasses
+import json
 import time
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Annotated, Any, Literal
 
 from pydantic import Field
@@ -39,6 +42,15 @@ INCLUDABLE = frozenset({
     "web_search_call.results", "web_search_call.action.sources", "message.input_image.image_url",
     "computer_call_output.output.image_url", "code_interpreter_call.outputs",
 })  # fmt: skip
+#: Tools OpenAI runs on its own side (search, files, code, computers, images, remote MCP servers): a server on the
+#: user's machine has none to run. A drop-in must not refuse the request (Codex offers ``web_search`` every turn):
+#: they are not offered to the model, and ``SKIPPED_HEADER`` and the log name them.
+HOSTED_TOOLS = ("web_search", "file_search", "code_interpreter", "computer_use", "image_generation", "mcp",
+                "tool_search")  # fmt: skip
+#: The response header naming the hosted tools a request offered and the model was not offered.
+SKIPPED_HEADER = "x-smolserve-skipped-tools"
+#: How a namespace's function is named to the model: unique among the request's tools, within OpenAI's pattern.
+NAMESPACE_JOINER = "__"
 #: Body fields of the API that change the answer and that this server does not implement: a 400 naming them.
 _UNSUPPORTED = ("conversation", "prompt", "n", "best_of", "response_format", "messages", "echo", "suffix")
 #: Other endpoints' spellings of what the Responses API names otherwise: a 400 that says which field to use.
@@ -68,6 +80,13 @@ class FunctionCallItem(WireModel):
     call_id: NonEmpty
     name: NonEmpty
     arguments: str
+    #: The namespace tool the function belongs to, as a response returns it.
+    namespace: NonEmpty | None = None
+
+    @property
+    def qualified_name(self) -> str:
+        """The name the model was offered (a namespace's function: ``namespace__name``)."""
+        return self.name if self.namespace is None else f"{self.namespace}{NAMESPACE_JOINER}{self.name}"
 
 
 class FunctionCallOutputItem(WireModel):
@@ -92,7 +111,9 @@ class ReasoningItem(WireModel):
     type: Literal["reasoning"]
     summary: list[ReasoningPart] | None = None
     content: list[ReasoningPart] | None = None
-    encrypted_content: None = None  # another server's encrypted reasoning cannot be read here: a 400
+    #: What ``include: ["reasoning.encrypted_content"]`` returned (``stateless`` store: false clients send it
+    #: back); never read into the prompt: the templates drop earlier turns' reasoning.
+    encrypted_content: str | None = None
 
     @property
     def text(self) -> str:
@@ -166,6 +187,12 @@ class ResponsesRequest:
     #: ``include`` asked for the output text's logprobs.
     logprobs: bool = False
     wire_tools: list[dict[str, Any]] = field(default_factory=list)  # the tools as sent, for the response object
+    #: A namespace's functions by the name the model was offered: (namespace, name).
+    namespaced: Mapping[str, tuple[str, str]] = field(default_factory=dict)
+    #: The hosted tools offered that this server does not run (``HOSTED_TOOLS``), by type.
+    skipped: tuple[str, ...] = ()
+    #: ``include`` asked for reasoning items' ``encrypted_content``.
+    encrypted_reasoning: bool = False
 
     @property
     def store(self) -> bool:
@@ -200,7 +227,8 @@ def parse_responses_request(body: dict[str, Any]) -> ResponsesRequest:
     if req.top_logprobs and not logprobs:
         raise bad_request("top_logprobs needs include: ['message.output_text.logprobs']", "top_logprobs")
     wire_tools = req.tools or []
-    calling = _tool_calling(req, [_function_tool(tool, index) for index, tool in enumerate(wire_tools)])
+    offered = _offered_tools(wire_tools)
+    calling = _tool_calling(req, offered.functions)
     sampling = req.model_copy(update={"response_format": _response_format(req.text)})
     options = generation_options(
         sampling, req.max_output_tokens, "max_output_tokens", (req.top_logprobs or 0) if logprobs else None,
@@ -210,7 +238,8 @@ def parse_responses_request(body: dict[str, Any]) -> ResponsesRequest:
         options = dataclasses.replace(options, structured=dataclasses.replace(options.structured, param="text.format"))
     if calling is not None and calling.calls_allowed and options.structured is not None:
         raise bad_request("text.format cannot be combined with tool calls (unless tool_choice is none)", "text.format")
-    return ResponsesRequest(req.model, items, options, calling, req, logprobs, wire_tools)
+    return ResponsesRequest(req.model, items, options, calling, req, logprobs, wire_tools, offered.namespaced,
+                            tuple(offered.skipped), "reasoning.encrypted_content" in include)  # fmt: skip
 
 
 def input_items(value: Any) -> list[InputItem]:
@@ -239,8 +268,52 @@ def _item(item: Any, index: int) -> InputItem:
         raise bad_request(f"{param}: {exc.message}", inner) from None
 
 
-def _function_tool(tool: dict[str, Any], index: int) -> Tool:
-    param = f"tools[{index}]"
+@dataclass(slots=True)
+class _Offered:
+    """The request's tools as the model is offered them."""
+
+    functions: list[Tool] = field(default_factory=list)
+    namespaced: dict[str, tuple[str, str]] = field(default_factory=dict)
+    skipped: list[str] = field(default_factory=list)
+
+
+def _offered_tools(wire_tools: list[Any]) -> _Offered:
+    """Function tools as they are; a ``namespace`` tool's functions each as ``namespace__name``; hosted tools
+    left out (``HOSTED_TOOLS``); any other type a 400 naming it."""
+    offered = _Offered()
+    for index, tool in enumerate(wire_tools):
+        param = f"tools[{index}]"
+        kind = tool.get("type") if isinstance(tool, dict) else None
+        if isinstance(kind, str) and kind.startswith(HOSTED_TOOLS):
+            if kind not in offered.skipped:
+                offered.skipped.append(kind)
+        elif kind == "namespace":
+            _namespace(tool, param, offered)
+        else:
+            offered.functions.append(_function_tool(tool, param))
+    return offered
+
+
+def _namespace(tool: dict[str, Any], param: str, offered: _Offered) -> None:
+    namespace, inner = tool.get("name"), tool.get("tools")
+    if not isinstance(namespace, str) or not namespace:
+        raise bad_request(f"{param}.name: a namespace's name is required", f"{param}.name")
+    if not isinstance(inner, list):
+        raise bad_request(f"{param}.tools: a namespace holds a list of tools", f"{param}.tools")
+    for index, function in enumerate(inner):
+        spec = _function_tool(function, f"{param}.tools[{index}]")
+        qualified = f"{namespace}{NAMESPACE_JOINER}{spec.function.name}"
+        renamed = spec.function.model_copy(update={"name": qualified})
+        try:
+            renamed = FunctionDefinition.model_validate(renamed.model_dump())
+        except ValueError:
+            raise bad_request(f"{param}.tools[{index}].name: {qualified!r}, the name the model is offered, is "
+                              "longer than 64 characters", f"{param}.tools[{index}].name") from None  # fmt: skip
+        offered.functions.append(Tool(type="function", function=renamed))
+        offered.namespaced[qualified] = (namespace, spec.function.name)
+
+
+def _function_tool(tool: Any, param: str) -> Tool:
     kind = tool.get("type") if isinstance(tool, dict) else None
     if kind != "function":
         raise bad_request(f"{param}.type: {kind!r} tools are not supported by this server", f"{param}.type")
@@ -289,7 +362,7 @@ def conversation(items: list[InputItem]) -> list[Message]:
         elif isinstance(item, FunctionCallOutputItem):
             messages.append(Message(role="tool", content=item.text, tool_call_id=item.call_id))
         elif isinstance(item, FunctionCallItem):
-            call = ToolCall(id=item.call_id, function=FunctionCall(name=item.name, arguments=item.arguments))
+            call = ToolCall(id=item.call_id, function=FunctionCall(name=item.qualified_name, arguments=item.arguments))
             last = messages[-1] if messages else None
             if last is not None and last.role == "assistant":
                 content = last.content if last.content != "" else None
@@ -356,15 +429,25 @@ def message_item(item_id: str, text: str, status: str, logprobs: list[dict[str, 
     return {"id": item_id, "type": "message", "role": "assistant", "status": status, "content": [part]}
 
 
-def reasoning_item(item_id: str, text: str, status: str) -> dict[str, Any]:
-    """The model's reasoning (``app/reasoning.py``), as its text: no summary is made."""
-    return {"id": item_id, "type": "reasoning", "summary": [], "content": [{"type": "reasoning_text", "text": text}],
+def reasoning_item(item_id: str, text: str, status: str, encrypted: bool = False) -> dict[str, Any]:
+    """The model's reasoning (``app/reasoning.py``), as its text: no summary is made. ``encrypted``: with OpenAI's
+    ``encrypted_content`` too, an opaque blob of it (base64 of its JSON; nothing kept on the server: a client that
+    does not store responses sends the item back as it came)."""
+    item = {"id": item_id, "type": "reasoning", "summary": [], "content": [{"type": "reasoning_text", "text": text}],
             "status": status}  # fmt: skip
+    if encrypted:
+        item["encrypted_content"] = base64.b64encode(json.dumps({"reasoning_text": text}).encode()).decode()
+    return item
 
 
-def call_item(item_id: str, call_id: str, name: str, arguments: str, status: str) -> dict[str, Any]:
-    return {"id": item_id, "type": "function_call", "call_id": call_id, "name": name, "arguments": arguments,
+def call_item(item_id: str, call_id: str, name: str, arguments: str, status: str,
+              namespaced: Mapping[str, tuple[str, str]] = MappingProxyType({})) -> dict[str, Any]:  # fmt: skip
+    """A ``function_call`` item; a namespace's function named as the client offered it, with its ``namespace``."""
+    item = {"id": item_id, "type": "function_call", "call_id": call_id, "name": name, "arguments": arguments,
             "status": status}  # fmt: skip
+    if name in namespaced:
+        item["namespace"], item["name"] = namespaced[name]
+    return item
 
 
 def usage(input_tokens: int, output_tokens: int, cached_tokens: int) -> dict[str, Any]:
