@@ -51,6 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
     _engine_flags(parser, EngineConfig())
     _path_flags(parser, EngineConfig())
     _server_flags(parser, ServerConfig())
+    _security_flags(parser)
     _pool_flags(parser, ServerConfig())
     _file_flags(parser, ServerConfig())
     _cluster_flags(parser)
@@ -198,6 +199,21 @@ def _server_flags(parser: argparse.ArgumentParser, defaults: ServerConfig) -> No
         help="what the stored responses may hold together (least recently used leave first)",
     )
     parser.add_argument(
+        "--sse-keepalive",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="send an SSE comment line (': ping') on a stream quiet for this long (default: never, as OpenAI)",
+    )
+    parser.add_argument(
+        "--shutdown-timeout", type=float, default=30.0, help="seconds in-flight requests get to finish on SIGTERM"
+    )
+    parser.add_argument("--log-level", default="info")
+
+
+def _security_flags(parser: argparse.ArgumentParser) -> None:
+    """Who may call the server (docs/operating.md, "Security and bounds")."""
+    parser.add_argument(
         "--api-key",
         default=os.environ.get("SMOLSERVE_API_KEY"),
         help="require `Authorization: Bearer <key>` on every route but /health and /metrics (default: "
@@ -214,17 +230,6 @@ def _server_flags(parser: argparse.ArgumentParser, defaults: ServerConfig) -> No
         help="Host names accepted besides the loopback ones while bound to a loopback address (421 for others: "
         "DNS rebinding); bound elsewhere, the only names accepted if given",
     )
-    parser.add_argument(
-        "--sse-keepalive",
-        type=float,
-        default=None,
-        metavar="SECONDS",
-        help="send an SSE comment line (': ping') on a stream quiet for this long (default: never, as OpenAI)",
-    )
-    parser.add_argument(
-        "--shutdown-timeout", type=float, default=30.0, help="seconds in-flight requests get to finish on SIGTERM"
-    )
-    parser.add_argument("--log-level", default="info")
 
 
 def _pool_flags(parser: argparse.ArgumentParser, defaults: ServerConfig) -> None:

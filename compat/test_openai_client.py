@@ -76,9 +76,16 @@ def test_unknown_model_is_not_found(client: OpenAI) -> None:
         client.completions.create(model="gpt-4", prompt="hi")
 
 
-def test_context_overflow_is_bad_request(client: OpenAI) -> None:
+def test_context_overflow_is_bad_request(client: OpenAI, server_url: str) -> None:
+    """A prompt that leaves no room is a 400; a ``max_tokens`` past what it leaves ends the reply there."""
     with pytest.raises(openai.BadRequestError, match="context length"):
-        client.completions.create(model=MODEL, prompt="hello " * 100, max_tokens=8190)
+        client.completions.create(model=MODEL, prompt="hello " * 8200, max_tokens=8)
+    prompt = "hello " * 8170
+    count = httpx.post(f"{server_url}/tokenize", json={"model": MODEL, "prompt": prompt}, timeout=60).json()["count"]
+    assert count < 8192
+    clamped = client.completions.create(model=MODEL, prompt=prompt, max_tokens=8190, extra_body={"ignore_eos": True})
+    assert clamped.choices[0].finish_reason == "length"
+    assert (clamped.usage.prompt_tokens, clamped.usage.completion_tokens) == (count, 8192 - count)
 
 
 @pytest.mark.parametrize(

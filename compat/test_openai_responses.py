@@ -180,7 +180,7 @@ def test_previous_response_id_continues_the_conversation_from_the_cache(client: 
         ({"input": [{"type": "function_call_output", "output": "x"}]}, "input[0].call_id"),
         ({"input": "hi", "max_output_tokens": 0}, "max_output_tokens"),
         ({"input": "hi", "temperature": 3}, "temperature"),
-        ({"input": "hi", "tools": [{"type": "web_search"}]}, "tools[0].type"),
+        ({"input": "hi", "tools": [{"type": "custom", "name": "apply_patch"}]}, "tools[0].type"),
         ({"input": "hi", "tools": [WEATHER], "tool_choice": {"type": "function", "name": "nope"}}, "tool_choice"),
         ({"input": "hi", "background": True}, "background"),
         ({"input": "hi", "text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "frob"}}}},
