@@ -20,11 +20,9 @@ import ipaddress
 from collections.abc import Iterable
 
 from starlette.datastructures import Headers
-from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from app.anthropic import errors as anthropic_errors
-from app.openai.errors import error_body
+from app.middleware import refusal
 
 #: The addresses whose binding turns the ``Host`` check on (``--host``): only the machine itself can connect.
 LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
@@ -64,10 +62,10 @@ class BrowserGuardMiddleware:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":
-            refusal = self._refusal(scope, Headers(scope=scope))
-            if refusal is not None:
-                status, message, code = refusal
-                await _refuse(scope, status, message, code)(scope, receive, send)
+            refused = self._refusal(scope, Headers(scope=scope))
+            if refused is not None:
+                status, message, code = refused
+                await refusal(scope["path"], status, message, code, {"Connection": "close"})(scope, receive, send)
                 return
         await self.app(scope, receive, send)
 
@@ -105,9 +103,3 @@ def _content_type_refusal(path: str, headers: Headers) -> tuple[int, str, str] |
         "unsupported_media_type"  # fmt: skip
 
 
-def _refuse(scope: Scope, status: int, message: str, code: str) -> JSONResponse:
-    if scope["path"].startswith(anthropic_errors.PREFIX):
-        return JSONResponse(anthropic_errors.error_body(status, message), status_code=status)
-    body = error_body(status, message)
-    body["error"]["code"] = code
-    return JSONResponse(body, status_code=status, headers={"Connection": "close"})

@@ -103,9 +103,15 @@ class APIKeyMiddleware:
 
     def _reject(self, scope: Scope) -> JSONResponse:
         self._on_reject()
+        message = "Incorrect or missing API key. Send `Authorization: Bearer <key>`."
         if scope["path"].startswith(anthropic_errors.PREFIX):
             message = "invalid x-api-key"
-            return JSONResponse(anthropic_errors.error_body(401, message), status_code=401)
-        body = error_body(401, "Incorrect or missing API key. Send `Authorization: Bearer <key>`.")
-        body["error"]["code"] = "invalid_api_key"
-        return JSONResponse(body, status_code=401)
+        return refusal(scope["path"], 401, message, "invalid_api_key")
+
+
+def refusal(path: str, status: int, message: str, code: str, headers: dict[str, str] | None = None) -> JSONResponse:
+    """An error a middleware answers before any route runs, in the envelope of the API ``path`` belongs to
+    (Anthropic's on the Messages API, OpenAI's with ``code`` elsewhere)."""
+    if path.startswith(anthropic_errors.PREFIX):
+        return JSONResponse(anthropic_errors.error_body(status, message), status_code=status, headers=headers)
+    return JSONResponse(error_body(status, message, code=code), status_code=status, headers=headers)
