@@ -33,10 +33,10 @@ test: install
 	$(VENV)/bin/ruff check .
 
 # The GGUF a user brings (../shared/tools/user-models.sh assembles it; LLAMA_SERVER=path compares token ids with
-# llama.cpp's server; CLAUDE_CODE=path of `claude` runs Claude Code against it). Opt-in: a 491 MB download and a
-# few minutes (Claude Code: three more).
+# llama.cpp's server; CLAUDE_CODE=path of `claude` runs Claude Code against it, CODEX=path of `codex` Codex CLI).
+# Opt-in: a 491 MB download and a few minutes (each agent: a few more).
 test-models: install
-	USER_GGUF=$$(bash ../shared/tools/user-models.sh) LLAMA_SERVER=$${LLAMA_SERVER:-} CLAUDE_CODE=$${CLAUDE_CODE:-} HF_HUB_OFFLINE=1 $(PY) -m pytest -q -m user_model tests/test_user_model.py
+	USER_GGUF=$$(bash ../shared/tools/user-models.sh) LLAMA_SERVER=$${LLAMA_SERVER:-} CLAUDE_CODE=$${CLAUDE_CODE:-} CODEX=$${CODEX:-} HF_HUB_OFFLINE=1 $(PY) -m pytest -q -m user_model tests/test_user_model.py
 
 soak: install
 	HF_HUB_OFFLINE=1 $(PY) -m pytest -q -s -m soak compat/test_soak.py

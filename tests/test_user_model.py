@@ -299,6 +299,47 @@ def test_claude_code_answers_through_the_messages_api(gguf: Path, tmp_path: Path
         stop_server(server)
 
 
+def _codex_events(binary: str, home: Path, cwd: Path, task: str) -> list[dict]:
+    import json
+    import subprocess
+
+    done = subprocess.run([binary, "exec", "--json", "--skip-git-repo-check", task], env={**os.environ,
+                          "CODEX_HOME": str(home), "SMOLSERVE_KEY": "none"}, cwd=cwd, capture_output=True, text=True,
+                          timeout=900, stdin=subprocess.DEVNULL)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    return [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+
+
+def test_codex_cli_answers_through_the_responses_api(gguf: Path, tmp_path: Path) -> None:
+    """Codex CLI headless (``CODEX``: its ``codex`` binary, from ``npm install @openai/codex``; 0.171 recorded in
+    ``tests/fixtures/agents/codex.json``) against a server of the Qwen file over the Responses API: its first request
+    (a namespace tool, a hosted web_search, reasoning with encrypted content, store: false) answered; a one-word
+    task ends with the agent's message; a task with a tool ends its turn, every command the model ran finished."""
+    binary = os.environ.get("CODEX")
+    if not binary:
+        pytest.skip("CODEX names no codex binary")
+    from compat.conftest import start_server, stop_server
+
+    server, base = start_server("--model", str(gguf), "--embedding-model", "none", "--kv-cache-gib", "2")
+    home = tmp_path / "codex-home"
+    home.mkdir()
+    (home / "config.toml").write_text(f'model = "{gguf.stem}"\nmodel_provider = "smolserve"\n\n'
+                                      '[model_providers.smolserve]\nname = "smolserve"\n'
+                                      f'base_url = "{base}/v1"\nwire_api = "responses"\nenv_key = "SMOLSERVE_KEY"\n')
+    try:
+        one = _codex_events(binary, home, tmp_path, "Reply with one word: hello")
+        said = [e["item"]["text"] for e in one if e.get("type") == "item.completed"
+                and e["item"].get("type") == "agent_message"]  # fmt: skip
+        assert said and said[-1].strip()
+        task = _codex_events(binary, home, tmp_path, "Run the shell command `ls` and tell me the file names.")
+        assert any(e.get("type") == "turn.completed" for e in task)
+        commands = [e["item"] for e in task if e.get("type") == "item.completed"
+                    and e["item"].get("type") == "command_execution"]  # fmt: skip
+        assert all(command.get("status") in ("completed", "failed", "declined") for command in commands)
+    finally:
+        stop_server(server)
+
+
 def test_the_bundled_model_and_the_user_s_in_one_server(gguf: Path) -> None:
     """``--model SmolLM2 --model qwen.gguf`` with ``--max-loaded-models 1``: both listed (the Qwen file's context
     read before it loads), each answers by name through the openai SDK, each request for the other model unloads
