@@ -39,8 +39,8 @@ class UploadGate:
     def __enter__(self) -> UploadGate:
         with self._lock:
             if self._now >= self.most:
-                raise APIError(429, f"{self.most} uploads are in progress, the most this server receives at once; "
-                               "retry when one ends", code="too_many_uploads")  # fmt: skip
+                message = f"{self.most} uploads are in progress, the most this server receives at once; retry later"
+                raise APIError(429, message, code="too_many_uploads", headers={"Retry-After": "1"})
             self._now += 1
         return self
 

@@ -118,6 +118,7 @@ def test_more_uploads_at_once_than_the_bound_get_a_429(server: tuple[str, int, P
                 if extra.status_code == 429:
                     break
             assert extra.status_code == 429 and extra.json()["error"]["code"] == "too_many_uploads"
+            assert extra.headers["retry-after"] == "1"
             assert [answer.status_code for answer in await asyncio.gather(*slow)] == [200] * 8
             assert (await _upload(client, MB)).status_code == 200
 
