@@ -85,10 +85,6 @@ class FileWriter:
             raise _disk_error(exc, self._store.folder) from None
 
 
-class _Dropped(Exception):
-    """A file written but not kept (``PendingFile.keep`` not called)."""
-
-
 @dataclass(slots=True)
 class PendingFile:
     """A file being written (``FileStore.writing``): its writer, then what to record it as."""
@@ -156,20 +152,25 @@ class FileStore:
             with partial.open("wb") as handle:
                 pending.writer = FileWriter(self, handle, max_bytes)
                 yield pending
-            if pending.kept is None:
-                raise _Dropped
-            partial.rename(self.folder / pending.id)
-            pending.made = self._record(pending.id, *pending.kept, pending.writer.size)
-        except BaseException as exc:
-            partial.unlink(missing_ok=True)
-            (self.folder / pending.id).unlink(missing_ok=True)
-            writer = getattr(pending, "writer", None)
-            with self._lock:
-                self._used -= writer.size if writer is not None else 0
-            if isinstance(exc, OSError):
-                raise _disk_error(exc, self.folder) from None
-            if not isinstance(exc, _Dropped):
-                raise
+            if pending.kept is not None:
+                partial.rename(self.folder / pending.id)
+                pending.made = self._record(pending.id, *pending.kept, pending.writer.size)
+                return
+        except OSError as exc:
+            self._discard(pending, partial)
+            raise _disk_error(exc, self.folder) from None
+        except BaseException:
+            self._discard(pending, partial)
+            raise
+        self._discard(pending, partial)
+
+    def _discard(self, pending: PendingFile, partial: Path) -> None:
+        """A file not kept: its bytes removed (written or renamed already) and no longer counted."""
+        partial.unlink(missing_ok=True)
+        (self.folder / pending.id).unlink(missing_ok=True)
+        writer = getattr(pending, "writer", None)  # None where the file could not even be opened
+        with self._lock:
+            self._used -= writer.size if writer is not None else 0
 
     def _record(self, file_id: str, filename: str, purpose: str, size: int) -> dict[str, Any]:
         row = (file_id, filename, purpose, size, int(time.time()))

@@ -24,7 +24,6 @@ FIELDS = ("file", "purpose")
 @dataclass(slots=True)
 class _Part:
     name: str = ""
-    filename: str | None = None
     value: bytearray = field(default_factory=bytearray)
 
 
