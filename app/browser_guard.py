@@ -26,7 +26,8 @@ from app.middleware import refusal
 
 #: The addresses whose binding turns the ``Host`` check on (``--host``): only the machine itself can connect.
 LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
-#: Routes whose bodies are uploads (multipart), not JSON.
+#: Routes whose bodies are uploads (multipart), not JSON; streamed to the route with a limit of their own
+#: (``app/server.py``, ``--max-file-bytes``).
 MULTIPART_PATHS = frozenset({"/v1/files"})
 _BODY_METHODS = ("POST", "PUT", "PATCH")
 

@@ -12,7 +12,7 @@ from starlette.middleware import Middleware
 from starlette.middleware.cors import CORSMiddleware
 
 from app.backend import Backend
-from app.browser_guard import BrowserGuardMiddleware
+from app.browser_guard import MULTIPART_PATHS, BrowserGuardMiddleware
 from app.chat_model import Model
 from app.handlers import HANDLERS
 from app.limits import BodyLimitMiddleware
@@ -63,6 +63,6 @@ def _middleware(state: ServerState, config: ServerConfig) -> list[Middleware]:
                                  origins=config.cors_origins))  # fmt: skip
     too_large = state.metrics.requests_rejected.labels("request_too_large")
     limit = config.limits.max_request_bytes
-    uploads = {"/v1/files": config.max_file_bytes}
+    uploads = dict.fromkeys(MULTIPART_PATHS, config.max_file_bytes)
     middleware.append(Middleware(BodyLimitMiddleware, max_bytes=limit, on_reject=too_large.inc, paths=uploads))
     return middleware
