@@ -29,6 +29,8 @@ class Submission:
     stop: tuple[str, ...] = ()
     include_stop: bool = False
     grammar: str | None = None
+    #: The client's cache key (OpenAI's ``prompt_cache_key``): on a cluster, the replica that took it before.
+    cache_key: str | None = None
 
 
 class Stream(Protocol):

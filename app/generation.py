@@ -83,7 +83,9 @@ class Generation:
                 if choice.prompt_only and not self.scores_prompt:
                     choice.finish_reason = "length"  # echo alone: nothing to run
                     continue
-                submission = Submission(self._request(ids, sample), opts.stop, opts.include_stop, self.grammar)
+                submission = Submission(
+                    self._request(ids, sample), opts.stop, opts.include_stop, self.grammar, opts.cache_key
+                )
                 try:
                     choice.stream = await self.backend.submit(submission)
                 except BaseException:  # cancelled too: the client left while it was being routed

@@ -30,14 +30,14 @@ class PrefixAffinityRouter(FIFOMixin, LocalityMixin, MultiplexMixin, RequestRout
     async def choose_replicas(
         self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None
     ) -> list[list[RunningReplica]]:
-        hashes = self._hashes(pending_request)
+        hashes, key = self._hashes(pending_request), _cache_key(pending_request)
         by_name = {r.replica_id.unique_id: r for r in candidate_replicas}
         cache = self._replica_queue_len_cache
         loads = {name: cache.get(r.replica_id) or 0 for name, r in by_name.items()}
-        return [[by_name[name] for name in rank] for rank in self._policy.choose(hashes, loads)]
+        return [[by_name[name] for name in rank] for rank in self._policy.choose(hashes, loads, key)]
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: object) -> None:
-        self._policy.record(replica_id.unique_id, self._hashes(pending_request))
+        self._policy.record(replica_id.unique_id, self._hashes(pending_request), _cache_key(pending_request))
 
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         super().on_replica_actor_died(replica_id)
@@ -56,3 +56,9 @@ class PrefixAffinityRouter(FIFOMixin, LocalityMixin, MultiplexMixin, RequestRout
             return []
         prompt = submission.request.prompt_ids[: MAX_ROUTED_BLOCKS * self._block_size]
         return prefix_hashes(prompt, self._block_size)
+
+
+def _cache_key(pending_request: PendingRequest | None) -> str | None:
+    """The client's cache key, for a generation that has one."""
+    submission = pending_request.args[0] if pending_request is not None and pending_request.args else None
+    return submission.cache_key if isinstance(submission, Submission) else None

@@ -16,7 +16,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 from ray.exceptions import ActorDiedError
 from ray.serve.exceptions import BackPressureError
 
-from app.backend import Submission
+from app.backend import LocalBackend, Submission
 from app.cli import clustered, parse_args
 from cluster.backend import RayBackend, RemoteStream, _ReplicaCollector
 from cluster.deployments import app_builder, engine_options, flags
@@ -26,6 +26,7 @@ from engine.core.block_pool import prefix_hashes
 from engine.core.scheduler import QueueFullError
 from engine.core.streams import Delta, EngineError
 from engine.core.types import GenerationRequest
+from tests.app_helpers import fake_client
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -50,6 +51,19 @@ def test_the_replica_holding_the_longest_prefix_comes_first() -> None:
     assert policy.choose(hashes(1, 2, 3, 9), {"a": 0, "b": 3, "c": 0})[0] == ["b"]
     assert policy.choose(hashes(1, 2, 7), {"a": 1, "b": 0, "c": 2})[0] == ["b"]  # equal match: less loaded
     assert policy.choose(hashes(5, 2, 3), {"a": 0, "b": 0, "c": 0})[0] != ["b"]  # chained: block 1 differs
+
+
+def test_a_cache_key_goes_back_to_the_replica_that_took_it() -> None:
+    policy = PrefixAffinity(imbalance=4)
+    policy.record("a", hashes(1, 2, 3, 4))
+    policy.record("b", hashes(1, 9), key="session-1")
+    # The key's replica beats a longer match elsewhere, and holds a prompt no one has seen.
+    assert policy.choose(hashes(1, 2, 3, 4), {"a": 0, "b": 1}, key="session-1")[0] == ["b"]
+    assert policy.choose(hashes(7), {"a": 0, "b": 1, "c": 0}, key="session-1")[0] == ["b"]
+    # Another key (or none) routes by the prefix; an overloaded key replica loses the key's claim.
+    assert policy.choose(hashes(1, 2, 3, 4), {"a": 0, "b": 0}, key="session-2")[0] == ["a"]
+    assert policy.choose(hashes(1, 2, 3, 4), {"a": 0, "b": 0})[0] == ["a"]
+    assert policy.choose(hashes(7), {"a": 0, "b": 4}, key="session-1") == [["a", "b"]]
 
 
 def test_an_overloaded_replica_loses_its_affinity() -> None:
@@ -275,3 +289,24 @@ def test_replica_metrics_are_labelled_by_replica_in_one_family_each() -> None:
     assert 'smolserve:num_requests_running{replica="r2"} 5.0' in out
     assert 'smolserve:prefix_cache_hits_total{replica="r2"} 50.0' in out
     assert out.count("# TYPE smolserve:num_requests_running gauge") == 1
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/responses"])
+def test_the_prompt_cache_key_travels_with_each_sequence(path: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """What the cluster's router reads: the body's ``prompt_cache_key`` on every submission (none without it)."""
+    seen: list[str | None] = []
+    submit = LocalBackend.submit
+
+    async def recording(self: LocalBackend, submission: Submission) -> Any:
+        seen.append(submission.cache_key)
+        return await submit(self, submission)
+
+    monkeypatch.setattr(LocalBackend, "submit", recording)
+    body: dict[str, Any] = {"max_tokens": 2} if path.endswith("completions") else {"max_output_tokens": 2}
+    body |= {"messages": [{"role": "user", "content": "hi"}]} if path.endswith("completions") else {"input": "hi"}
+    with fake_client() as client:
+        for extra in ({"prompt_cache_key": "session-1", "n": 2} if "chat" in path else {"prompt_cache_key": "s-1"}, {}):
+            assert client.post(path, json=body | extra).status_code == 200
+        too_long = client.post(path, json=body | {"prompt_cache_key": "k" * 257})
+        assert too_long.status_code == 400 and "prompt_cache_key" in too_long.text
+    assert seen == (["session-1", "session-1", None] if "chat" in path else ["s-1", None])

@@ -19,6 +19,8 @@ MAX_N = 16
 
 
 MAX_LOGPROBS = 20
+#: ``prompt_cache_key``: a client session's id, bounded as every field a body controls.
+MAX_CACHE_KEY = 256
 
 
 class StreamOptions(WireModel):
@@ -96,6 +98,8 @@ class SamplingBody(WireModel):
     structured_outputs: StructuredOutputs | None = None
     #: vLLM's: lower values are admitted first from the waiting queue.
     priority: Annotated[int, Field(ge=-(2**31), lt=2**31)] | None = None
+    #: OpenAI's: requests that share it share a cache (here: a cluster routes them to one replica).
+    prompt_cache_key: Annotated[str, Field(max_length=MAX_CACHE_KEY)] | None = None
 
     @field_validator("logit_bias")
     @classmethod
@@ -135,6 +139,8 @@ class GenerationOptions:
     structured: StructuredOutput | None = None
     #: Admission order among waiting requests (vLLM's ``priority``: lower first).
     priority: int = 0
+    #: OpenAI's ``prompt_cache_key``: a routing hint on a cluster (``cluster.routing``).
+    cache_key: str | None = None
 
 
 @dataclass(slots=True, frozen=True)
@@ -222,6 +228,7 @@ def generation_options(
         sampling=_sampling(req),
         structured=_structured_output(req, min_tokens),
         priority=req.priority or 0,
+        cache_key=req.prompt_cache_key,
     )
 
 
