@@ -96,7 +96,7 @@ class ResponseGeneration(Generation):
         assert self.request is not None
         req = self.request
         return ResponseEvents(self.tokenizer, self.reading, req.logprobs, namespaced=req.namespaced,
-                              encrypted_reasoning=req.encrypted_reasoning)  # fmt: skip
+                              custom=req.custom, encrypted_reasoning=req.encrypted_reasoning)  # fmt: skip
 
     def _object(self, status: str, output: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
         assert self.request is not None

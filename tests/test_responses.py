@@ -203,7 +203,7 @@ def test_a_failure_mid_stream_is_an_error_event_then_response_failed() -> None:
         ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input[0].content"),
         ({"input": "hi", "max_output_tokens": 0}, "max_output_tokens"),
         ({"input": "hi", "top_p": 0}, "top_p"),
-        ({"input": "hi", "tools": [{"type": "custom", "name": "apply_patch"}]}, "tools[0].type"),
+        ({"input": "hi", "tools": [{"type": "local_shell"}]}, "tools[0].type"),
         ({"input": "hi", "tools": [{"type": "namespace", "name": "ns", "tools": [{"type": "custom"}]}]},
          "tools[0].tools[0].type"),
         ({"input": "hi", "tools": [WEATHER], "tool_choice": {"type": "function", "name": "other"}}, "tool_choice"),

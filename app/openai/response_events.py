@@ -3,7 +3,8 @@ deltas, and the stream events of the Responses API, numbered from 0 (``sequence_
 
 The same builder makes a whole response's output (the text fed at once), so that a streamed response and a whole
 one have the same items. With tools, the text goes through the call parser (``app/tools/parser.py``): content
-opens a message item, each call a ``function_call`` item whose arguments stream as deltas.
+opens a message item, each call a ``function_call`` item whose arguments stream as deltas (a custom tool's call a
+``custom_tool_call`` item, its input sent whole once the call is: the model writes it JSON-escaped).
 """
 
 from __future__ import annotations
@@ -47,6 +48,8 @@ class ResponseEvents:
     logprobs: bool
     #: A namespace's functions by the name the model was offered (``call_item``).
     namespaced: Mapping[str, tuple[str, str]] = field(default_factory=dict)
+    #: The custom tools' names: their calls are ``custom_tool_call`` items, their input streamed when whole.
+    custom: frozenset[str] = frozenset()
     #: ``include: ["reasoning.encrypted_content"]``: reasoning items carry it.
     encrypted_reasoning: bool = False
     output: list[dict[str, Any]] = field(default_factory=list)
@@ -139,7 +142,8 @@ class ResponseEvents:
                 events += self._close_reasoning("completed") + self._close_message("completed")
                 events += self._close_call("completed")
                 function = delta["function"]
-                call = self._call = _Call(new_id("fc"), len(self.output), delta["id"], function["name"])
+                prefix = "ctc" if function["name"] in self.custom else "fc"
+                call = self._call = _Call(new_id(prefix), len(self.output), delta["id"], function["name"])
                 self.output.append(self._call_item(call, "in_progress"))
                 events.append(self._item_event("response.output_item.added", call.output_index))
                 fragment = function.get("arguments") or ""
@@ -147,8 +151,8 @@ class ResponseEvents:
                 fragment = delta["function"]["arguments"]
             call = self._call
             assert call is not None, "arguments come after their call's head"
-            if fragment:
-                call.arguments += fragment
+            call.arguments += fragment
+            if fragment and call.name not in self.custom:
                 events.append(self.event("response.function_call_arguments.delta", item_id=call.item_id,
                                          output_index=call.output_index, delta=fragment))  # fmt: skip
         return events
@@ -172,6 +176,13 @@ class ResponseEvents:
         if call is None:
             return []
         item = self.output[call.output_index] = self._call_item(call, status)
+        if item["type"] == "custom_tool_call":
+            where = {"item_id": call.item_id, "output_index": call.output_index}
+            return [
+                self.event("response.custom_tool_call_input.delta", **where, delta=item["input"]),
+                self.event("response.custom_tool_call_input.done", **where, input=item["input"]),
+                self._item_event("response.output_item.done", call.output_index),
+            ]
         return [
             self.event(
                 "response.function_call_arguments.done",
@@ -184,7 +195,7 @@ class ResponseEvents:
         ]
 
     def _call_item(self, call: _Call, status: str) -> dict[str, Any]:
-        return call_item(call.item_id, call.call_id, call.name, call.arguments, status, self.namespaced)
+        return call_item(call.item_id, call.call_id, call.name, call.arguments, status, self.namespaced, self.custom)
 
     def _item_event(self, kind: str, output_index: int) -> dict[str, Any]:
         return self.event(kind, output_index=output_index, item=self.output[output_index])

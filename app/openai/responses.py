@@ -34,6 +34,7 @@ from app.openai.sampling import (
     reject_unsupported,
 )
 from app.tools import ToolCalling, flat_parameters, tool_calling
+from app.tools.freeform import escaped_lark, escaped_regex
 
 #: ``include`` values the API defines. Only the logprobs one changes what this server returns; the others ask for
 #: parts of items (search results, images, reasoning) this server never produces.
@@ -99,6 +100,24 @@ class FunctionCallOutputItem(WireModel):
         return self.output if isinstance(self.output, str) else "".join(part.text for part in self.output)
 
 
+class CustomCallItem(WireModel):
+    """A custom tool's call as a response returned it: its ``input`` is the tool's free text."""
+
+    type: Literal["custom_tool_call"]
+    call_id: NonEmpty
+    name: NonEmpty
+    input: str
+
+    @property
+    def arguments(self) -> str:
+        """The call as the model wrote it: a function call of one string (``custom_arguments``)."""
+        return custom_arguments(self.input)
+
+
+class CustomCallOutputItem(FunctionCallOutputItem):
+    type: Literal["custom_tool_call_output"]  # type: ignore[assignment]
+
+
 class ReasoningPart(WireModel):
     type: Literal["reasoning_text", "summary_text"]
     text: str
@@ -120,13 +139,15 @@ class ReasoningItem(WireModel):
         return "".join(part.text for part in self.content or [])
 
 
-InputItem = InputMessage | FunctionCallItem | FunctionCallOutputItem | ReasoningItem
+InputItem = InputMessage | FunctionCallItem | FunctionCallOutputItem | ReasoningItem | CustomCallItem
 _ITEM_MODELS: dict[str | None, type[WireModel]] = {
     None: InputMessage,
     "message": InputMessage,
     "function_call": FunctionCallItem,
     "function_call_output": FunctionCallOutputItem,
     "reasoning": ReasoningItem,
+    "custom_tool_call": CustomCallItem,
+    "custom_tool_call_output": CustomCallOutputItem,
 }
 
 
@@ -138,8 +159,23 @@ class FunctionTool(WireModel):
     strict: bool | None = None
 
 
+class CustomFormat(WireModel):
+    """A custom tool's input: free text, or text of a grammar (Lark, as llguidance reads it, or a regex)."""
+
+    type: Literal["text", "grammar"]
+    syntax: Literal["lark", "regex"] | None = None
+    definition: str | None = None
+
+
+class CustomTool(WireModel):
+    type: Literal["custom"]
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    description: str | None = None
+    format: CustomFormat | None = None
+
+
 class NamedFunctionChoice(WireModel):
-    type: Literal["function"]
+    type: Literal["function", "custom"]
     name: NonEmpty
 
 
@@ -189,6 +225,8 @@ class ResponsesRequest:
     wire_tools: list[dict[str, Any]] = field(default_factory=list)  # the tools as sent, for the response object
     #: A namespace's functions by the name the model was offered: (namespace, name).
     namespaced: Mapping[str, tuple[str, str]] = field(default_factory=dict)
+    #: The custom tools' names: their calls are ``custom_tool_call`` items.
+    custom: frozenset[str] = frozenset()
     #: The hosted tools offered that this server does not run (``HOSTED_TOOLS``), by type.
     skipped: tuple[str, ...] = ()
     #: ``include`` asked for reasoning items' ``encrypted_content``.
@@ -228,7 +266,7 @@ def parse_responses_request(body: dict[str, Any]) -> ResponsesRequest:
         raise bad_request("top_logprobs needs include: ['message.output_text.logprobs']", "top_logprobs")
     wire_tools = req.tools or []
     offered = _offered_tools(wire_tools)
-    calling = _tool_calling(req, offered.functions)
+    calling = _tool_calling(req, offered)
     sampling = req.model_copy(update={"response_format": _response_format(req.text)})
     options = generation_options(
         sampling, req.max_output_tokens, "max_output_tokens", (req.top_logprobs or 0) if logprobs else None,
@@ -239,7 +277,8 @@ def parse_responses_request(body: dict[str, Any]) -> ResponsesRequest:
     if calling is not None and calling.calls_allowed and options.structured is not None:
         raise bad_request("text.format cannot be combined with tool calls (unless tool_choice is none)", "text.format")
     return ResponsesRequest(req.model, items, options, calling, req, logprobs, wire_tools, offered.namespaced,
-                            tuple(offered.skipped), "reasoning.encrypted_content" in include)  # fmt: skip
+                            frozenset(offered.freeform), tuple(offered.skipped),
+                            "reasoning.encrypted_content" in include)  # fmt: skip
 
 
 def input_items(value: Any) -> list[InputItem]:
@@ -274,6 +313,8 @@ class _Offered:
 
     functions: list[Tool] = field(default_factory=list)
     namespaced: dict[str, tuple[str, str]] = field(default_factory=dict)
+    #: Custom tools by name: their input's grammar, JSON-escaped ("" for free text).
+    freeform: dict[str, str] = field(default_factory=dict)
     skipped: list[str] = field(default_factory=list)
 
 
@@ -289,6 +330,8 @@ def _offered_tools(wire_tools: list[Any]) -> _Offered:
                 offered.skipped.append(kind)
         elif kind == "namespace":
             _namespace(tool, param, offered)
+        elif kind == "custom":
+            _custom(tool, param, offered)
         else:
             offered.functions.append(_function_tool(tool, param))
     return offered
@@ -313,6 +356,58 @@ def _namespace(tool: dict[str, Any], param: str, offered: _Offered) -> None:
         offered.namespaced[qualified] = (namespace, spec.function.name)
 
 
+def _custom(tool: dict[str, Any], param: str, offered: _Offered) -> None:
+    """A custom tool, offered as a function of one string whose text its grammar holds (``app/tools/freeform.py``)."""
+    try:
+        spec: CustomTool = validated(CustomTool, tool)
+    except APIError as exc:
+        inner = f"{param}.{exc.param}" if exc.param else param
+        raise bad_request(f"{param}: {exc.message}", inner) from None
+    form = spec.format or CustomFormat(type="text")
+    grammar, note = "", ""
+    if form.type == "grammar":
+        where = f"{param}.format.definition"
+        if form.syntax is None or not form.definition:
+            raise bad_request(f"{param}.format: a grammar needs its syntax and definition", f"{param}.format")
+        grammar = (escaped_lark(form.definition, where) if form.syntax == "lark"
+                   else f"start: {escaped_regex(form.definition, where)}")  # fmt: skip
+        note = f"\n\nThe input follows this {form.syntax} grammar:\n{form.definition}"
+    schema = {"type": "object", "properties": {"input": {"type": "string", "description": "The tool's input."}},
+              "required": ["input"], "additionalProperties": False}  # fmt: skip
+    description = (spec.description or "") + note
+    definition = FunctionDefinition(name=spec.name, description=description or None, parameters=schema)
+    offered.functions.append(Tool(type="function", function=definition))
+    offered.freeform[spec.name] = grammar
+
+
+def custom_arguments(text: str) -> str:
+    """A custom tool's input as the model writes its call: the arguments of a function of one string."""
+    return json.dumps({"input": text}, ensure_ascii=False)
+
+
+def custom_input(arguments: str) -> str:
+    """The input of a custom tool's call, from its arguments (``custom_arguments``); of a call cut short by
+    ``max_output_tokens``, as much of its input as was written."""
+    try:
+        value = json.loads(arguments)
+    except ValueError:
+        return _partial_input(arguments)
+    return value["input"] if isinstance(value, dict) and isinstance(value.get("input"), str) else arguments
+
+
+def _partial_input(arguments: str) -> str:
+    head = '{"input": "'
+    if not arguments.startswith(head):
+        return ""
+    written = arguments[len(head) :]
+    for cut in range(min(len(written), 6) + 1):  # an escape cut in two (at most ``\\uXXX``) is left out
+        try:
+            return json.loads('"' + written[: len(written) - cut] + '"')
+        except ValueError:
+            continue
+    return ""
+
+
 def _function_tool(tool: Any, param: str) -> Tool:
     kind = tool.get("type") if isinstance(tool, dict) else None
     if kind != "function":
@@ -328,13 +423,18 @@ def _function_tool(tool: Any, param: str) -> Tool:
     return Tool(type="function", function=FunctionDefinition(**definition))
 
 
-def _tool_calling(req: ResponsesBody, tools: list[Tool]) -> ToolCalling | None:
+def _tool_calling(req: ResponsesBody, offered: _Offered) -> ToolCalling | None:
     choice = req.tool_choice
     named = choice.name if isinstance(choice, NamedFunctionChoice) else None
+    if isinstance(choice, NamedFunctionChoice) and (choice.type == "custom") != (named in offered.freeform):
+        raise bad_request(f"tool_choice names {named}, which is not a {choice.type} tool", "tool_choice")
     mode = "named" if named is not None else choice
     parallel = req.parallel_tool_calls is not False
-    calling = tool_calling(tools, mode, named, parallel, lambda index: f"tools[{index}].name")
-    return None if calling is None else dataclasses.replace(calling, parameters_param=flat_parameters)
+    calling = tool_calling(offered.functions, mode, named, parallel, lambda index: f"tools[{index}].name")
+    if calling is None:
+        return None
+    grammars = {name: grammar for name, grammar in offered.freeform.items() if grammar}
+    return dataclasses.replace(calling, parameters_param=flat_parameters, freeform=grammars)
 
 
 def _response_format(text: TextConfig | None) -> ResponseFormat | None:
@@ -361,8 +461,9 @@ def conversation(items: list[InputItem]) -> list[Message]:
             messages.append(Message(role=item.role, content=item.text))
         elif isinstance(item, FunctionCallOutputItem):
             messages.append(Message(role="tool", content=item.text, tool_call_id=item.call_id))
-        elif isinstance(item, FunctionCallItem):
-            call = ToolCall(id=item.call_id, function=FunctionCall(name=item.qualified_name, arguments=item.arguments))
+        elif isinstance(item, FunctionCallItem | CustomCallItem):
+            name = item.qualified_name if isinstance(item, FunctionCallItem) else item.name
+            call = ToolCall(id=item.call_id, function=FunctionCall(name=name, arguments=item.arguments))
             last = messages[-1] if messages else None
             if last is not None and last.role == "assistant":
                 content = last.content if last.content != "" else None
@@ -381,8 +482,11 @@ def output_messages(output: list[dict[str, Any]]) -> list[Message]:
     text = "".join(part["text"] for item in output if item["type"] == "message" for part in item["content"])
     calls = [
         ToolCall(id=item["call_id"], function=FunctionCall(name=item["name"], arguments=item["arguments"]))
-        for item in output
         if item["type"] == "function_call"
+        else ToolCall(id=item["call_id"], function=FunctionCall(name=item["name"],
+                                                                arguments=custom_arguments(item["input"])))
+        for item in output
+        if item["type"] in ("function_call", "custom_tool_call")
     ]
     return [Message(role="assistant", content=text if text or not calls else None, tool_calls=calls or None)]
 
@@ -391,7 +495,7 @@ def item_texts(items: list[InputItem]) -> list[str]:
     """Every text an item carries, for the check that the input could fit the context at all."""
     texts = []
     for item in items:
-        texts.append(item.arguments if isinstance(item, FunctionCallItem) else item.text)
+        texts.append(item.arguments if isinstance(item, FunctionCallItem | CustomCallItem) else item.text)
     return texts
 
 
@@ -414,11 +518,14 @@ def stored_input_items(items: list[InputItem]) -> list[dict[str, Any]]:
         elif isinstance(item, FunctionCallItem):
             listed.append({"id": new_id("fc"), "type": "function_call", "call_id": item.call_id, "name": item.name,
                            "arguments": item.arguments, "status": "completed"})  # fmt: skip
+        elif isinstance(item, CustomCallItem):
+            listed.append({"id": new_id("ctc"), "type": "custom_tool_call", "call_id": item.call_id,
+                           "name": item.name, "input": item.input, "status": "completed"})  # fmt: skip
         elif isinstance(item, ReasoningItem):
             listed.append(reasoning_item(new_id("rs"), item.text, "completed"))
         else:
-            listed.append({"id": new_id("fco"), "type": "function_call_output", "call_id": item.call_id,
-                           "output": item.text, "status": "completed"})  # fmt: skip
+            listed.append({"id": new_id("fco"), "type": item.type, "call_id": item.call_id, "output": item.text,
+                           "status": "completed"})  # fmt: skip
     return listed
 
 
@@ -441,8 +548,13 @@ def reasoning_item(item_id: str, text: str, status: str, encrypted: bool = False
 
 
 def call_item(item_id: str, call_id: str, name: str, arguments: str, status: str,
-              namespaced: Mapping[str, tuple[str, str]] = MappingProxyType({})) -> dict[str, Any]:  # fmt: skip
-    """A ``function_call`` item; a namespace's function named as the client offered it, with its ``namespace``."""
+              namespaced: Mapping[str, tuple[str, str]] = MappingProxyType({}),
+              custom: frozenset[str] = frozenset()) -> dict[str, Any]:  # fmt: skip
+    """A ``function_call`` item; a namespace's function named as the client offered it, with its ``namespace``;
+    a custom tool's call a ``custom_tool_call`` item with its ``input``."""
+    if name in custom:
+        return {"id": item_id, "type": "custom_tool_call", "call_id": call_id, "name": name,
+                "input": custom_input(arguments), "status": status}  # fmt: skip
     item = {"id": item_id, "type": "function_call", "call_id": call_id, "name": name, "arguments": arguments,
             "status": status}  # fmt: skip
     if name in namespaced:

@@ -23,8 +23,8 @@ tools.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from app.openai.errors import bad_request
@@ -42,6 +42,9 @@ class ToolCalling:
     named: str | None = None  # the function a named choice calls
     #: Where tool i's parameters are in the request, for errors: chat nests them under ``function``.
     parameters_param: Callable[[int], str] = lambda index: f"tools[{index}].function.parameters"
+    #: Custom (freeform) tools' input grammars by tool name: the Lark grammar a call's ``input`` string holds to,
+    #: JSON-escaped (``app/tools/freeform.py``); a custom tool of free text has none.
+    freeform: Mapping[str, str] = field(default_factory=dict)
 
     @property
     def calls_allowed(self) -> bool:

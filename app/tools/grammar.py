@@ -41,14 +41,21 @@ def tool_grammar(calling: ToolCalling, syntax: ToolSyntax = DEFAULT) -> str:
     """The Lark grammar (llguidance's dialect) the reply must follow."""
     if not calling.calls_allowed:
         return "%llguidance {}\n" + no_calls(syntax)
-    bodies = [
-        f"fn_{i}: %json {json.dumps(call_schema(tool, syntax.arguments_key))}"
-        for i, tool in enumerate(calling.offered())
-    ]
+    bodies = [_body(i, tool, calling, syntax) for i, tool in enumerate(calling.offered())]
     parallel = calling.parallel and syntax.parallel and calling.choice in ("auto", "required")
     rules = [*_calls(syntax, parallel), *_start(calling.choice == "auto", syntax)]
     rules += ["body: " + " | ".join(f"fn_{i}" for i in range(len(bodies))), *bodies]
     return "%llguidance {}\n" + "\n".join(rules) + "\n"
+
+
+def _body(index: int, tool: Tool, calling: ToolCalling, syntax: ToolSyntax) -> str:
+    """Rule ``fn_<index>``: a call of ``tool``, as JSON of its schema; a custom tool's ``input`` string held to its
+    grammar (written as ``call_schema`` writes the call)."""
+    name = tool.function.name
+    if name not in calling.freeform:
+        return f"fn_{index}: %json {json.dumps(call_schema(tool, syntax.arguments_key))}"
+    head = json.dumps(f'{{"name": {json.dumps(name)}, "{syntax.arguments_key}": {{"input": "')
+    return f'fn_{index}: {head} input_{index} "\\"}}}}"\ninput_{index}: %lark {{\n{calling.freeform[name]}\n}}'
 
 
 def _calls(syntax: ToolSyntax, parallel: bool) -> list[str]:
