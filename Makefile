@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install serve serve-cluster test test-models soak lint bench clean
+.PHONY: install serve serve-cluster test test-models test-agents soak lint bench clean
 REPLICAS ?= 2
 
 install: $(STAMP)
@@ -33,10 +33,14 @@ test: install
 	$(VENV)/bin/ruff check .
 
 # The GGUF a user brings (../shared/tools/user-models.sh assembles it; LLAMA_SERVER=path compares token ids with
-# llama.cpp's server; CLAUDE_CODE=path of `claude` runs Claude Code against it, CODEX=path of `codex` Codex CLI).
-# Opt-in: a 491 MB download and a few minutes (each agent: a few more).
+# llama.cpp's server). Opt-in: a 491 MB download and a few minutes.
 test-models: install
-	USER_GGUF=$$(bash ../shared/tools/user-models.sh) LLAMA_SERVER=$${LLAMA_SERVER:-} CLAUDE_CODE=$${CLAUDE_CODE:-} CODEX=$${CODEX:-} HF_HUB_OFFLINE=1 $(PY) -m pytest -q -m user_model tests/test_user_model.py
+	USER_GGUF=$$(bash ../shared/tools/user-models.sh) LLAMA_SERVER=$${LLAMA_SERVER:-} HF_HUB_OFFLINE=1 $(PY) -m pytest -q -m user_model tests/test_user_model.py
+
+# The coding agents on that GGUF, each named by its binary (npm install @openai/codex @qwen-code/qwen-code
+# opencode-ai @anthropic-ai/claude-code): CODEX=, QWEN_CODE=, OPENCODE=, CLAUDE_CODE=. Opt-in: minutes each.
+test-agents: install
+	USER_GGUF=$$(bash ../shared/tools/user-models.sh) HF_HUB_OFFLINE=1 $(PY) -m pytest -q -m user_model tests/test_agents.py
 
 soak: install
 	HF_HUB_OFFLINE=1 $(PY) -m pytest -q -s -m soak compat/test_soak.py
