@@ -7,7 +7,7 @@ import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from engine.core import cpu, speculation
 from engine.core.batch_mode import PathTimes, choose
@@ -70,7 +70,7 @@ def _build_hf(config: EngineConfig, engine_thread: ThreadPoolExecutor) -> Served
     loaded = loader.load(config.model, config.dtype, blocks=serves_blocks(config))
     quantized = quantized_weights(loaded, config.quantization)
     times = probe_paths(loaded, quantized, config)
-    mode = choose(config.batch_invariant, times, config.max_batch_size)
+    mode = choose(config.batch_invariant, times, config.max_batch_size, blocks_only=_has_experts(loaded.model))
     log.info("%s", mode.describe())
     drafts = speculation.choose(config.speculative, times, mode.invariant, config.max_num_batched_tokens)
     log.info("speculative decoding: %s", "none" if drafts is None else drafts.describe())
@@ -181,11 +181,22 @@ def probe_paths(
     model = loaded.model
     if not (LlamaRunner.supports(model) and model.device.type == "cpu"):
         return None
+    if _has_experts(model):  # no dense twin of its experts to time: the blocks serve every step
+        log.info("mixture of experts: every step multiplies the experts' blocks (no dense copy to choose)")
+        return None
     if loaded.blocks:  # the probe times the dense path on the first layer's and the output layer's values
         gguf_model.densify(model, loaded.blocks, [n for n in loaded.blocks if n.startswith(PROBED)])
     times = probe(model, quantized, config.max_batch_size)
     log.info("%s", times.describe())
     return times
+
+
+def _has_experts(model: Any) -> bool:
+    """A mixture-of-experts model of the lean runner (``Architecture.experts``)."""
+    from engine.core.architectures import by_model_type
+
+    arch = by_model_type(model.config.model_type)
+    return arch is not None and arch.experts
 
 
 def build_encoder(spec: str) -> Encoder | None:

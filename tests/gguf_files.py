@@ -22,17 +22,21 @@ from transformers import (
     Qwen2ForCausalLM,
     Qwen3Config,
     Qwen3ForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
 )  # fmt: skip
 
 _MODELS = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM),
            "qwen3": (Qwen3Config, Qwen3ForCausalLM), "gemma3": (Gemma3TextConfig, Gemma3ForCausalLM),
-           "phi3": (Phi3Config, Phi3ForCausalLM)}  # fmt: skip
+           "phi3": (Phi3Config, Phi3ForCausalLM), "qwen3moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM)}  # fmt: skip
 _LAYER = {
     "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
     "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
     "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
-    "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
+    "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm", "mlp.gate": "ffn_gate_inp",
 }  # fmt: skip
+#: A mixture of experts in the tiny models: 8 experts of 64 rows, 2 a row (Qwen3-30B-A3B: 128 of 768, 8 a row).
+TINY_EXPERTS = {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 64, "norm_topk_prob": True}
 #: Gemma 3's four norms a layer, as its converter names them.
 _GEMMA_LAYER = {**_LAYER, "post_attention_layernorm": "post_attention_norm", "pre_feedforward_layernorm": "ffn_norm",
                 "post_feedforward_layernorm": "post_ffw_norm"}  # fmt: skip
@@ -54,7 +58,9 @@ def tiny_model(arch: str, vocab: int, seed: int = 0, long_rope: bool = False, po
     ``long_rope``: the architecture's long-context RoPE (llama: Llama 3.1's, phi3: LongRoPE), over 64 positions;
     ``positions``: its context length."""
     config_class, model_class = _MODELS[arch]
-    extra: dict = {"head_dim": 48} if arch == "qwen3" else {}  # not hidden / heads: the file's key_length is read
+    extra: dict = {"head_dim": 48} if arch in ("qwen3", "qwen3moe") else {}  # the file's key_length is read
+    if arch == "qwen3moe":
+        extra.update(TINY_EXPERTS)
     extra["rope_parameters"] = LLAMA3_ROPE if long_rope else {"rope_type": "default", "rope_theta": 1e6}
     extra.update(num_hidden_layers=2, tie_word_embeddings=False)
     if arch == "phi3":
@@ -126,33 +132,49 @@ def write_gguf(
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     writer.add_key_length(head_dim)
     writer.add_value_length(head_dim)
+    if arch == "qwen3moe":
+        writer.add_expert_count(config.num_experts)
+        writer.add_expert_used_count(config.num_experts_per_tok)
+        writer.add_expert_feed_forward_length(config.moe_intermediate_size)
     writer.add_file_type(1)
     _copy_tokenizer(GGUFReader(tokenizer_from), writer, renamed or {}, template)
     with torch.no_grad():
         for name, parameter in model.named_parameters():
-            gguf_name = _gguf_name(name, arch)
-            values = parameter.detach().float().numpy()
-            if arch == "gemma3" and gguf_name.endswith("norm.weight"):  # Gemma multiplies by 1 + w: the file holds it
-                values = values + np.float32(1.0)
-            kind = gguf_name.split(".")[-2] if gguf_name.startswith("blk.") else gguf_name.split(".")[0]
-            qtype = types.get(kind, GGMLQuantizationType.F32) if values.ndim == 2 else GGMLQuantizationType.F32
-            if arch == "llama" and kind in ("attn_q", "attn_k"):
-                heads = config.num_attention_heads if kind == "attn_q" else config.num_key_value_heads
-                values = _permute(values, heads)
-            if qtype == GGMLQuantizationType.F32:
-                writer.add_tensor(gguf_name, values)
-                continue
-            raw = quantize(values, qtype)
-            writer.add_tensor(gguf_name, raw, raw_dtype=qtype)
-            restored = dequantize(raw, qtype)
-            if arch == "llama" and kind in ("attn_q", "attn_k"):
-                restored = _unpermute(restored, heads)
-            parameter.copy_(torch.from_numpy(np.ascontiguousarray(restored)))
+            for gguf_name, values, target in _tensors(name, parameter, arch):
+                if arch == "gemma3" and gguf_name.endswith("norm.weight"):  # Gemma multiplies by 1 + w: the file too
+                    values = values + np.float32(1.0)
+                kind = gguf_name.split(".")[-2] if gguf_name.startswith("blk.") else gguf_name.split(".")[0]
+                qtype = types.get(kind, GGMLQuantizationType.F32) if values.ndim >= 2 else GGMLQuantizationType.F32
+                if arch == "llama" and kind in ("attn_q", "attn_k"):
+                    heads = config.num_attention_heads if kind == "attn_q" else config.num_key_value_heads
+                    values = _permute(values, heads)
+                if qtype == GGMLQuantizationType.F32:
+                    writer.add_tensor(gguf_name, values)
+                    continue
+                raw = quantize(values, qtype)
+                writer.add_tensor(gguf_name, raw, raw_dtype=qtype)
+                restored = dequantize(raw, qtype)
+                if arch == "llama" and kind in ("attn_q", "attn_k"):
+                    restored = _unpermute(restored, heads)
+                target.copy_(torch.from_numpy(np.ascontiguousarray(restored)))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
     return model
+
+
+def _tensors(name: str, parameter: torch.Tensor, arch: str) -> list[tuple[str, np.ndarray, torch.Tensor]]:
+    """The file's tensors of one parameter, each with the part of the parameter it restores: one, or the gate's and
+    the up's halves of a mixture's experts (``mlp.experts.gate_up_proj``, as the converter splits it)."""
+    layer = name.split(".")[2] if name.startswith("model.layers.") else ""
+    if name.endswith("mlp.experts.gate_up_proj"):
+        gate, up = parameter.data.chunk(2, dim=1)
+        return [(f"blk.{layer}.ffn_{kind}_exps.weight", half.float().numpy().copy(), half)
+                for kind, half in (("gate", gate), ("up", up))]  # fmt: skip
+    if name.endswith("mlp.experts.down_proj"):
+        return [(f"blk.{layer}.ffn_down_exps.weight", parameter.detach().float().numpy(), parameter.data)]
+    return [(_gguf_name(name, arch), parameter.detach().float().numpy(), parameter.data)]
 
 
 def _gguf_name(name: str, arch: str) -> str:
@@ -227,11 +249,13 @@ def save_checkpoint(
     hidden: int = 128,
     layers: int = 6,
     dtype: torch.dtype = torch.float32,
+    std: float = 0.05,
     **shape: int,
 ) -> PreTrainedModel:
     """A model of ``arch`` with random weights (``hidden`` wide, ``layers`` deep; Gemma 3 1B's window and pattern,
     Phi-3-mini-4k's window) and the bundled model's tokenizer, saved in ``directory`` as a HuggingFace checkpoint
-    that llama.cpp's ``convert_hf_to_gguf.py`` converts. Returned."""
+    that llama.cpp's ``convert_hf_to_gguf.py`` converts; matrices of ``std`` (larger: peaked next-token
+    distributions, whose greedy tokens rounding does not flip). Returned."""
     import json
 
     from transformers import AutoTokenizer
@@ -258,7 +282,7 @@ def save_checkpoint(
             if "norm" in name:
                 parameter.uniform_(-0.2, 0.2).add_(0.0 if arch == "gemma3" else 1.0)
             else:
-                parameter.normal_(0, 0.05)
+                parameter.normal_(0, std)
     model.save_pretrained(directory)
     tokenizer.save_pretrained(directory)
     # The class the converter loads the vocabulary with: phi3's reads a BPE one only under GPT2Tokenizer's name;

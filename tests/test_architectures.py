@@ -27,7 +27,12 @@ MIXED = {
     "token_embd": T.Q5_0,
     "output": T.Q8_0,
     "attn_qkv": T.Q5_0,
-}  # fmt: skip  (phi3: fused q, k and v)
+    "ffn_gate_exps": T.Q4_0,
+    "ffn_up_exps": T.Q4_0,
+    "ffn_down_exps": T.Q4_1,
+}  # fmt: skip  (phi3: fused q, k and v; qwen3moe: each expert's matrices, the router F32 as llama.cpp keeps it)
+#: The architectures of dense MLPs (the start-up probe's and the one-call layer's).
+DENSE = [arch for arch, row in ARCHITECTURES.items() if not row.experts]
 TEXT = "The quick brown fox jumps over the lazy dog. def add(a, b):\n    return a + b\n Ünïcödé ✓ 日本語 🙂"
 
 
@@ -95,7 +100,9 @@ def test_a_tiny_gguf_scores_text_as_transformers_does(arch: str, mix: str, serve
         # gemma3: six layers, each block's output normalized (the activations' rounding scaled up with it): mean
         # 0.11-0.15, largest 0.43-0.73, as much with Q8_0 weights as with this mix (two prompts measured); its
         # window ignored or one RoPE base for both kinds of layer: means of 1.3 and 0.9
-        mean, largest = (0.3, 1.5) if arch == "gemma3" else (0.03, 0.1)
+        # qwen3moe: the rounding also flips a near tie of the router's top 2 at a few positions (another expert's
+        # output): mean 0.043-0.046, largest 0.42-0.78 over two seeds (Q8_0 weights: 0.012-0.013, 0.03-0.06)
+        mean, largest = (0.3, 1.5) if arch == "gemma3" else (0.06, 1.2) if arch == "qwen3moe" else (0.03, 0.1)
         assert (got - want).abs().mean() < mean and (got - want).abs().max() < largest
 
 
@@ -127,7 +134,7 @@ def test_long_context_rope_is_read_from_the_file_s_frequency_factors(
     torch.testing.assert_close(got, want, atol=2e-4, rtol=0)
 
 
-@pytest.mark.parametrize("arch", list(ARCHITECTURES))
+@pytest.mark.parametrize("arch", DENSE)
 def test_the_start_up_probe_times_both_paths_of_every_architecture(arch: str, served) -> None:
     """What `make serve` runs before serving: both paths' products of the first layer (the output projection takes
     the heads side by side: wider than the hidden size for qwen3, whose probe first fed it the hidden size)."""
@@ -155,7 +162,7 @@ def test_greedy_output_is_the_same_alone_and_in_a_batch(arch: str, served) -> No
         assert run_outputs(alone, [(0, request)])[0] == together[index]
 
 
-@pytest.mark.parametrize("arch", list(ARCHITECTURES))
+@pytest.mark.parametrize("arch", DENSE)
 def test_each_layer_in_one_native_call_is_bitwise_the_op_by_op_path(arch: str, served) -> None:
     """``csrc/llama_layer.cpp`` does what each architecture adds (biases, head norms, output norms, GELU, a sliding
     window) with the ops the Python runner calls, in the same order."""
@@ -212,7 +219,8 @@ def test_an_architecture_not_served_natively_is_refused_naming_those_that_are(
     from engine.core.architectures import NotServedNatively
 
     renamed = other_architecture(tokenizer_file, tmp_path)
-    with pytest.raises(NotServedNatively, match=r"'xllam' is not served natively .*llama, qwen2, qwen3, phi3, gemma3"):
+    served = "llama, qwen2, qwen3, qwen3moe, phi3, gemma3"
+    with pytest.raises(NotServedNatively, match=rf"'xllam' is not served natively .*{served}"):
         load(renamed, tmp_path / "cache")
 
 

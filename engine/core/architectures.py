@@ -34,6 +34,10 @@ class Architecture:
     #: Sliding-window layers (``<arch>.attention.sliding_window`` positions, their own RoPE base) among global ones,
     #: by ``<arch>.attention.sliding_window_pattern`` (this default when absent: every n-th layer is global).
     sliding_window_pattern: int = 0
+    #: The MLP is a mixture of experts: a router (``ffn_gate_inp``) picks ``expert_used_count`` of ``expert_count``
+    #: gated MLPs for each row (softmax over all, the top k, their weights renormalized to sum to 1), stored as 3-D
+    #: tensors (``ffn_gate_exps``, ``ffn_up_exps``, ``ffn_down_exps``), each expert's matrix in its own blocks.
+    experts: bool = False
 
 
 ARCHITECTURES = {
@@ -42,6 +46,7 @@ ARCHITECTURES = {
         Architecture("llama", "llama", permuted_qk=True),  # Llama 2/3.x, SmolLM, Mistral-style files
         Architecture("qwen2", "qwen2", qkv_bias=True),  # Qwen2, Qwen2.5 (Coder), tied or separate output
         Architecture("qwen3", "qwen3", qk_norm=True),  # Qwen3 dense
+        Architecture("qwen3moe", "qwen3_moe", qk_norm=True, experts=True),  # Qwen3-30B-A3B, Qwen3-Coder-30B-A3B
         Architecture("phi3", "phi3", fused_projections=True),  # Phi-3, Phi-3.5 mini (LongRoPE from the file)
         # Gemma 3 (text): 5 local layers of 512-1024 positions for each global one
         Architecture(

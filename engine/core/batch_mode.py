@@ -85,11 +85,14 @@ def crossover(times: PathTimes) -> int | None:
     return start
 
 
-def choose(requested: str, times: PathTimes | None, batch_size: int) -> BatchMode:
+def choose(requested: str, times: PathTimes | None, batch_size: int, blocks_only: bool = False) -> BatchMode:
     """The mode for ``--batch-invariant requested``, given the probe's ``times`` (None: nothing to choose between,
-    e.g. a model the lean runner does not run, whose products are transformers' own)."""
+    e.g. a model the lean runner does not run, whose products are transformers' own). ``blocks_only``: the lean
+    runner multiplies the blocks at every row count (a mixture of experts: no dense twin), invariant unless off."""
     if requested not in ("on", "off", "auto"):
         raise ValueError(f"--batch-invariant must be on, off or auto, not {requested!r}")
+    if times is None and blocks_only:
+        return BatchMode(requested, requested != "off", None, None, batch_size)
     if times is None:
         if requested == "on":
             raise ValueError("--batch-invariant on needs a llama-architecture model on the CPU (the lean runner)")

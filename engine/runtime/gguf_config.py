@@ -39,6 +39,8 @@ _FIELDS = {
     "attention.head_count": "num_attention_heads", "attention.head_count_kv": "num_key_value_heads",
     "context_length": "max_position_embeddings", "attention.layer_norm_rms_epsilon": "rms_norm_eps",
     "attention.key_length": "head_dim",  # Qwen3's heads are not hidden / heads wide
+    "expert_count": "num_experts", "expert_used_count": "num_experts_per_tok",
+    "expert_feed_forward_length": "moe_intermediate_size",
 }  # fmt: skip
 #: ... and from its tokenizer's keys.
 _TOKENS = {
@@ -73,6 +75,8 @@ def config_of(reader: GGUFFile) -> PretrainedConfig:
         values["rope_parameters"] = rope
     if arch == "phi3":
         values.update(_phi3(reader, rope, values))
+    if ARCHITECTURES[arch].experts:  # llama.cpp renormalizes the chosen experts' weights (Qwen3-30B-A3B's config)
+        values.update(norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[])
     return AutoConfig.for_model(ARCHITECTURES[arch].model_type, **values)
 
 

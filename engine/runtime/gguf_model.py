@@ -20,8 +20,15 @@ from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
 from engine.core.architectures import ARCHITECTURES, Architecture, NotServedNatively
 from engine.runtime.gguf_file import GGUFFile
-from engine.runtime.gguf_weights import architecture, hf_name, permuted_qk, read, unpermute_rows
-from engine.runtime.quantized_weights import QuantizedWeight
+from engine.runtime.gguf_weights import (
+    EXPERT_PROJECTIONS,
+    architecture,
+    hf_name,
+    permuted_qk,
+    read,
+    unpermute_rows,
+)
+from engine.runtime.quantized_weights import SUPPORTED, QuantizedWeight
 
 _NORMS = {
     "attn_norm": "input_layernorm",
@@ -60,9 +67,11 @@ def build(
     _rope_factors(model, reader)
     quantized = read(reader, config.num_attention_heads, config.num_key_value_heads)
     parameters = dict(model.named_parameters(remove_duplicate=False))
-    written = set(quantized)
+    written = set(quantized) | _experts_in_blocks(quantized)
     for name, values in _dense_tensors(reader, config, written):
-        parameters[name].data.copy_(values.to(dtype))
+        name, _, part = name.partition(":")  # an expert tensor: its part of transformers' 3-D parameter
+        target = parameters[name].data if not part else parameters[name].data.chunk(2, dim=1)[int(part)]
+        target.copy_(values.to(dtype))
         written.add(name)
     if config.tie_word_embeddings and "model.embed_tokens.weight" in written:
         written.add("lm_head.weight")
@@ -71,6 +80,18 @@ def build(
         raise NotServedNatively(f"this {architecture(reader)} file has no tensor for {', '.join(missing[:4])}")
     model.eval()
     return model, quantized
+
+
+def _experts_in_blocks(quantized: dict[str, QuantizedWeight]) -> set[str]:
+    """transformers' 3-D expert parameters whose experts' matrices are all in blocks (``gguf_weights.expert_name``):
+    ``model.layers.N.mlp.experts.gate_up_proj`` (gate and up) and ``down_proj``."""
+    covered = set()
+    for name in quantized:
+        parts = name.split(".")
+        if len(parts) == 8 and parts[3:5] == ["mlp", "experts"]:
+            fused = "down_proj" if parts[6] == "down_proj" else "gate_up_proj"
+            covered.add(".".join([*parts[:5], fused]))
+    return covered
 
 
 def _rope_factors(model: PreTrainedModel, reader: GGUFFile) -> None:
@@ -93,7 +114,7 @@ def densify(model: PreTrainedModel, quantized: dict[str, QuantizedWeight], names
     done: set[int] = set()  # a tied output layer is the embedding's matrix: dequantized once
     for name in quantized if names is None else names:
         weight = quantized[name]
-        if id(weight) in done:
+        if id(weight) in done or name not in parameters:  # an expert's matrix: read from its blocks only
             continue
         done.add(id(weight))
         rows = torch.arange(weight.out_features)
@@ -108,6 +129,9 @@ def _dense_tensors(reader: GGUFFile, config: PretrainedConfig, skip: set[str]) -
     permuted = permuted_qk(reader)
     arch = ARCHITECTURES[architecture(reader)]
     for tensor in reader.tensors:
+        kind = tensor.name.split(".")[2] if tensor.name.startswith("blk.") else ""
+        if kind in EXPERT_PROJECTIONS and tensor.tensor_type.name in SUPPORTED:
+            continue  # in blocks (``gguf_weights.read``)
         name = _name(tensor.name, arch)
         if name is None and tensor.name not in _READ_ELSEWHERE:
             raise NotServedNatively(f"this {arch.gguf} file's tensor {tensor.name} is not read by the native path")
@@ -123,10 +147,16 @@ def _dense_tensors(reader: GGUFFile, config: PretrainedConfig, skip: set[str]) -
         yield name, torch.from_numpy(np.array(values, copy=True, order="C"))
 
 
+#: A dense expert tensor's place in transformers' 3-D parameters: ``name:part`` (the gate's half, the up's).
+_DENSE_EXPERTS = {"ffn_gate_exps": "gate_up_proj:0", "ffn_up_exps": "gate_up_proj:1", "ffn_down_exps": "down_proj"}
+
+
 def _name(gguf_name: str, arch: Architecture) -> str | None:
     if gguf_name == "output_norm.weight":
         return "model.norm.weight"
     parts = gguf_name.split(".")
+    if len(parts) == 4 and parts[2] in _DENSE_EXPERTS:
+        return f"model.layers.{parts[1]}.mlp.experts.{_DENSE_EXPERTS[parts[2]]}"
     norms = _OUTPUT_NORMS if arch.output_norms else _NORMS
     if len(parts) == 4 and parts[0] == "blk" and parts[2] in norms:
         return f"model.layers.{parts[1]}.{norms[parts[2]]}.weight"

@@ -29,9 +29,12 @@ _LAYER_NAMES = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    "ffn_gate_inp": "mlp.gate",  # a mixture of experts' router
 }
 #: ... in an architecture that stores them fused (``Architecture.fused_projections``).
 _FUSED_NAMES = {**_LAYER_NAMES, "attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}
+#: A mixture of experts' matrices (3-D: one matrix an expert, ``expert_name``).
+EXPERT_PROJECTIONS = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
 
 
 def read(path: Path | GGUFFile, num_heads: int, num_kv_heads: int) -> dict[str, QuantizedWeight]:
@@ -46,6 +49,9 @@ def read(path: Path | GGUFFile, num_heads: int, num_kv_heads: int) -> dict[str, 
     weights: dict[str, QuantizedWeight] = {}
     for tensor in reader.tensors:
         qtype = SUPPORTED.get(tensor.tensor_type.name)
+        if qtype is not None and tensor.name.split(".")[2:3] and tensor.name.split(".")[2] in EXPERT_PROJECTIONS:
+            weights.update(_experts(tensor.name, np.asarray(tensor.data), qtype, int(tensor.shape[0])))
+            continue
         name = hf_name(tensor.name, fused)
         if qtype is None or name is None:
             continue
@@ -57,6 +63,24 @@ def read(path: Path | GGUFFile, num_heads: int, num_kv_heads: int) -> dict[str, 
     if "lm_head.weight" not in weights and "model.embed_tokens.weight" in weights:
         weights["lm_head.weight"] = weights["model.embed_tokens.weight"]
     return weights
+
+
+def expert_name(layer: int | str, expert: int, projection: str) -> str:
+    """The name an expert's matrix goes by among the quantized ones (transformers holds an MoE layer's experts as
+    two 3-D parameters, ``mlp.experts.gate_up_proj`` and ``down_proj``)."""
+    return f"model.layers.{layer}.mlp.experts.{expert}.{projection}.weight"
+
+
+def _experts(name: str, blocks: np.ndarray, qtype: int, in_features: int) -> dict[str, QuantizedWeight]:
+    """A 3-D expert tensor's matrices, one an expert (``[experts, out, bytes per row]``: each expert's rows of
+    blocks lie together in the file)."""
+    _, layer, kind, _ = name.split(".")
+    return {
+        expert_name(layer, expert, EXPERT_PROJECTIONS[kind]): QuantizedWeight(
+            torch.from_numpy(np.array(blocks[expert], copy=True, order="C")), qtype, in_features
+        )
+        for expert in range(blocks.shape[0])
+    }
 
 
 def architecture(reader: GGUFFile) -> str:

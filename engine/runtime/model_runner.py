@@ -127,14 +127,28 @@ DENSE_TILE = 16
 _PACK_ROWS_HINT = 32
 
 
+Weight = torch.Tensor | PackedWeight | PackedParts
+
+
+@dataclass(slots=True)
+class _Experts:
+    """A mixture of experts in place of the MLP (``Architecture.experts``): the router and each expert's gated MLP."""
+
+    router: Weight  # [experts, hidden]
+    gate_up: list[Weight]  # an expert's gate and up rows stacked: [2 * intermediate, hidden]
+    down: list[Weight]  # [hidden, intermediate]
+    top_k: int
+    renormalize: bool  # the chosen experts' weights scaled to sum to 1
+
+
 @dataclass(slots=True)
 class _LlamaLayer:
     input_norm: torch.Tensor
-    qkv: torch.Tensor | PackedWeight | PackedParts  # q, k, v stacked: [(heads + 2 * kv_heads) * dim, hidden]
+    qkv: Weight  # q, k, v stacked: [(heads + 2 * kv_heads) * dim, hidden]
     o: torch.Tensor | PackedWeight
     post_norm: torch.Tensor
-    gate_up: torch.Tensor | PackedWeight | PackedParts  # [2 * intermediate, hidden]
-    down: torch.Tensor | PackedWeight
+    gate_up: Weight | None  # [2 * intermediate, hidden]; None in a mixture of experts
+    down: torch.Tensor | PackedWeight | None
     qkv_bias: torch.Tensor | None = None  # q, k and v's biases stacked (qwen2)
     q_norm: torch.Tensor | None = None  # each query head's RMSNorm weights (qwen3, gemma3)
     k_norm: torch.Tensor | None = None
@@ -143,6 +157,7 @@ class _LlamaLayer:
     gelu: bool = False  # the MLP's gate through GELU (tanh), not SiLU (gemma3)
     window: int = 0  # a sliding-window layer: each row attends its last `window` positions (0: all)
     rope: str | None = None  # which RoPE table the layer rotates by (gemma3's local and global layers differ)
+    experts: _Experts | None = None  # the MLP's place taken by a mixture of experts
 
     def extras(self) -> dict[str, torch.Tensor | int | bool | None]:
         """What an architecture adds to a llama layer, as ``llama_layer``'s keyword arguments."""
@@ -282,6 +297,7 @@ class LlamaRunner:
             return None if module is None else _norm_weight(module.weight, arch.norm_offset)
 
         sandwich = arch.output_norms  # Gemma 3 names the norm of the attention's output "post attention"
+        experts, gate_up, down = None, None, None
         if arch.fused_projections:  # the model holds them fused already (Phi-3)
             qkv = fused(["self_attn.qkv_proj"], [attn.qkv_proj])
             gate_up = fused(["mlp.gate_up_proj"], [mlp.gate_up_proj])
@@ -289,14 +305,19 @@ class LlamaRunner:
             qkv = fused(
                 ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"], [attn.q_proj, attn.k_proj, attn.v_proj]
             )
+        if arch.experts:
+            experts = _experts(mlp, prefix, quantized, fused(["mlp.gate"], [mlp.gate]))
+        elif not arch.fused_projections:
             gate_up = fused(["mlp.gate_proj", "mlp.up_proj"], [mlp.gate_proj, mlp.up_proj])
+        if not arch.experts:
+            down = fused(["mlp.down_proj"], [mlp.down_proj])
         return _LlamaLayer(
             norm(layer.input_layernorm),  # type: ignore[arg-type]
             qkv,
             fused(["self_attn.o_proj"], [attn.o_proj]),
             norm(layer.pre_feedforward_layernorm if sandwich else layer.post_attention_layernorm),  # type: ignore[arg-type]
             gate_up,
-            fused(["mlp.down_proj"], [mlp.down_proj]),
+            down,
             torch.cat([attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias]).detach() if arch.qkv_bias else None,
             norm(attn.q_norm) if arch.qk_norm else None,
             norm(attn.k_norm) if arch.qk_norm else None,
@@ -305,6 +326,7 @@ class LlamaRunner:
             arch.activation != "silu",
             _window(attn.config, attn.layer_idx),
             attn.config.layer_types[attn.layer_idx] if arch.sliding_window_pattern else None,
+            experts,
         )
 
     def forward(
@@ -365,9 +387,49 @@ class LlamaRunner:
         attended = attend(batch, index, q, k, v, self.scale, layer.window)
         output = linear(attended.reshape(hidden.shape[0], -1), layer.o, tile)
         hidden, normed = self._add_norm(hidden, output, layer.post_norm, self.eps, layer.attn_out_norm)
-        gate_up = linear(normed, layer.gate_up, tile)
-        output = linear(self._gelu_mul(gate_up) if layer.gelu else self._silu_mul(gate_up), layer.down, tile)
+        if layer.experts is not None:
+            output = self._mixture(normed, layer.experts)
+        else:
+            assert layer.gate_up is not None and layer.down is not None
+            gate_up = linear(normed, layer.gate_up, tile)
+            output = linear(self._gelu_mul(gate_up) if layer.gelu else self._silu_mul(gate_up), layer.down, tile)
         return self._add_norm(hidden, output, next_norm, self.eps, layer.ffn_out_norm)
+
+    def _mixture(self, x: torch.Tensor, experts: _Experts) -> torch.Tensor:
+        """Each row through its top-k experts, their outputs weighted and summed as transformers sums them: expert
+        by expert in ascending order, an expert's rows read its weights once. A row's sum has that order and each
+        expert's product of it is the same whatever rows share the step: the mixture is batch invariant."""
+        probs = torch.softmax(linear(x, experts.router, self.tile).float(), dim=-1)
+        weights, chosen = torch.topk(probs, experts.top_k, dim=-1)
+        if experts.renormalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        weights = weights.to(x.dtype)
+        output = torch.zeros_like(x)
+        for expert in torch.unique(chosen).tolist():  # sorted
+            rows, slot = torch.where(chosen == expert)
+            gate_up = linear(x[rows], experts.gate_up[expert], self.tile)
+            product = linear(self._silu_mul(gate_up), experts.down[expert], self.tile)
+            output.index_add_(0, rows, product * weights[rows, slot, None])
+        return output
+
+
+def _experts(mlp: torch.nn.Module, prefix: str, quantized: dict[str, QuantizedWeight], router: Weight) -> _Experts:
+    """A mixture of experts' weights: each expert's in its blocks where the file holds them so
+    (``gguf_weights.expert_name``), else its slices of transformers' 3-D parameters."""
+    count = mlp.experts.gate_up_proj.shape[0]
+    gate_up: list[Weight] = []
+    down: list[Weight] = []
+    for expert in range(count):
+        names = [f"{prefix}mlp.experts.{expert}.{part}.weight" for part in ("gate_proj", "up_proj", "down_proj")]
+        gate, up, down_blocks = (quantized.get(name) for name in names)
+        if gate is not None and up is not None:
+            stacked = QuantizedWeight.stack([gate, up])
+            gate_up.append(stacked.pack() if stacked is not None else PackedParts((gate.pack(), up.pack())))
+        else:
+            gate_up.append(prepack(mlp.experts.gate_up_proj[expert]))
+        down.append(down_blocks.pack() if down_blocks is not None else prepack(mlp.experts.down_proj[expert]))
+    gate = mlp.gate
+    return _Experts(router, gate_up, down, gate.top_k, bool(gate.norm_topk_prob))
 
 
 def _add_norm(
