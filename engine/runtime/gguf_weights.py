@@ -9,6 +9,7 @@ transformers does when it dequantizes the file, so a quantized matrix and the de
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -59,7 +60,7 @@ def read(path: Path | GGUFFile, num_heads: int, num_kv_heads: int) -> dict[str, 
         if permuted and (".attn_q." in tensor.name or ".attn_k." in tensor.name):
             rows = unpermute_rows(rows, num_heads if ".attn_q." in tensor.name else num_kv_heads)
         in_features = int(tensor.shape[0])  # GGUF lists dimensions innermost first
-        weights[name] = QuantizedWeight(torch.from_numpy(np.array(rows, copy=True, order="C")), qtype, in_features)
+        weights[name] = QuantizedWeight(_mapped(rows), qtype, in_features)
     if "lm_head.weight" not in weights and "model.embed_tokens.weight" in weights:
         weights["lm_head.weight"] = weights["model.embed_tokens.weight"]
     return weights
@@ -76,11 +77,20 @@ def _experts(name: str, blocks: np.ndarray, qtype: int, in_features: int) -> dic
     blocks lie together in the file)."""
     _, layer, kind, _ = name.split(".")
     return {
-        expert_name(layer, expert, EXPERT_PROJECTIONS[kind]): QuantizedWeight(
-            torch.from_numpy(np.array(blocks[expert], copy=True, order="C")), qtype, in_features
-        )
+        expert_name(layer, expert, EXPERT_PROJECTIONS[kind]): QuantizedWeight(_mapped(blocks[expert]), qtype, in_features)
         for expert in range(blocks.shape[0])
     }
+
+
+def _mapped(rows: np.ndarray) -> torch.Tensor:
+    """``rows`` as a tensor without a copy where they are the file's own bytes (a view of its read-only memory map:
+    the kernels' packing reads them once, and the pages stay the page cache's, not the process's); a copy where
+    they are not contiguous."""
+    if not rows.flags.c_contiguous:
+        return torch.from_numpy(np.ascontiguousarray(rows))
+    with warnings.catch_warnings():  # read-only: nothing writes blocks; packing and dequantizing copy them
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        return torch.from_numpy(rows)
 
 
 def architecture(reader: GGUFFile) -> str:
