@@ -1,6 +1,7 @@
 """Coding agents' first requests, recorded from the agents themselves (``tests/fixtures/agents/``: Codex CLI 0.171's
-``codex exec`` over the Responses API, Qwen Code 0.24's ``qwen -p`` over chat completions), sent as they came: each
-is answered, not refused. Codex's ``namespace`` tool offers its functions to the model and a call comes back naming
+``codex exec`` over the Responses API, Qwen Code 0.24's ``qwen -p`` and OpenCode 1.18's ``opencode run`` over chat
+completions, Claude Code 2.1's ``claude -p`` over the Messages API; `make test-agents` with ``AGENT_FIXTURES`` writes
+them), sent as they came: each is answered, not refused. Codex's ``namespace`` tool offers its functions to the model and a call comes back naming
 its namespace; its hosted ``web_search`` is left out and named in a header; reasoning items carry
 ``encrypted_content`` when ``include`` asks and are taken back; Qwen Code's ``max_tokens`` of the whole context is
 clamped to what the prompt leaves."""
@@ -91,3 +92,29 @@ def test_qwen_code_s_whole_context_max_tokens_is_clamped(room: int) -> None:
     finish = [choice["finish_reason"] for chunk in chunks for choice in chunk["choices"] if choice["finish_reason"]]
     usage = chunks[-1]["usage"]
     assert finish == ["length"] and usage["prompt_tokens"] == tokens and usage["completion_tokens"] <= room
+
+
+#: Each API's field for the reply's budget, and how its stream ends.
+_BUDGET = {"/v1/chat/completions": "max_tokens", "/v1/messages": "max_tokens", "/v1/responses": "max_output_tokens"}
+_LAST = {"/v1/chat/completions": "[DONE]", "/v1/messages": "message_stop", "/v1/responses": "response.completed"}
+
+
+@pytest.mark.parametrize("agent", sorted(path.stem for path in FIXTURES.glob("*.json")))
+def test_each_agent_s_first_turn_is_answered_as_it_came(agent: str) -> None:
+    """Every recorded agent's turn (its system prompt, tools, and every field it sends), sent as it came over the
+    model's whole context but 64 tokens: a whole stream, its budget clamped to what the prompt leaves."""
+    fixture = recorded(agent)
+    path, body = fixture["path"], {**fixture["body"], "model": "fake"}
+    with fake_client(FakeEngine(max_model_len=1 << 17)) as probe:
+        whole = {key: value for key, value in body.items() if key != "stream_options"}
+        answer = probe.post(path, json={**whole, "stream": False, _BUDGET[path]: 1})
+        assert answer.status_code == 200, answer.text
+        usage = answer.json()["usage"]
+    prompt = usage.get("prompt_tokens") or usage["input_tokens"]
+    assert prompt > 1000  # its system prompt and tools
+    with fake_client(FakeEngine(max_model_len=prompt + 64)) as client, \
+            client.stream("POST", path, json={**body, "stream": True}) as response:  # fmt: skip
+        assert response.status_code == 200, response.read()
+        lines = [line for line in response.iter_lines() if line.startswith("data: ")]
+    last = lines[-1].removeprefix("data: ")
+    assert last == _LAST[path] or json.loads(last)["type"] in (_LAST[path], "response.incomplete")

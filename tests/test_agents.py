@@ -67,18 +67,20 @@ def results_sent_back(value: Any) -> set[str]:
     return found
 
 
-def run_tasks(proxy: RecordingProxy, run: Callable[[str], None], agent: str) -> None:
+def run_tasks(proxy: RecordingProxy, run: Callable[[str], None], agent: str,
+              task: str = "Run the shell command `ls` with your tool and tell me the file names.") -> None:  # fmt: skip
     """The one-word task, then the tool task; the server's side of each checked. With ``AGENT_FIXTURES`` naming a
-    folder, the agent's first request is written there as a fixture (``tests/fixtures/agents/``)."""
+    folder, the agent's first turn (its largest request) is written there as a fixture (``tests/fixtures/agents/``)."""
     run("Reply with the single word: hello")
     one = proxy.generations()
-    if os.environ.get("AGENT_FIXTURES") and one:
-        fixture = {"agent": agent, "path": one[0].path, "body": one[0].body}
+    if os.environ.get("AGENT_FIXTURES") and one:  # its turn: the largest request (a title's is small)
+        turn = max(one, key=lambda e: len(json.dumps(e.body)))
+        fixture = {"agent": agent, "path": turn.path, "body": turn.body}
         (Path(os.environ["AGENT_FIXTURES"]) / f"{agent}.json").write_text(json.dumps(fixture, indent=2) + "\n")
     assert one and all(e.status == 200 for e in one), [(e.path, e.status, e.text[:300]) for e in one]
     assert any(len(e.text) > 50 for e in one)
     start = len(proxy.exchanges)
-    run("Run the shell command `ls` with your tool and tell me the file names.")
+    run(task)
     task = [e for e in proxy.exchanges[start:] if e in proxy.generations()]
     assert task and all(e.status == 200 for e in task), [(e.path, e.status, e.text[:300]) for e in task]
     answered = {call for e in task for call in _CALL_ID.findall(e.text)}
@@ -152,4 +154,4 @@ def test_claude_code(server: str, tmp_path: Path) -> None:
                "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1", "DISABLE_TELEMETRY": "1",
                "CLAUDE_CODE_MAX_OUTPUT_TOKENS": "512"}  # fmt: skip
         run_tasks(proxy, lambda task: _run([claude, "-p", task, "--allowedTools", "Bash(ls:*)"], env, cwd),
-                  "claude-code")
+                  "claude-code", "Run the command ls with the Bash tool and tell me the file names.")
