@@ -15,6 +15,8 @@ from transformers import (
     Gemma3TextConfig,
     LlamaConfig,
     LlamaForCausalLM,
+    OlmoeConfig,
+    OlmoeForCausalLM,
     Phi3Config,
     Phi3ForCausalLM,
     PreTrainedModel,
@@ -28,7 +30,8 @@ from transformers import (
 
 _MODELS = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM),
            "qwen3": (Qwen3Config, Qwen3ForCausalLM), "gemma3": (Gemma3TextConfig, Gemma3ForCausalLM),
-           "phi3": (Phi3Config, Phi3ForCausalLM), "qwen3moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM)}  # fmt: skip
+           "phi3": (Phi3Config, Phi3ForCausalLM), "qwen3moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM),
+           "olmoe": (OlmoeConfig, OlmoeForCausalLM)}  # fmt: skip
 _LAYER = {
     "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
     "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
@@ -59,8 +62,8 @@ def tiny_model(arch: str, vocab: int, seed: int = 0, long_rope: bool = False, po
     ``positions``: its context length."""
     config_class, model_class = _MODELS[arch]
     extra: dict = {"head_dim": 48} if arch in ("qwen3", "qwen3moe") else {}  # the file's key_length is read
-    if arch == "qwen3moe":
-        extra.update(TINY_EXPERTS)
+    if arch in ("qwen3moe", "olmoe"):  # olmoe: the chosen experts' weights as they come (llama.cpp's graph)
+        extra.update(TINY_EXPERTS, norm_topk_prob=arch == "qwen3moe")
     extra["rope_parameters"] = LLAMA3_ROPE if long_rope else {"rope_type": "default", "rope_theta": 1e6}
     extra.update(num_hidden_layers=2, tie_word_embeddings=False)
     if arch == "phi3":
@@ -79,7 +82,8 @@ def tiny_model(arch: str, vocab: int, seed: int = 0, long_rope: bool = False, po
             rope_parameters={kind: {"rope_type": "default", "rope_theta": base} for kind, base in bases.items()},
         )  # fmt: skip
     config = config_class(
-        vocab_size=vocab, hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2,
+        vocab_size=vocab, hidden_size=128, intermediate_size=256, num_attention_heads=4,
+        num_key_value_heads=4 if arch == "olmoe" else 2,  # OLMoE's keys are as many as its queries (llama.cpp's too)
         max_position_embeddings=positions, rms_norm_eps=1e-6, **extra,
     )  # fmt: skip
     torch.manual_seed(seed)
@@ -132,7 +136,7 @@ def write_gguf(
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     writer.add_key_length(head_dim)
     writer.add_value_length(head_dim)
-    if arch == "qwen3moe":
+    if arch in ("qwen3moe", "olmoe"):
         writer.add_expert_count(config.num_experts)
         writer.add_expert_used_count(config.num_experts_per_tok)
         writer.add_expert_feed_forward_length(config.moe_intermediate_size)

@@ -1,10 +1,10 @@
 """Coding agents' first requests, recorded from the agents themselves (``tests/fixtures/agents/``: Codex CLI 0.171's
 ``codex exec`` over the Responses API, Qwen Code 0.24's ``qwen -p`` and OpenCode 1.18's ``opencode run`` over chat
 completions, Claude Code 2.1's ``claude -p`` over the Messages API; `make test-agents` with ``AGENT_FIXTURES`` writes
-them), sent as they came: each is answered, not refused. Codex's ``namespace`` tool offers its functions to the model and a call comes back naming
-its namespace; its hosted ``web_search`` is left out and named in a header; reasoning items carry
-``encrypted_content`` when ``include`` asks and are taken back; Qwen Code's ``max_tokens`` of the whole context is
-clamped to what the prompt leaves."""
+them), sent as they came: each is answered, not refused. Codex's ``namespace`` tool offers its functions to the
+model and a call comes back naming its namespace; its hosted ``web_search`` is left out and named in a header;
+reasoning items carry ``encrypted_content`` when ``include`` asks and are taken back; Qwen Code's ``max_tokens`` of
+the whole context is clamped to what the prompt leaves."""
 
 from __future__ import annotations
 

@@ -168,7 +168,7 @@ def test_a_sentencepiece_file_s_token_ids_are_llama_cpp_s(tmp_path: Path) -> Non
 
 # qwen2: transformers loads this checkpoint's vocabulary as Qwen2Tokenizer, whose own pre-tokenizer the converter
 # does not recognize; the Qwen GGUF above is that converter's own qwen2 file.
-@pytest.mark.parametrize("arch", ["llama", "qwen3", "phi3", "gemma3", "qwen3moe"])
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "phi3", "gemma3", "qwen3moe", "olmoe"])
 def test_a_file_from_llama_cpp_s_own_converter_scores_text_as_transformers_does(arch: str, tmp_path: Path) -> None:
     """The tiny files of ``tests/gguf_files.py`` are written as the converter writes them; this runs the converter
     itself (``convert_hf_to_gguf.py`` from the tree that built ``LLAMA_SERVER``) on a checkpoint of each
@@ -182,7 +182,8 @@ def test_a_file_from_llama_cpp_s_own_converter_scores_text_as_transformers_does(
     from gguf_files import convert, save_checkpoint
     from test_architectures import TEXT, load, reference, scored
 
-    model = save_checkpoint(arch, tmp_path / "checkpoint")
+    # OLMoE's converter writes an epsilon of 1e-5 whatever the checkpoint's (its models' own).
+    model = save_checkpoint(arch, tmp_path / "checkpoint", **({"rms_norm_eps": 1e-5} if arch == "olmoe" else {}))
     convert(tmp_path / "checkpoint", tmp_path / f"{arch}.gguf", Path(binary).resolve().parents[2])
     loaded = load(tmp_path / f"{arch}.gguf", tmp_path / "cache")
     prompt = tuple(loaded.tokenizer.encode(TEXT))
@@ -191,10 +192,13 @@ def test_a_file_from_llama_cpp_s_own_converter_scores_text_as_transformers_does(
 
 
 @pytest.mark.parametrize("outtype", ["f32", "q8_0"])
-def test_a_mixture_of_experts_answers_greedy_as_llama_cpp_s_server_does(outtype: str, tmp_path: Path) -> None:
-    """A qwen3moe checkpoint (8 experts, 2 a row) converted by llama.cpp's own converter (F32, and Q8_0 as it
-    quantizes): 24 greedy tokens from each of four prompts, from our server and from llama.cpp's on the same file,
-    the same tokens (Q8_0: llama.cpp's tokens and logprobs, ours to rounding). Needs ``LLAMA_SERVER``."""
+@pytest.mark.parametrize("arch", ["qwen3moe", "olmoe"])
+def test_a_mixture_of_experts_answers_greedy_as_llama_cpp_s_server_does(
+    arch: str, outtype: str, tmp_path: Path
+) -> None:
+    """A checkpoint of each mixture of experts (8 experts, 2 a row) converted by llama.cpp's own converter (F32, and
+    Q8_0 as it quantizes): 24 greedy tokens from each of four prompts, from our server and from llama.cpp's on the
+    same file, the same tokens (Q8_0: llama.cpp's tokens and logprobs, ours to rounding). Needs ``LLAMA_SERVER``."""
     import httpx
 
     binary = os.environ.get("LLAMA_SERVER")
@@ -209,7 +213,7 @@ def test_a_mixture_of_experts_answers_greedy_as_llama_cpp_s_server_does(outtype:
     from compat.conftest import start_server, stop_server
 
     # Peaked (std 0.1; the default 0.05 gives near-uniform next tokens, the top two 0.001 apart).
-    save_checkpoint("qwen3moe", tmp_path / "checkpoint", std=0.1)
+    save_checkpoint(arch, tmp_path / "checkpoint", std=0.1, **({"rms_norm_eps": 1e-5} if arch == "olmoe" else {}))
     gguf = tmp_path / f"moe-{outtype}.gguf"
     convert(tmp_path / "checkpoint", gguf, Path(binary).resolve().parents[2], outtype)
     ours, ours_base = start_server("--model", str(gguf), "--embedding-model", "none", "--kv-cache-gib", "0.5")

@@ -19,6 +19,8 @@ class Architecture:
     qkv_bias: bool = False
     #: Each query and key head is RMS-normalized (its own weights, over the head's dimension) before RoPE.
     qk_norm: bool = False
+    #: ... over the whole query and the whole key instead, all heads together (OLMoE).
+    qk_norm_whole: bool = False
     #: The attention's and the MLP's outputs are RMS-normalized before they join the residual stream (each with its
     #: own weights: the file's ``post_attention_norm`` and ``post_ffw_norm``; the MLP's input norm is ``ffn_norm``).
     output_norms: bool = False
@@ -35,9 +37,11 @@ class Architecture:
     #: by ``<arch>.attention.sliding_window_pattern`` (this default when absent: every n-th layer is global).
     sliding_window_pattern: int = 0
     #: The MLP is a mixture of experts: a router (``ffn_gate_inp``) picks ``expert_used_count`` of ``expert_count``
-    #: gated MLPs for each row (softmax over all, the top k, their weights renormalized to sum to 1), stored as 3-D
-    #: tensors (``ffn_gate_exps``, ``ffn_up_exps``, ``ffn_down_exps``), each expert's matrix in its own blocks.
+    #: gated MLPs for each row (softmax over all, the top k), stored as 3-D tensors (``ffn_gate_exps``,
+    #: ``ffn_up_exps``, ``ffn_down_exps``), each expert's matrix in its own blocks.
     experts: bool = False
+    #: The chosen experts' weights renormalized to sum to 1 (as llama.cpp's graph of the family does).
+    renormalized_experts: bool = False
 
 
 ARCHITECTURES = {
@@ -46,7 +50,8 @@ ARCHITECTURES = {
         Architecture("llama", "llama", permuted_qk=True),  # Llama 2/3.x, SmolLM, Mistral-style files
         Architecture("qwen2", "qwen2", qkv_bias=True),  # Qwen2, Qwen2.5 (Coder), tied or separate output
         Architecture("qwen3", "qwen3", qk_norm=True),  # Qwen3 dense
-        Architecture("qwen3moe", "qwen3_moe", qk_norm=True, experts=True),  # Qwen3-30B-A3B, Qwen3-Coder-30B-A3B
+        Architecture("qwen3moe", "qwen3_moe", qk_norm=True, experts=True, renormalized_experts=True),  # Qwen3-30B-A3B
+        Architecture("olmoe", "olmoe", qk_norm=True, qk_norm_whole=True, experts=True),  # OLMoE-1B-7B: 8 of 64
         Architecture("phi3", "phi3", fused_projections=True),  # Phi-3, Phi-3.5 mini (LongRoPE from the file)
         # Gemma 3 (text): 5 local layers of 512-1024 positions for each global one
         Architecture(

@@ -75,8 +75,9 @@ def config_of(reader: GGUFFile) -> PretrainedConfig:
         values["rope_parameters"] = rope
     if arch == "phi3":
         values.update(_phi3(reader, rope, values))
-    if ARCHITECTURES[arch].experts:  # llama.cpp renormalizes the chosen experts' weights (Qwen3-30B-A3B's config)
-        values.update(norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[])
+    if ARCHITECTURES[arch].experts:  # the chosen experts' weights as llama.cpp's graph of the family takes them
+        values.update(norm_topk_prob=ARCHITECTURES[arch].renormalized_experts, decoder_sparse_step=1,
+                      mlp_only_layers=[])  # fmt: skip
     return AutoConfig.for_model(ARCHITECTURES[arch].model_type, **values)
 
 

@@ -152,6 +152,7 @@ class _LlamaLayer:
     qkv_bias: torch.Tensor | None = None  # q, k and v's biases stacked (qwen2)
     q_norm: torch.Tensor | None = None  # each query head's RMSNorm weights (qwen3, gemma3)
     k_norm: torch.Tensor | None = None
+    qk_norm_whole: bool = False  # ... the whole query's and key's, all heads together (olmoe)
     attn_out_norm: torch.Tensor | None = None  # the attention's output normalized before the residual add (gemma3)
     ffn_out_norm: torch.Tensor | None = None  # ... and the MLP's
     gelu: bool = False  # the MLP's gate through GELU (tanh), not SiLU (gemma3)
@@ -170,8 +171,8 @@ class _LlamaLayer:
         """The arguments ``llama_layer`` takes for this layer's weights, up to its post-attention norm; None unless
         every projection is one matrix of packed quantized blocks."""
         projections = (self.qkv, self.o, self.gate_up, self.down)
-        if not all(isinstance(p, PackedWeight) for p in projections):
-            return None
+        if self.qk_norm_whole or not all(isinstance(p, PackedWeight) for p in projections):
+            return None  # (the native layer normalizes each head)
         qkv, o, gate_up, down = ((p.data, p.qtype, p.out_features) for p in projections)  # type: ignore[union-attr]
         return (*qkv, *o, self.post_norm, *gate_up, *down)
 
@@ -321,6 +322,7 @@ class LlamaRunner:
             torch.cat([attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias]).detach() if arch.qkv_bias else None,
             norm(attn.q_norm) if arch.qk_norm else None,
             norm(attn.k_norm) if arch.qk_norm else None,
+            arch.qk_norm_whole,
             norm(layer.post_attention_layernorm) if sandwich else None,
             norm(layer.post_feedforward_layernorm) if sandwich else None,
             arch.activation != "silu",
@@ -381,7 +383,12 @@ class LlamaRunner:
         qk = heads[:, : self.num_heads + self.num_kv_heads]
         if layer.q_norm is not None and layer.k_norm is not None:  # each head normalized before its rotation
             q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
-            qk = torch.cat([_rms_norm(q, layer.q_norm, self.eps), _rms_norm(k, layer.k_norm, self.eps)], dim=1)
+            if layer.qk_norm_whole:  # all heads as one vector
+                q = _rms_norm(q.reshape(q.shape[0], -1), layer.q_norm, self.eps).view(q.shape)
+                k = _rms_norm(k.reshape(k.shape[0], -1), layer.k_norm, self.eps).view(k.shape)
+                qk = torch.cat([q, k], dim=1)
+            else:
+                qk = torch.cat([_rms_norm(q, layer.q_norm, self.eps), _rms_norm(k, layer.k_norm, self.eps)], dim=1)
         qk = self._rope(qk, cos, sin)  # q and k in one pass
         q, k, v = qk[:, : self.num_heads], qk[:, self.num_heads :], heads[:, self.num_heads + self.num_kv_heads :]
         attended = attend(batch, index, q, k, v, self.scale, layer.window)
