@@ -22,6 +22,8 @@ from transformers import (
     PreTrainedModel,
     Qwen2Config,
     Qwen2ForCausalLM,
+    Qwen2MoeConfig,
+    Qwen2MoeForCausalLM,
     Qwen3Config,
     Qwen3ForCausalLM,
     Qwen3MoeConfig,
@@ -31,13 +33,17 @@ from transformers import (
 _MODELS = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM),
            "qwen3": (Qwen3Config, Qwen3ForCausalLM), "gemma3": (Gemma3TextConfig, Gemma3ForCausalLM),
            "phi3": (Phi3Config, Phi3ForCausalLM), "qwen3moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM),
-           "olmoe": (OlmoeConfig, OlmoeForCausalLM)}  # fmt: skip
+           "olmoe": (OlmoeConfig, OlmoeForCausalLM), "qwen2moe": (Qwen2MoeConfig, Qwen2MoeForCausalLM)}  # fmt: skip
 _LAYER = {
     "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
     "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
     "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
     "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm", "mlp.gate": "ffn_gate_inp",
+    "mlp.shared_expert.gate_proj": "ffn_gate_shexp", "mlp.shared_expert.up_proj": "ffn_up_shexp",
+    "mlp.shared_expert.down_proj": "ffn_down_shexp", "mlp.shared_expert_gate": "ffn_gate_inp_shexp",
 }  # fmt: skip
+#: The mixtures of experts among the tiny models.
+MIXTURES = ("qwen3moe", "olmoe", "qwen2moe")
 #: A mixture of experts in the tiny models: 8 experts of 64 rows, 2 a row (Qwen3-30B-A3B: 128 of 768, 8 a row).
 TINY_EXPERTS = {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 64, "norm_topk_prob": True}
 #: Gemma 3's four norms a layer, as its converter names them.
@@ -62,8 +68,10 @@ def tiny_model(arch: str, vocab: int, seed: int = 0, long_rope: bool = False, po
     ``positions``: its context length."""
     config_class, model_class = _MODELS[arch]
     extra: dict = {"head_dim": 48} if arch in ("qwen3", "qwen3moe") else {}  # the file's key_length is read
-    if arch in ("qwen3moe", "olmoe"):  # olmoe: the chosen experts' weights as they come (llama.cpp's graph)
+    if arch in MIXTURES:  # olmoe, qwen2moe: the chosen experts' weights as they come (llama.cpp's graph)
         extra.update(TINY_EXPERTS, norm_topk_prob=arch == "qwen3moe")
+    if arch == "qwen2moe":
+        extra.update(shared_expert_intermediate_size=96)
     extra["rope_parameters"] = LLAMA3_ROPE if long_rope else {"rope_type": "default", "rope_theta": 1e6}
     extra.update(num_hidden_layers=2, tie_word_embeddings=False)
     if arch == "phi3":
@@ -136,7 +144,9 @@ def write_gguf(
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     writer.add_key_length(head_dim)
     writer.add_value_length(head_dim)
-    if arch in ("qwen3moe", "olmoe"):
+    if arch == "qwen2moe":
+        writer.add_expert_shared_feed_forward_length(config.shared_expert_intermediate_size)
+    if arch in MIXTURES:
         writer.add_expert_count(config.num_experts)
         writer.add_expert_used_count(config.num_experts_per_tok)
         writer.add_expert_feed_forward_length(config.moe_intermediate_size)

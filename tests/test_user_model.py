@@ -168,7 +168,7 @@ def test_a_sentencepiece_file_s_token_ids_are_llama_cpp_s(tmp_path: Path) -> Non
 
 # qwen2: transformers loads this checkpoint's vocabulary as Qwen2Tokenizer, whose own pre-tokenizer the converter
 # does not recognize; the Qwen GGUF above is that converter's own qwen2 file.
-@pytest.mark.parametrize("arch", ["llama", "qwen3", "phi3", "gemma3", "qwen3moe", "olmoe"])
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "phi3", "gemma3", "qwen3moe", "olmoe", "qwen2moe"])
 def test_a_file_from_llama_cpp_s_own_converter_scores_text_as_transformers_does(arch: str, tmp_path: Path) -> None:
     """The tiny files of ``tests/gguf_files.py`` are written as the converter writes them; this runs the converter
     itself (``convert_hf_to_gguf.py`` from the tree that built ``LLAMA_SERVER``) on a checkpoint of each
@@ -192,7 +192,7 @@ def test_a_file_from_llama_cpp_s_own_converter_scores_text_as_transformers_does(
 
 
 @pytest.mark.parametrize("outtype", ["f32", "q8_0"])
-@pytest.mark.parametrize("arch", ["qwen3moe", "olmoe"])
+@pytest.mark.parametrize("arch", ["qwen3moe", "olmoe", "qwen2moe"])
 def test_a_mixture_of_experts_answers_greedy_as_llama_cpp_s_server_does(
     arch: str, outtype: str, tmp_path: Path
 ) -> None:
@@ -226,9 +226,10 @@ def test_a_mixture_of_experts_answers_greedy_as_llama_cpp_s_server_does(
     try:
         for text in CORPUS[:4]:
             ids = httpx.post(f"{llama_base}/tokenize", json={"content": text}).json()["tokens"]
-            theirs = httpx.post(f"{llama_base}/completion", json={"prompt": ids, "n_predict": 24, "temperature": 0,
+            answer = httpx.post(f"{llama_base}/completion", json={"prompt": ids, "n_predict": 24, "temperature": 0,
                                                                   "top_k": 1, "cache_prompt": False, "ignore_eos": True,
-                                                                  "return_tokens": True}).json()["tokens"]
+                                                                  "return_tokens": True, "n_probs": 1}).json()
+            theirs, steps = answer["tokens"], answer["completion_probabilities"]
             body = {"model": gguf.stem, "temperature": 0, "logprobs": 1}
             if outtype == "f32":  # the same float32 products: the same tokens
                 mine = httpx.post(f"{ours_base}/v1/completions", json={**body, "prompt": ids, "max_tokens": 24,
@@ -242,11 +243,10 @@ def test_a_mixture_of_experts_answers_greedy_as_llama_cpp_s_server_does(
             scored = httpx.post(f"{ours_base}/v1/completions", json={**body, "prompt": ids + theirs, "max_tokens": 0,
                                                                      "echo": True}).json()  # fmt: skip
             logprobs = scored["choices"][0]["logprobs"]
-            theirs_scored = httpx.post(f"{llama_base}/completion", json={"prompt": ids, "n_predict": 24,
-                                       "temperature": 0, "top_k": 1, "n_probs": 1, "cache_prompt": False,
-                                       "ignore_eos": True}).json()["completion_probabilities"]  # fmt: skip
             for index, position in enumerate(range(len(ids), len(ids) + len(theirs))):
-                gaps.append(abs(logprobs["token_logprobs"][position] - theirs_scored[index]["logprob"]))
+                if index >= len(steps) or steps[index]["id"] != theirs[index]:
+                    break  # llama.cpp lists a character's bytes as one step: the steps no longer line up
+                gaps.append(abs(logprobs["token_logprobs"][position] - steps[index]["logprob"]))
                 tops.append(max(logprobs["top_logprobs"][position].values()) == logprobs["token_logprobs"][position])
         if outtype != "f32":
             assert sum(gaps) / len(gaps) < 0.06 and sum(tops) / len(tops) > 0.8, (gaps, tops)

@@ -42,6 +42,9 @@ class Architecture:
     experts: bool = False
     #: The chosen experts' weights renormalized to sum to 1 (as llama.cpp's graph of the family does).
     renormalized_experts: bool = False
+    #: Beside the chosen experts, a shared one every row takes (``ffn_{gate,up,down}_shexp``), its output scaled by
+    #: the sigmoid of its own gate (``ffn_gate_inp_shexp``).
+    shared_expert: bool = False
 
 
 ARCHITECTURES = {
@@ -51,6 +54,7 @@ ARCHITECTURES = {
         Architecture("qwen2", "qwen2", qkv_bias=True),  # Qwen2, Qwen2.5 (Coder), tied or separate output
         Architecture("qwen3", "qwen3", qk_norm=True),  # Qwen3 dense
         Architecture("qwen3moe", "qwen3_moe", qk_norm=True, experts=True, renormalized_experts=True),  # Qwen3-30B-A3B
+        Architecture("qwen2moe", "qwen2_moe", qkv_bias=True, experts=True, shared_expert=True),  # Qwen1.5/2-MoE
         Architecture("olmoe", "olmoe", qk_norm=True, qk_norm_whole=True, experts=True),  # OLMoE-1B-7B: 8 of 64
         Architecture("phi3", "phi3", fused_projections=True),  # Phi-3, Phi-3.5 mini (LongRoPE from the file)
         # Gemma 3 (text): 5 local layers of 512-1024 positions for each global one

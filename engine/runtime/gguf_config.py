@@ -41,6 +41,7 @@ _FIELDS = {
     "attention.key_length": "head_dim",  # Qwen3's heads are not hidden / heads wide
     "expert_count": "num_experts", "expert_used_count": "num_experts_per_tok",
     "expert_feed_forward_length": "moe_intermediate_size",
+    "expert_shared_feed_forward_length": "shared_expert_intermediate_size",
 }  # fmt: skip
 #: ... and from its tokenizer's keys.
 _TOKENS = {

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -139,6 +140,8 @@ class _Experts:
     down: list[Weight]  # [hidden, intermediate]
     top_k: int
     renormalize: bool  # the chosen experts' weights scaled to sum to 1
+    #: A shared expert every row takes (qwen2moe): its gate and up rows, its down, and its gate's vector ``[hidden]``.
+    shared: tuple[Weight, Weight, torch.Tensor] | None = None
 
 
 @dataclass(slots=True)
@@ -307,7 +310,7 @@ class LlamaRunner:
                 ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"], [attn.q_proj, attn.k_proj, attn.v_proj]
             )
         if arch.experts:
-            experts = _experts(mlp, prefix, quantized, fused(["mlp.gate"], [mlp.gate]))
+            experts = _experts(mlp, prefix, quantized, fused, arch.shared_expert)
         elif not arch.fused_projections:
             gate_up = fused(["mlp.gate_proj", "mlp.up_proj"], [mlp.gate_proj, mlp.up_proj])
         if not arch.experts:
@@ -417,12 +420,22 @@ class LlamaRunner:
             gate_up = linear(x[rows], experts.gate_up[expert], self.tile)
             product = linear(self._silu_mul(gate_up), experts.down[expert], self.tile)
             output.index_add_(0, rows, product * weights[rows, slot, None])
+        if experts.shared is not None:  # added after the routed experts, as transformers adds it
+            gate_up, down, gate = experts.shared
+            shared = linear(self._silu_mul(linear(x, gate_up, self.tile)), down, self.tile)
+            # The gate is one output: a dense product of one column summed a row's inputs in an order that
+            # depended on the row's place in its tile; a row's own dot product does not.
+            output = output + torch.sigmoid((x * gate).sum(dim=-1, keepdim=True)) * shared
         return output
 
 
-def _experts(mlp: torch.nn.Module, prefix: str, quantized: dict[str, QuantizedWeight], router: Weight) -> _Experts:
+def _experts(
+    mlp: torch.nn.Module, prefix: str, quantized: dict[str, QuantizedWeight],
+    fused: Callable[[list[str], list[torch.nn.Module]], Weight], shared: bool,
+) -> _Experts:  # fmt: skip
     """A mixture of experts' weights: each expert's in its blocks where the file holds them so
-    (``gguf_weights.expert_name``), else its slices of transformers' 3-D parameters."""
+    (``gguf_weights.expert_name``), else its slices of transformers' 3-D parameters; the router's, and the shared
+    expert's (``shared``), as ``fused`` takes a layer's matrices."""
     count = mlp.experts.gate_up_proj.shape[0]
     gate_up: list[Weight] = []
     down: list[Weight] = []
@@ -436,7 +449,13 @@ def _experts(mlp: torch.nn.Module, prefix: str, quantized: dict[str, QuantizedWe
             gate_up.append(prepack(mlp.experts.gate_up_proj[expert]))
         down.append(down_blocks.pack() if down_blocks is not None else prepack(mlp.experts.down_proj[expert]))
     gate = mlp.gate
-    return _Experts(router, gate_up, down, gate.top_k, bool(gate.norm_topk_prob))
+    experts = _Experts(fused(["mlp.gate"], [gate]), gate_up, down, gate.top_k, bool(gate.norm_topk_prob))
+    if shared:
+        one, names = mlp.shared_expert, ["mlp.shared_expert.gate_proj", "mlp.shared_expert.up_proj"]
+        experts.shared = (fused(names, [one.gate_proj, one.up_proj]),
+                          fused(["mlp.shared_expert.down_proj"], [one.down_proj]),
+                          mlp.shared_expert_gate.weight.detach()[0])  # fmt: skip
+    return experts
 
 
 def _add_norm(
