@@ -333,3 +333,20 @@ def test_python_m_app_refuses_such_a_file_with_its_message_and_no_traceback(
     assert done.returncode == 1
     assert f"cannot serve {renamed}: GGUF architecture 'xllam' is not served natively" in done.stderr
     assert "Traceback" not in done.stderr
+
+
+@pytest.mark.parametrize("arch", [arch for arch, row in ARCHITECTURES.items() if row.experts])
+def test_a_mixture_served_dense_scores_as_transformers_does(arch: str, served, tmp_path: Path) -> None:
+    """``--quantization none`` of a mixture's file: its blocks dequantized into transformers' model (each expert into
+    its rows of the 3-D parameters; transformers' own reading of these files failed with a traceback), then the
+    float32 forward: transformers' scores on the file's values, to rounding."""
+    from engine.runtime import loader
+
+    model, loaded = served(arch, "mixed")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("SMOLSERVE_CACHE_DIR", str(tmp_path))
+        dense = loader.load(str(loaded.gguf), "float32")
+    assert dense.blocks is None
+    prompt = tuple(dense.tokenizer.encode(TEXT))
+    got, want = scored(dense.model, dense.eos_token_ids, None, prompt), reference(model, prompt)
+    torch.testing.assert_close(got, want, atol=2e-4, rtol=0)

@@ -122,6 +122,32 @@ def densify(model: PreTrainedModel, quantized: dict[str, QuantizedWeight], names
             parameters[name].data.copy_(weight.pack().rows(rows, parameters[name].dtype))
 
 
+def densify_all(model: PreTrainedModel, quantized: dict[str, QuantizedWeight]) -> None:
+    """Every matrix's dense values written into ``model`` (``--quantization none`` of a file served from its blocks),
+    each expert's into its rows of transformers' 3-D parameters, by gguf-py's dequantizer (no native kernel needed)."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    parameters = dict(model.named_parameters(remove_duplicate=False))
+    with torch.no_grad():
+        for name, weight in quantized.items():
+            rows = dequantize(weight.data.numpy(), GGMLQuantizationType(weight.qtype))
+            values = torch.from_numpy(np.ascontiguousarray(rows).reshape(weight.out_features, weight.in_features))
+            _dense_target(parameters, name).copy_(values)
+
+
+def _dense_target(parameters: dict[str, torch.nn.Parameter], name: str) -> torch.Tensor:
+    """Where a quantized matrix's values go: its parameter, or an expert's rows of a 3-D one."""
+    parts = name.split(".")
+    if len(parts) != 8 or parts[3:5] != ["mlp", "experts"]:
+        return parameters[name].data
+    layer, expert, projection = parts[2], int(parts[5]), parts[6]
+    prefix = f"model.layers.{layer}.mlp.experts."
+    if projection == "down_proj":
+        return parameters[prefix + "down_proj"].data[expert]
+    return parameters[prefix + "gate_up_proj"].data[expert].chunk(2)[0 if projection == "gate_proj" else 1]
+
+
 def _dense_tensors(reader: GGUFFile, config: PretrainedConfig, skip: set[str]) -> Iterator[tuple[str, torch.Tensor]]:
     """``(name, values)`` for every tensor of the file that is not in ``skip``, dequantized by gguf's reader."""
     from gguf.quants import dequantize

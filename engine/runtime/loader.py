@@ -63,6 +63,12 @@ def load(spec: str, dtype: str = "float32", blocks: bool = False) -> LoadedModel
     ``blocks``: a llama GGUF is read as its blocks on the CPU, without a dense copy (see ``LoadedModel.blocks``).
     """
     gguf = _gguf(spec)
+    if gguf is not None and not blocks and _mixture(gguf):  # transformers' own reading of such files fails
+        described = _described(gguf)
+        loaded = _load_blocks(gguf.stem, gguf, described, AutoConfig.from_pretrained(described), dtype)
+        gguf_model.densify_all(loaded.model, loaded.blocks or {})
+        loaded.blocks = None
+        return loaded
     if blocks and gguf is not None and not torch.cuda.is_available():
         described = _described(gguf)
         config = AutoConfig.from_pretrained(described)
@@ -106,6 +112,15 @@ def _load_blocks(name: str, gguf: Path, described: Path, config: PretrainedConfi
         name, len({id(w) for w in quantized.values()}), time.perf_counter() - started,
     )  # fmt: skip
     return loaded
+
+
+def _mixture(gguf: Path) -> bool:
+    """Whether ``gguf`` is a mixture of experts served natively (``Architecture.experts``)."""
+    from engine.core.architectures import ARCHITECTURES
+    from engine.runtime.gguf_file import GGUFFile
+
+    arch = ARCHITECTURES.get(str(GGUFFile(gguf).keys.get("general.architecture")))
+    return arch is not None and arch.experts
 
 
 def _described(gguf: Path) -> Path:
