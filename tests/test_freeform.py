@@ -159,6 +159,8 @@ def test_a_custom_call_cut_short_is_incomplete_with_the_input_written() -> None:
         ([{"type": "custom", "name": "x", "format": {"type": "grammar", "syntax": "ebnf", "definition": "a"}}], None,
          "tools[0].format.syntax"),
         ([{"type": "custom", "name": "bad name"}], None, "tools[0].name"),
+        ([{"type": "custom", "name": "x", "format": {"type": "grammar", "syntax": "regex", "definition": "a" * 65537}}],
+         None, "tools[0].format.definition"),
         (TOOLS, {"type": "function", "name": "code"}, "tool_choice"),
         ([{"type": "function", "name": "f"}], {"type": "custom", "name": "f"}, "tool_choice"),
     ],

@@ -50,6 +50,8 @@ HOSTED_TOOLS = ("web_search", "file_search", "code_interpreter", "computer_use",
                 "tool_search")  # fmt: skip
 #: The response header naming the hosted tools a request offered and the model was not offered.
 SKIPPED_HEADER = "x-smolserve-skipped-tools"
+#: A custom tool's grammar, in characters (Codex's ``apply_patch`` grammar: 790).
+MAX_GRAMMAR_CHARS = 65_536
 #: How a namespace's function is named to the model: unique among the request's tools, within OpenAI's pattern.
 NAMESPACE_JOINER = "__"
 #: Body fields of the API that change the answer and that this server does not implement: a 400 naming them.
@@ -369,6 +371,9 @@ def _custom(tool: dict[str, Any], param: str, offered: _Offered) -> None:
         where = f"{param}.format.definition"
         if form.syntax is None or not form.definition:
             raise bad_request(f"{param}.format: a grammar needs its syntax and definition", f"{param}.format")
+        if len(form.definition) > MAX_GRAMMAR_CHARS:  # its rewriting runs on the event loop: bounded
+            raise bad_request(f"{where}: a grammar of at most {MAX_GRAMMAR_CHARS} characters, got "
+                              f"{len(form.definition)}", where)  # fmt: skip
         grammar = (escaped_lark(form.definition, where) if form.syntax == "lark"
                    else f"start: {escaped_regex(form.definition, where)}")  # fmt: skip
         note = f"\n\nThe input follows this {form.syntax} grammar:\n{form.definition}"
