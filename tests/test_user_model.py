@@ -216,11 +216,15 @@ def test_a_mixture_of_experts_answers_greedy_as_llama_cpp_s_server_does(
     save_checkpoint(arch, tmp_path / "checkpoint", std=0.1, **({"rms_norm_eps": 1e-5} if arch == "olmoe" else {}))
     gguf = tmp_path / f"moe-{outtype}.gguf"
     convert(tmp_path / "checkpoint", gguf, Path(binary).resolve().parents[2], outtype)
-    ours, ours_base = start_server("--model", str(gguf), "--embedding-model", "none", "--kv-cache-gib", "0.5")
     # Its KV cache in float32 and no flash attention (which rounds to F16 on the CPU), as ours: either alone moved
     # logprobs by up to 0.05 here, and flipped tokens.
     flags = ["-ctk", "f32", "-ctv", "f32", "-fa", "off"]
     llama, llama_base = start_llama(binary, 1, context=2048, extra=flags, gguf=gguf)
+    try:
+        ours, ours_base = start_server("--model", str(gguf), "--embedding-model", "none", "--kv-cache-gib", "0.5")
+    except BaseException:  # neither server outlives the test
+        stop_server(llama)
+        raise
     gaps: list[float] = []
     tops: list[bool] = []
     try:
