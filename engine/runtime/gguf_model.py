@@ -24,6 +24,7 @@ from engine.runtime.gguf_weights import (
     EXPERT_PROJECTIONS,
     architecture,
     hf_name,
+    parse_expert_name,
     permuted_qk,
     read,
     unpermute_rows,
@@ -86,11 +87,9 @@ def _experts_in_blocks(quantized: dict[str, QuantizedWeight]) -> set[str]:
     """transformers' 3-D expert parameters whose experts' matrices are all in blocks (``gguf_weights.expert_name``):
     ``model.layers.N.mlp.experts.gate_up_proj`` (gate and up) and ``down_proj``."""
     covered = set()
-    for name in quantized:
-        parts = name.split(".")
-        if len(parts) == 8 and parts[3:5] == ["mlp", "experts"]:
-            fused = "down_proj" if parts[6] == "down_proj" else "gate_up_proj"
-            covered.add(".".join([*parts[:5], fused]))
+    for parsed in filter(None, map(parse_expert_name, quantized)):
+        layer, _, projection = parsed
+        covered.add(f"model.layers.{layer}.mlp.experts.{'down_proj' if projection == 'down_proj' else 'gate_up_proj'}")
     return covered
 
 
@@ -138,10 +137,10 @@ def densify_all(model: PreTrainedModel, quantized: dict[str, QuantizedWeight]) -
 
 def _dense_target(parameters: dict[str, torch.nn.Parameter], name: str) -> torch.Tensor:
     """Where a quantized matrix's values go: its parameter, or an expert's rows of a 3-D one."""
-    parts = name.split(".")
-    if len(parts) != 8 or parts[3:5] != ["mlp", "experts"]:
+    parsed = parse_expert_name(name)
+    if parsed is None:
         return parameters[name].data
-    layer, expert, projection = parts[2], int(parts[5]), parts[6]
+    layer, expert, projection = parsed
     prefix = f"model.layers.{layer}.mlp.experts."
     if projection == "down_proj":
         return parameters[prefix + "down_proj"].data[expert]

@@ -76,6 +76,14 @@ def expert_name(layer: int | str, expert: int, projection: str) -> str:
     return f"model.layers.{layer}.mlp.experts.{expert}.{projection}.weight"
 
 
+def parse_expert_name(name: str) -> tuple[str, int, str] | None:
+    """``expert_name``'s layer, expert and projection; None for any other name."""
+    parts = name.split(".")
+    if len(parts) != 8 or parts[3:5] != ["mlp", "experts"]:
+        return None
+    return parts[2], int(parts[5]), parts[6]
+
+
 def _experts(name: str, blocks: np.ndarray, qtype: int, in_features: int) -> dict[str, QuantizedWeight]:
     """A 3-D expert tensor's matrices, one an expert (``[experts, out, bytes per row]``: each expert's rows of
     blocks lie together in the file)."""

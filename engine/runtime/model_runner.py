@@ -301,19 +301,18 @@ class LlamaRunner:
             return None if module is None else _norm_weight(module.weight, arch.norm_offset)
 
         sandwich = arch.output_norms  # Gemma 3 names the norm of the attention's output "post attention"
-        experts, gate_up, down = None, None, None
         if arch.fused_projections:  # the model holds them fused already (Phi-3)
             qkv = fused(["self_attn.qkv_proj"], [attn.qkv_proj])
-            gate_up = fused(["mlp.gate_up_proj"], [mlp.gate_up_proj])
         else:
             qkv = fused(
                 ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"], [attn.q_proj, attn.k_proj, attn.v_proj]
             )
+        experts, gate_up, down = None, None, None
         if arch.experts:
             experts = _experts(mlp, prefix, quantized, fused, arch.shared_expert)
-        elif not arch.fused_projections:
-            gate_up = fused(["mlp.gate_proj", "mlp.up_proj"], [mlp.gate_proj, mlp.up_proj])
-        if not arch.experts:
+        else:
+            gate_up = (fused(["mlp.gate_up_proj"], [mlp.gate_up_proj]) if arch.fused_projections
+                       else fused(["mlp.gate_proj", "mlp.up_proj"], [mlp.gate_proj, mlp.up_proj]))  # fmt: skip
             down = fused(["mlp.down_proj"], [mlp.down_proj])
         return _LlamaLayer(
             norm(layer.input_layernorm),  # type: ignore[arg-type]
