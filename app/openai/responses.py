@@ -17,7 +17,7 @@ import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import Field
 
@@ -35,6 +35,8 @@ from app.openai.sampling import (
 )
 from app.tools import ToolCalling, flat_parameters, tool_calling
 from app.tools.freeform import escaped_lark, escaped_regex
+
+Model = TypeVar("Model", bound=WireModel)
 
 #: ``include`` values the API defines. Only the logprobs one changes what this server returns; the others ask for
 #: parts of items (search results, images, reasoning) this server never produces.
@@ -302,8 +304,13 @@ def _item(item: Any, index: int) -> InputItem:
     model = _ITEM_MODELS.get(kind)
     if model is None:
         raise bad_request(f"{param}.type: items of type {kind!r} are not supported by this server", f"{param}.type")
+    return _validated_at(model, item, param)
+
+
+def _validated_at(model: type[Model], value: Any, param: str) -> Model:
+    """``validated``, its errors naming the field under ``param`` (an item or a tool of the request)."""
     try:
-        return validated(model, item)
+        return validated(model, value)
     except APIError as exc:
         inner = f"{param}.{exc.param}" if exc.param else param
         raise bad_request(f"{param}: {exc.message}", inner) from None
@@ -360,11 +367,7 @@ def _namespace(tool: dict[str, Any], param: str, offered: _Offered) -> None:
 
 def _custom(tool: dict[str, Any], param: str, offered: _Offered) -> None:
     """A custom tool, offered as a function of one string whose text its grammar holds (``app/tools/freeform.py``)."""
-    try:
-        spec: CustomTool = validated(CustomTool, tool)
-    except APIError as exc:
-        inner = f"{param}.{exc.param}" if exc.param else param
-        raise bad_request(f"{param}: {exc.message}", inner) from None
+    spec = _validated_at(CustomTool, tool, param)
     form = spec.format or CustomFormat(type="text")
     grammar, note = "", ""
     if form.type == "grammar":
@@ -417,11 +420,7 @@ def _function_tool(tool: Any, param: str) -> Tool:
     kind = tool.get("type") if isinstance(tool, dict) else None
     if kind != "function":
         raise bad_request(f"{param}.type: {kind!r} tools are not supported by this server", f"{param}.type")
-    try:
-        spec: FunctionTool = validated(FunctionTool, tool)
-    except APIError as exc:
-        inner = f"{param}.{exc.param}" if exc.param else param
-        raise bad_request(f"{param}: {exc.message}", inner) from None
+    spec = _validated_at(FunctionTool, tool, param)
     definition = {"name": spec.name, "description": spec.description, "strict": spec.strict}
     if spec.parameters is not None:
         definition["parameters"] = spec.parameters
