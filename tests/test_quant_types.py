@@ -21,8 +21,10 @@ T = GGMLQuantizationType
 #: Where each type's fp16 scales (d, and dmin or m) sit in its block: random bytes there could be inf or NaN.
 HALF_SCALES = {
     T.Q4_0: [0], T.Q4_1: [0, 2], T.Q5_0: [0], T.Q5_1: [0, 2], T.Q8_0: [0], T.IQ4_NL: [0], T.Q2_K: [80, 82],
-    T.Q3_K: [108], T.Q4_K: [0, 2], T.Q5_K: [0, 2], T.Q6_K: [208], T.IQ4_XS: [0],
+    T.Q3_K: [108], T.Q4_K: [0, 2], T.Q5_K: [0, 2], T.Q6_K: [208], T.IQ4_XS: [0], T.MXFP4: [],
 }  # fmt: skip
+#: ... and where an E8M0 exponent sits (MXFP4's scale 2^(e - 128)): random bytes there overflow float32's products.
+E8M0_SCALES = {T.MXFP4: 0}
 TYPES = list(HALF_SCALES)
 
 
@@ -38,6 +40,9 @@ def random_blocks(qtype: T, out: int, blocks: int, seed: int, scale: float = 0.0
     raw = rng.integers(0, 256, (out, blocks, size), dtype=np.uint8)
     for at in HALF_SCALES[qtype]:
         raw[..., at : at + 2] = rng.uniform(-scale, scale, (out, blocks, 1)).astype(np.float16).view(np.uint8)
+    if qtype in E8M0_SCALES:  # weights up to 12 x 2^(e - 128): about `scale` at most
+        top = 128 + int(np.floor(np.log2(scale / 12)))
+        raw[..., E8M0_SCALES[qtype]] = rng.integers(top - 6, top + 1, (out, blocks), dtype=np.uint8)
     return raw.reshape(out, -1)
 
 
@@ -107,9 +112,10 @@ def test_extreme_quants_and_activations_do_not_overflow(qtype: T) -> None:
     weights_per_block, _ = GGML_QUANT_SIZES[qtype]
     for fill in (0xFF, 0x00, 0x77):
         raw = random_blocks(qtype, 8, 256 // weights_per_block, seed=fill)
-        scales = raw.reshape(8, 256 // weights_per_block, -1)[..., [a + i for a in HALF_SCALES[qtype] for i in (0, 1)]]
+        kept = [a + i for a in HALF_SCALES[qtype] for i in (0, 1)] + [E8M0_SCALES[q] for q in [qtype] if q in E8M0_SCALES]
+        scales = raw.reshape(8, 256 // weights_per_block, -1)[..., kept]
         raw.reshape(8, 256 // weights_per_block, -1)[:] = fill
-        raw.reshape(8, 256 // weights_per_block, -1)[..., [a + i for a in HALF_SCALES[qtype] for i in (0, 1)]] = scales
+        raw.reshape(8, 256 // weights_per_block, -1)[..., kept] = scales
         dense = torch.from_numpy(dequantize(raw, qtype).copy()).double()
         packed = ops().quant_pack(torch.from_numpy(raw), int(qtype))
         for sign in (1.0, -1.0):

@@ -1,5 +1,5 @@
-// Matmuls on a GGUF's quantized weights, every common GGML type: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 and IQ4_NL blocks of
-// 32 weights; Q2_K, Q3_K, Q4_K, Q5_K, Q6_K and IQ4_XS ones of 256.
+// Matmuls on a GGUF's quantized weights, every common GGML type: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL and MXFP4
+// blocks of 32 weights; Q2_K, Q3_K, Q4_K, Q5_K, Q6_K and IQ4_XS ones of 256.
 //
 // GGML stores each weight row as a run of blocks along the input dimension (w: a weight, q: its quant):
 //   Q4_0: fp16 d, 16 bytes of 4-bit q (byte j: weight j in the low nibble, weight 16 + j in the high); w = (q - 8) d
@@ -14,10 +14,11 @@
 //   Q5_K: as Q4_K with a fifth bit per weight
 //   Q6_K: 6-bit q in low and high bit planes, 16 int8 scales sc, fp16 d; weights i:         w = (q - 32) (d sc_{i/16})
 //   IQ4_XS: fp16 d, 8 6-bit scales, 4-bit indices into IQ4_NL's table; sub-block s:     w = d (sc_s - 32) table[q]
+//   MXFP4 (gpt-oss's experts): an E8M0 exponent e, 4-bit E2M1 codes into a table of doubled values; w = 2^(e-128) t[q]
 // Packing turns every type into 32-weight blocks of one of three kinds: 4-bit or 5-bit quants with an offset
-// (Q4_0, Q4_1, Q4_K, Q2_K; Q5_0, Q5_1, Q5_K), or signed 8-bit ones (Q8_0, IQ4_NL, IQ4_XS, Q3_K, Q6_K: a table's
-// value or q minus its offset, exact in int8). The K-quants' scales d sc are products, exact in float32 only, so
-// they are packed as float32 (one per 16 weights where the type has that: Q2_K, Q3_K, Q6_K), the others as the
+// (Q4_0, Q4_1, Q4_K, Q2_K; Q5_0, Q5_1, Q5_K), or signed 8-bit ones (Q8_0, IQ4_NL, IQ4_XS, MXFP4, Q3_K, Q6_K: a
+// table's value or q minus its offset, exact in int8). The K-quants' scales d sc are products, exact in float32
+// only, and MXFP4's powers of 2 span float32's whole range, so they are packed as float32 (one per 16 weights where the type has that: Q2_K, Q3_K, Q6_K), the others as the
 // file's fp16 (Q4_0's m = -8 d and Q5_0's m = -16 d: powers of 2, exact).
 // `quant_pack` regroups them once at load, as llama.cpp's repacked formats do: the blocks of 8 output rows side
 // by side, so that one vector instruction works on 8 outputs and a block's scales are one vector load:
@@ -73,10 +74,12 @@ enum Path : int64_t { kBest = 0, kPortable = 1, kAvx2 = 2, kVnni = 3 };
 constexpr int64_t kChunk = 64;  // activation rows per sweep over a thread's groups (their int8 stays in cache)
 enum QuantType : int64_t {  // GGML's type numbers
   kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8, kQ2_K = 10, kQ3_K = 11, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14,
-  kIQ4_NL = 20, kIQ4_XS = 23
+  kIQ4_NL = 20, kIQ4_XS = 23, kMXFP4 = 39
 };
 // IQ4_NL's and IQ4_XS's non-linear 4-bit values (ggml's kvalues_iq4nl).
 constexpr int8_t kIQ4Values[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+// MXFP4's E2M1 values, doubled (ggml's kvalues_mxfp4): the block's scale is half the E8M0 power.
+constexpr int8_t kMXFP4Values[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
 
 // Bytes of one GGML block of `type`, and the weights it holds.
 int64_t block_bytes(int64_t type) {
@@ -93,9 +96,11 @@ int64_t block_bytes(int64_t type) {
     case kQ5_K: return 176;
     case kQ6_K: return 210;
     case kIQ4_XS: return 136;
+    case kMXFP4: return 17;
     default:
       TORCH_CHECK(false, "unsupported quantized type ", type, " (supported: Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, ",
-                  "Q8_0 = 8, Q2_K = 10, Q3_K = 11, Q4_K = 12, Q5_K = 13, Q6_K = 14, IQ4_NL = 20, IQ4_XS = 23)");
+                  "Q8_0 = 8, Q2_K = 10, Q3_K = 11, Q4_K = 12, Q5_K = 13, Q6_K = 14, IQ4_NL = 20, IQ4_XS = 23, ",
+                  "MXFP4 = 39)");
   }
 }
 
@@ -124,7 +129,7 @@ Layout layout_of(int64_t type) {
     case kQ5_0: case kQ5_1: return Layout{5, false, false};
     case kQ5_K: return Layout{5, true, false};
     case kQ8_0: case kIQ4_NL: return Layout{8, false, false};
-    case kIQ4_XS: return Layout{8, true, false};
+    case kIQ4_XS: case kMXFP4: return Layout{8, true, false};
     default: return Layout{8, true, true};  // Q3_K, Q6_K
   }
 }
@@ -260,9 +265,19 @@ void decode_iq4_xs(const uint8_t* block, SubBlock* out) {
   }
 }
 
+// MXFP4: one sub-block; its scale 2^(e - 128) as ggml's GGML_E8M0_TO_FP32_HALF computes it (exact in float32,
+// subnormal below e = 2).
+void decode_mxfp4(const uint8_t* block, SubBlock& sb) {
+  const uint32_t e = block[0];
+  const uint32_t bits = e < 2 ? 0x00200000u << e : (e - 1) << 23;
+  std::memcpy(&sb.d[0], &bits, 4);
+  for (int64_t j = 0; j < kBlock; ++j) sb.q[j] = static_cast<uint8_t>(kMXFP4Values[nibble(block + 1, j)]);
+}
+
 // The sub-blocks of one GGML block (1 of 32 weights, or 8 for the 256 of the K-quants and IQ4_XS).
 void decode_block(const uint8_t* block, int64_t type, SubBlock* out) {
   switch (type) {
+    case kMXFP4: return decode_mxfp4(block, out[0]);
     case kQ2_K: return decode_q2_k(block, out);
     case kQ3_K: return decode_q3_k(block, out);
     case kQ4_K: return decode_q45_k(block, false, out);
