@@ -104,6 +104,60 @@ def test_a_sliding_window_attends_only_each_row_s_last_positions(
     torch.testing.assert_close(out.float(), _reference(query, *restored, lengths, window), atol=3e-2, rtol=3e-2)
 
 
+def _reference_with_sinks(
+    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, lengths: list[int], window: int, sinks: torch.Tensor
+) -> torch.Tensor:
+    """``_reference`` with an attention sink per query head, as transformers' gpt-oss computes it: one more logit
+    in each softmax, its weight dropped before the values."""
+    rows = []
+    for i, length in enumerate(lengths):
+        start = max(0, length - window) if window else 0
+        q = query[i].float()  # [kv_heads, groups, dim]
+        scores = q @ keys[i, :, start:length].float().transpose(-1, -2) * q.shape[-1] ** -0.5
+        logits = torch.cat([scores, sinks.view(q.shape[0], q.shape[1], 1).expand(-1, -1, 1)], dim=-1)
+        rows.append(torch.softmax(logits, dim=-1)[..., :-1] @ values[i, :, start:length].float())
+    return torch.stack(rows)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("kv_heads", "groups", "dim"), [(2, 4, 64), (1, 3, 128), (1, 2, 24), (2, 1, 64)])
+@pytest.mark.parametrize("window", [0, 17])
+def test_attention_sinks_take_their_share_of_each_head_s_weight(
+    dtype: torch.dtype, kv_heads: int, groups: int, dim: int, window: int
+) -> None:
+    """gpt-oss's sinks: each query head's learned logit joins its softmax's denominator (heads with sinks far above,
+    near and below their scores), on the float and the 8-bit cache and in torch's fallback alike."""
+    from engine.runtime.attention import _with_sinks
+
+    native, ops = kernels.decode_attention(), kernels.native_ops()
+    assert native is not None and ops is not None
+    torch.manual_seed(dim + window)
+    lengths = [1, 16, 17, 64, 100]
+    keys, values = (torch.randn(len(lengths), kv_heads, 112, dim, dtype=dtype) for _ in range(2))
+    query = torch.randn(len(lengths), kv_heads, groups, dim, dtype=dtype)
+    sinks = torch.linspace(-4.0, 6.0, kv_heads * groups)
+    tables, physical = _blocks(len(lengths), 112, 16, seed=dim)
+    pool = (len(lengths) * 7 + 2) * 16
+    want = _reference_with_sinks(query, keys, values, lengths, window, sinks)
+    assert not torch.allclose(want, _reference(query, keys, values, lengths, window), atol=1e-2)  # the sinks count
+    key_pool, value_pool = _paged(tile_keys(keys), physical, pool), _paged(values, physical, pool)
+    out = native(query, key_pool, value_pool, tables, torch.tensor(lengths), 16, dim**-0.5, window, sinks)
+    tolerance = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(out.float(), want, atol=tolerance, rtol=tolerance)
+    cache = _int8_cache(keys, values, physical, pool)
+    out = ops.decode_attention_int8(query, *cache, tables, torch.tensor(lengths), 16, dim**-0.5, window, sinks)
+    restored = [t[:, physical].transpose(0, 1) for t in dequantize(*cache)]
+    torch.testing.assert_close(
+        out.float(), _reference_with_sinks(query, *restored, lengths, window, sinks), atol=3e-2, rtol=3e-2
+    )
+    row = 3  # torch's fallback: one decoding row over its positions
+    length = lengths[row]
+    mask = (torch.arange(length) >= length - window) if window else None
+    fallback = _with_sinks(query[row : row + 1].float(), keys[row : row + 1, :, :length].float(),
+                           values[row : row + 1, :, :length].float(), mask, dim**-0.5, sinks.view(kv_heads, groups, 1))
+    torch.testing.assert_close(fallback[0], want[row], atol=1e-5, rtol=1e-5)  # fmt: skip
+
+
 def test_kernel_rejects_lengths_and_blocks_beyond_the_cache() -> None:
     native = kernels.decode_attention()
     assert native is not None

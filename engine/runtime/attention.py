@@ -25,11 +25,13 @@ ATTENTION_NAME = "smolserve_blocks"
 
 def attend(
     batch: StepBatch, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float | None,
-    window: int = 0,
+    window: int = 0, sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """Attention over one step's packed rows: ``query`` ``[rows, heads, dim]``, ``key``/``value``
     ``[rows, kv_heads, dim]`` (after RoPE). Writes the rows' K/V into the cache; returns ``[rows, heads, dim]``.
-    ``window`` > 0: a sliding-window layer, each row attending only its last ``window`` positions (itself included)."""
+    ``window`` > 0: a sliding-window layer, each row attending only its last ``window`` positions (itself included).
+    ``sinks`` ``[heads]``: each head's attention sink (gpt-oss), a logit that takes its share of the softmax's
+    weight and adds no value."""
     scale = query.shape[-1] ** -0.5 if scale is None else scale
     cache = batch.cache
     cache.write(layer, batch.slots, key, value)
@@ -38,14 +40,15 @@ def attend(
     # "query length", which is free for a single query row.
     q = query.reshape(rows, num_kv_heads, num_heads // num_kv_heads, -1)
     if cache.native_decode:
-        return cache.attend(layer, q, batch, scale, window).reshape(rows, num_heads, -1)
+        sinks = None if sinks is None else sinks.float()
+        return cache.attend(layer, q, batch, scale, window, sinks).reshape(rows, num_heads, -1)
     out = torch.empty_like(query)
     n = batch.num_decode
     if n:
-        out[:n] = _decode_rows(batch, layer, q[:n], scale, window).reshape(n, num_heads, -1)
+        out[:n] = _decode_rows(batch, layer, q[:n], scale, window, sinks).reshape(n, num_heads, -1)
     for chunk in batch.chunks:
         rows_of = slice(chunk.row, chunk.row + chunk.length)
-        out[rows_of] = _chunk_rows(batch, chunk, layer, query[rows_of], scale, window)
+        out[rows_of] = _chunk_rows(batch, chunk, layer, query[rows_of], scale, window, sinks)
     return out
 
 
@@ -68,10 +71,14 @@ def block_attention(
     rows_first = (t[0].transpose(0, 1) for t in (query, key, value))
     window = kwargs.get("sliding_window") or 0  # transformers passes a sliding-window layer's window
     assert isinstance(window, int)
-    return attend(batch, module.layer_idx, *rows_first, scaling, window).unsqueeze(0), None
+    sinks = kwargs.get("s_aux")  # ... and gpt-oss's attention sinks
+    assert sinks is None or isinstance(sinks, torch.Tensor)
+    return attend(batch, module.layer_idx, *rows_first, scaling, window, sinks).unsqueeze(0), None
 
 
-def _decode_rows(batch: StepBatch, layer: int, q: torch.Tensor, scale: float, window: int) -> torch.Tensor:
+def _decode_rows(
+    batch: StepBatch, layer: int, q: torch.Tensor, scale: float, window: int, sinks: torch.Tensor | None
+) -> torch.Tensor:
     """Torch's attention for the decode rows ``q`` ``[n, kv_heads, groups, dim]``, each over its own length."""
     n = batch.num_decode
     lengths = batch.lengths[:n]
@@ -82,12 +89,15 @@ def _decode_rows(batch: StepBatch, layer: int, q: torch.Tensor, scale: float, wi
         positions = torch.arange(longest, device=q.device)[None, :]
         mask = (positions < lengths[:, None]) & (positions >= lengths[:, None] - window if window else True)
         mask = mask[:, None, None, :]
+    if sinks is not None:
+        return _with_sinks(q, keys, values, mask, scale, sinks.view(q.shape[1], q.shape[2], 1))
     return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale)
 
 
 def _chunk_rows(
-    batch: StepBatch, chunk: PrefillChunk, layer: int, query: torch.Tensor, scale: float, window: int
-) -> torch.Tensor:
+    batch: StepBatch, chunk: PrefillChunk, layer: int, query: torch.Tensor, scale: float, window: int,
+    sinks: torch.Tensor | None,
+) -> torch.Tensor:  # fmt: skip
     """Torch's attention for one prefill chunk's rows, causally over its sequence's positions so far."""
     end = chunk.start + chunk.length
     keys, values = batch.cache.gather(layer, batch.block_tables[chunk.row : chunk.row + 1], end)
@@ -96,5 +106,24 @@ def _chunk_rows(
     mask = positions[None, :] <= positions[chunk.start :, None]  # row i sits at start + i
     if window:
         mask &= positions[None, :] > positions[chunk.start :, None] - window
-    attended = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale, enable_gqa=True)
+    if sinks is not None:
+        groups = q.shape[1] // keys.shape[1]
+        keys, values = keys.repeat_interleave(groups, dim=1), values.repeat_interleave(groups, dim=1)
+        attended = _with_sinks(q, keys, values, mask, scale, sinks.view(-1, 1, 1))
+    else:
+        attended = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale, enable_gqa=True)
     return attended[0].transpose(0, 1)
+
+
+def _with_sinks(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None, scale: float,
+    sinks: torch.Tensor,
+) -> torch.Tensor:  # fmt: skip
+    """Attention whose softmax has one more logit per head, its sink (``sinks`` broadcast over the scores' rows), that
+    takes weight and adds no value: as transformers' gpt-oss computes it."""
+    scores = (q.float() @ keys.float().transpose(-1, -2)) * scale
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    sink = sinks.float().expand(*scores.shape[:-1], 1)
+    weights = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+    return (weights @ values.float()).to(q.dtype)

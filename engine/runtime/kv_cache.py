@@ -128,20 +128,24 @@ class BlockKVCache:
         native ops serve this cache (not the 8-bit one, not torch's fallback); else None."""
         return self._layer_kv[layer] if self._native_write is not None else None
 
-    def attend(self, layer: int, query: torch.Tensor, batch: StepBatch, scale: float, window: int = 0) -> torch.Tensor:
+    def attend(
+        self, layer: int, query: torch.Tensor, batch: StepBatch, scale: float, window: int = 0,
+        sinks: torch.Tensor | None = None,
+    ) -> torch.Tensor:  # fmt: skip
         """Attention of ``query`` ``[rows, kv_heads, groups, dim]`` over each row's blocks (its last ``window``
-        positions in a sliding-window layer; 0: all), in the native kernel."""
+        positions in a sliding-window layer; 0: all), in the native kernel; ``sinks``: each query head's attention
+        sink (float32 ``[heads]``), or none."""
         keys, values = self._layer_kv[layer]
         if self._int8_ops is not None:
             assert self.scales is not None
             key_scales, value_scales = self.scales[layer, 0], self.scales[layer, 1]
             return self._int8_ops.decode_attention_int8(
                 query, keys, values, key_scales, value_scales, batch.block_tables, batch.lengths, self.block_size,
-                scale, window,
+                scale, window, sinks,
             )  # fmt: skip
         assert self.native_attention is not None
         return self.native_attention(
-            query, keys, values, batch.block_tables, batch.lengths, self.block_size, scale, window
+            query, keys, values, batch.block_tables, batch.lengths, self.block_size, scale, window, sinks
         )
 
     def gather(self, layer: int, block_tables: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -44,6 +44,12 @@ inline void mask_leading(float* scores, int64_t skip) {
 }
 inline void zero_leading(float* numerators, int64_t skip) { std::fill(numerators, numerators + skip, 0.0f); }
 
+// An attention sink's share of a softmax's denominator (gpt-oss: a learned logit per head that takes weight but
+// adds no value): exp(sink - max) beside numerators exp(s - max); 0 without sinks.
+inline float sink_term(const float* sinks, int64_t head, float max) {
+  return sinks == nullptr ? 0.0f : std::exp(sinks[head] - max);
+}
+
 // Any count, plain loops.
 inline float softmax_block(float* scores, int64_t count, float& running_max, float& total) {
   float block_max = -std::numeric_limits<float>::infinity();
@@ -75,9 +81,11 @@ inline __m256 exp8(__m256 x) {
 }
 #endif
 
-// The softmax's numerators over a whole row of `count` scores: exp(s - max) in place. Returns their sum.
-inline float softmax_row(float* scores, int64_t count) {
+// The softmax's numerators over a whole row of `count` scores: exp(s - max) in place. Returns their sum; the max
+// in `max_out` where given.
+inline float softmax_row(float* scores, int64_t count, float* max_out = nullptr) {
   const float row_max = *std::max_element(scores, scores + count);
+  if (max_out != nullptr) *max_out = row_max;
   float sum = 0.0f;
   int64_t t = 0;
 #if defined(__AVX2__) && defined(__FMA__)
@@ -112,8 +120,8 @@ inline __m512 exp16(__m512 x) {
 }
 
 // The softmax's numerators over a whole row of `count` scores in `width` floats (a multiple of 64, 64-byte
-// aligned): exp(s - max) in place, zero from `count` on. Returns their sum.
-inline float softmax_row_avx512(float* scores, int64_t count, int64_t width) {
+// aligned): exp(s - max) in place, zero from `count` on. Returns their sum; the max in `max_out` where given.
+inline float softmax_row_avx512(float* scores, int64_t count, int64_t width, float* max_out = nullptr) {
   const auto used = [count](int64_t at) {
     return static_cast<__mmask16>((1u << std::clamp<int64_t>(count - at, 0, 16)) - 1u);
   };
@@ -124,8 +132,10 @@ inline float softmax_row_avx512(float* scores, int64_t count, int64_t width) {
       most[i] = _mm512_mask_max_ps(most[i], used(t + 16 * i), most[i], _mm512_load_ps(scores + t + 16 * i));
     }
   }
-  const __m512 shift = _mm512_set1_ps(
-      _mm512_reduce_max_ps(_mm512_max_ps(_mm512_max_ps(most[0], most[1]), _mm512_max_ps(most[2], most[3]))));
+  const float row_max =
+      _mm512_reduce_max_ps(_mm512_max_ps(_mm512_max_ps(most[0], most[1]), _mm512_max_ps(most[2], most[3])));
+  if (max_out != nullptr) *max_out = row_max;
+  const __m512 shift = _mm512_set1_ps(row_max);
   __m512 sum[4];
   for (auto& s : sum) s = _mm512_setzero_ps();
   for (int64_t t = 0; t < width; t += 64) {

@@ -15,9 +15,18 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <optional>
 #include <vector>
 
 namespace smolserve {
+
+// The attention sinks the kernels take (decode_attention's `sinks`): float32, one a query head, contiguous; an
+// undefined tensor without them.
+inline at::Tensor checked_sinks(const std::optional<at::Tensor>& sinks, int64_t heads) {
+  if (!sinks.has_value()) return at::Tensor();
+  TORCH_CHECK(sinks->numel() == heads, "one attention sink a query head");
+  return sinks->to(at::kFloat).contiguous();
+}
 
 constexpr int64_t kTilePositions = 16;
 

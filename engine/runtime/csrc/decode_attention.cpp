@@ -107,7 +107,7 @@ inline void weigh_values_avx2(const float* const* probabilities, const float* va
 // a multiple of 32 take the AVX2 steps above where the CPU has them (the portable loops were ~3x slower there).
 template <typename T, int64_t Dim>
 void attend_one(const T* query, const T* keys, const T* values, T* out, int64_t groups, int64_t dynamic_dim,
-                int64_t length, const int64_t* tiles, float scale, int64_t skip) {
+                int64_t length, const int64_t* tiles, float scale, int64_t skip, const float* sinks) {
   const int64_t dim = Dim ? Dim : dynamic_dim;
   const int64_t width = (length + kKeyTile - 1) / kKeyTile * kKeyTile;
   alignas(64) float q[kMaxGroups * kMaxHeadDim];
@@ -132,7 +132,9 @@ void attend_one(const T* query, const T* keys, const T* values, T* out, int64_t 
   float total[kMaxGroups];
   for (int64_t g = 0; g < groups; ++g) {
     smolserve::mask_leading(scores + g * width, skip);
-    total[g] = smolserve::softmax_row(scores + g * width, length);
+    float row_max;
+    total[g] = smolserve::softmax_row(scores + g * width, length, &row_max);
+    total[g] += smolserve::sink_term(sinks, g, row_max);
     smolserve::zero_leading(scores + g * width, skip);
   }
 #if defined(__AVX2__) && defined(__FMA__)
@@ -216,7 +218,7 @@ inline void round_to_pairs(float* probabilities, int64_t width) {
 // which kept the core waiting on memory between the two streams even with software prefetch.
 template <int64_t Dim, int Groups>
 void attend_paired(const bf16* query, const bf16* keys, const bf16* values, bf16* out, int64_t length,
-                   const int64_t* tiles, float scale, int64_t skip) {
+                   const int64_t* tiles, float scale, int64_t skip, const float* sinks) {
   constexpr int64_t kChunks = Dim / 32;
   alignas(64) uint32_t query_pairs[Groups][Dim / 2];
   std::memcpy(query_pairs, query, sizeof(query_pairs));
@@ -228,7 +230,9 @@ void attend_paired(const bf16* query, const bf16* keys, const bf16* values, bf16
   float total[Groups];
   for (int g = 0; g < Groups; ++g) {
     smolserve::mask_leading(scores[g], skip);
-    total[g] = smolserve::softmax_row_avx512(scores[g], length, width);
+    float row_max;
+    total[g] = smolserve::softmax_row_avx512(scores[g], length, width, &row_max);
+    total[g] += smolserve::sink_term(sinks, g, row_max);
     smolserve::zero_leading(scores[g], skip);
     round_to_pairs(scores[g], width);
   }
@@ -264,19 +268,21 @@ void attend_paired(const bf16* query, const bf16* keys, const bf16* values, bf16
 // attend_one's arguments; the head size is `Dim`.
 template <int64_t Dim>
 void attend_paired_groups(const bf16* query, const bf16* keys, const bf16* values, bf16* out, int64_t groups,
-                          int64_t /*dim*/, int64_t length, const int64_t* tiles, float scale, int64_t skip) {
+                          int64_t /*dim*/, int64_t length, const int64_t* tiles, float scale, int64_t skip,
+                          const float* sinks) {
   constexpr int kMost = Dim == 64 ? 4 : Dim == 128 ? 2 : 1;  // 16 sums a row at 256 (Gemma's heads)
   for (int64_t first = 0; first < groups; first += kMost) {
     const int64_t n = std::min<int64_t>(kMost, groups - first);
     const bf16* q = query + first * Dim;
     bf16* o = out + first * Dim;
-    if (n == 1) attend_paired<Dim, 1>(q, keys, values, o, length, tiles, scale, skip);
+    const float* s = sinks == nullptr ? nullptr : sinks + first;
+    if (n == 1) attend_paired<Dim, 1>(q, keys, values, o, length, tiles, scale, skip, s);
     if constexpr (kMost >= 2) {
-      if (n == 2) attend_paired<Dim, 2>(q, keys, values, o, length, tiles, scale, skip);
+      if (n == 2) attend_paired<Dim, 2>(q, keys, values, o, length, tiles, scale, skip, s);
     }
     if constexpr (kMost == 4) {
-      if (n == 3) attend_paired<Dim, 3>(q, keys, values, o, length, tiles, scale, skip);
-      if (n == 4) attend_paired<Dim, 4>(q, keys, values, o, length, tiles, scale, skip);
+      if (n == 3) attend_paired<Dim, 3>(q, keys, values, o, length, tiles, scale, skip, s);
+      if (n == 4) attend_paired<Dim, 4>(q, keys, values, o, length, tiles, scale, skip, s);
     }
   }
 }
@@ -286,7 +292,8 @@ void attend_paired_groups(const bf16* query, const bf16* keys, const bf16* value
 template <typename T>
 auto pick_kernel(int64_t dim) {
   using Kernel =
-      void (*)(const T*, const T*, const T*, T*, int64_t, int64_t, int64_t, const int64_t*, float, int64_t);
+      void (*)(const T*, const T*, const T*, T*, int64_t, int64_t, int64_t, const int64_t*, float, int64_t,
+               const float*);
 #if defined(__AVX512BF16__)
   if constexpr (std::is_same_v<T, bf16>) {
     if (dim == 64) return attend_paired_groups<64>;
@@ -299,7 +306,7 @@ auto pick_kernel(int64_t dim) {
 
 template <typename T>
 void run(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values, at::Tensor& out,
-         const smolserve::BlockTables& tables, float scale) {
+         const smolserve::BlockTables& tables, float scale, const float* sinks) {
   const int64_t heads = q.size(1), groups = q.size(2), dim = q.size(3);
   const T* qp = q.const_data_ptr<T>();
   const T* kp = keys.const_data_ptr<T>();
@@ -315,7 +322,8 @@ void run(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values, 
     for (int64_t item = begin; item < end; ++item) {
       const int64_t i = item / heads, h = item % heads, first = tables.first_tile(i);
       attend(qp + item * groups * dim, kp + h * keys.stride(0), vp + h * values.stride(0), op + item * groups * dim,
-             groups, dim, tables.length(i) - first * kKeyTile, tables.tile_starts(i) + first, scale, tables.skip(i));
+             groups, dim, tables.length(i) - first * kKeyTile, tables.tile_starts(i) + first, scale, tables.skip(i),
+             sinks == nullptr ? nullptr : sinks + h * groups);
     }
   });
 }
@@ -355,10 +363,11 @@ namespace smolserve {
 // positions one after another, holding tiles of 16 positions laid out [dim / 2][16][2]; values
 // [kv_heads, positions, dim]; block_tables [rows, width] int32 (any row stride): row i's blocks in order;
 // lengths [rows] int64: row i attends its sequence's positions 0..lengths[i]-1, or only the last `window` of them
-// (a sliding-window layer; 0: all). Returns [rows, kv_heads, groups, dim].
+// (a sliding-window layer; 0: all); sinks: float32 [kv_heads * groups], each query head's attention sink (a logit
+// in the softmax's denominator only), or none. Returns [rows, kv_heads, groups, dim].
 at::Tensor decode_attention(const at::Tensor& query, const at::Tensor& keys, const at::Tensor& values,
                             const at::Tensor& block_tables, const at::Tensor& lengths, int64_t block_size,
-                            double scale, int64_t window) {
+                            double scale, int64_t window, const std::optional<at::Tensor>& sinks) {
   TORCH_CHECK(query.dim() == 4 && keys.dim() == 3 && values.dim() == 3, "expected a 4-d query, 3-d keys and values");
   TORCH_CHECK(keys.stride(2) == 1 && keys.stride(1) == keys.size(2), "each head's keys must be contiguous");
   TORCH_CHECK(values.stride(2) == 1 && values.stride(1) == values.size(2), "each head's values must be contiguous");
@@ -371,11 +380,13 @@ at::Tensor decode_attention(const at::Tensor& query, const at::Tensor& keys, con
   TORCH_CHECK(dim <= kMaxHeadDim && groups <= kMaxGroups, "head_dim or query heads per KV head too large");
   const smolserve::BlockTables tables(block_tables, lengths, q.size(0), block_size, keys.size(1), window);
   at::Tensor out = at::empty_like(q);
+  const at::Tensor sink_values = smolserve::checked_sinks(sinks, heads * groups);
+  const float* sink_data = sink_values.defined() ? sink_values.const_data_ptr<float>() : nullptr;
   if (q.scalar_type() == at::kBFloat16) {
-    run<c10::BFloat16>(q, keys, values, out, tables, static_cast<float>(scale));
+    run<c10::BFloat16>(q, keys, values, out, tables, static_cast<float>(scale), sink_data);
   } else {
     TORCH_CHECK(q.scalar_type() == at::kFloat, "decode_attention supports float32 and bfloat16");
-    run<float>(q, keys, values, out, tables, static_cast<float>(scale));
+    run<float>(q, keys, values, out, tables, static_cast<float>(scale), sink_data);
   }
   return out;
 }
@@ -412,7 +423,7 @@ void write_kv(const at::Tensor& keys, const at::Tensor& values, const at::Tensor
 TORCH_LIBRARY(smolserve, m) {
   m.def(
       "decode_attention(Tensor query, Tensor keys, Tensor values, Tensor block_tables, Tensor lengths, "
-      "int block_size, float scale, int window=0) -> Tensor");
+      "int block_size, float scale, int window=0, Tensor? sinks=None) -> Tensor");
   m.def("write_kv(Tensor(a!) keys, Tensor(b!) values, Tensor slots, Tensor key, Tensor value) -> ()");
 }
 

@@ -98,6 +98,7 @@ struct Item {
   int64_t groups, dim, length;
   float scale;
   int64_t skip;  // positions of the first tile before a sliding window: no weight
+  const float* sinks;  // the query rows' attention sinks (decode_attention's), or nullptr
 
   // The physical position of the row's position `p`.
   int64_t at(int64_t p) const { return tiles[p / kKeyTile] + p % kKeyTile; }
@@ -171,7 +172,8 @@ void attend_portable(const Item<T>& item) {
     }
   }
   for (int64_t g = 0; g < groups; ++g) {
-    for (int64_t d = 0; d < dim; ++d) item.out[g * dim + d] = static_cast<T>(acc[g][d] / total[g]);
+    const float denominator = total[g] + smolserve::sink_term(item.sinks, g, running_max[g]);
+    for (int64_t d = 0; d < dim; ++d) item.out[g * dim + d] = static_cast<T>(acc[g][d] / denominator);
   }
 }
 
@@ -244,7 +246,9 @@ void attend_vnni(const Item<T>& item, const QuantizedQuery<T>& query, int64_t fi
   float total[Groups], factor[Groups];
   for (int g = 0; g < Groups; ++g) {
     smolserve::mask_leading(scores[g], item.skip);
-    total[g] = smolserve::softmax_row_avx512(scores[g], item.length, width);
+    float row_max;
+    total[g] = smolserve::softmax_row_avx512(scores[g], item.length, width, &row_max);
+    total[g] += smolserve::sink_term(item.sinks, first + g, row_max);
     smolserve::zero_leading(scores[g], item.skip);
   }
   for (int64_t start = 0; start < item.length; start += kScoreBlock) {
@@ -333,7 +337,8 @@ void check_cache(const at::Tensor& keys, const at::Tensor& values, const at::Ten
 
 template <typename T>
 void run(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values, const at::Tensor& key_scales,
-         const at::Tensor& value_scales, at::Tensor& out, const smolserve::BlockTables& tables, float scale) {
+         const at::Tensor& value_scales, at::Tensor& out, const smolserve::BlockTables& tables, float scale,
+         const float* sinks) {
   const int64_t heads = q.size(1), groups = q.size(2), dim = q.size(3);
   at::parallel_for(0, q.size(0) * heads, 1, [&](int64_t begin, int64_t end) {
     for (int64_t index = begin; index < end; ++index) {
@@ -350,7 +355,8 @@ void run(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values, 
           dim,
           tables.length(i) - first * kKeyTile,
           scale,
-          tables.skip(i)};
+          tables.skip(i),
+          sinks == nullptr ? nullptr : sinks + h * groups};
       attend(item);
     }
   });
@@ -364,11 +370,11 @@ namespace smolserve {
 // in the layouts above, in blocks of `block_size` positions; key_scales and value_scales float32
 // [kv_heads, positions]; block_tables [rows, width] int32 and lengths [rows]: row i attends its sequence's
 // positions 0..lengths[i]-1 through its blocks (only the last `window` of them in a sliding-window layer; 0: all).
-// Returns [rows, kv_heads, groups, dim] in the query's dtype.
+// sinks: as decode_attention's. Returns [rows, kv_heads, groups, dim] in the query's dtype.
 at::Tensor decode_attention_int8(const at::Tensor& query, const at::Tensor& keys, const at::Tensor& values,
                                  const at::Tensor& key_scales, const at::Tensor& value_scales,
                                  const at::Tensor& block_tables, const at::Tensor& lengths, int64_t block_size,
-                                 double scale, int64_t window) {
+                                 double scale, int64_t window, const std::optional<at::Tensor>& sinks) {
   check_cache(keys, values, key_scales, value_scales);
   TORCH_CHECK(query.dim() == 4, "expected a 4-d query [rows, kv_heads, groups, dim]");
   const at::Tensor q = query.contiguous();
@@ -376,11 +382,13 @@ at::Tensor decode_attention_int8(const at::Tensor& query, const at::Tensor& keys
   TORCH_CHECK(q.size(2) <= kMaxGroups, "too many query heads per KV head");
   const smolserve::BlockTables tables(block_tables, lengths, q.size(0), block_size, keys.size(1), window);
   at::Tensor out = at::empty_like(q);
+  const at::Tensor sink_values = smolserve::checked_sinks(sinks, q.size(1) * q.size(2));
+  const float* sink_data = sink_values.defined() ? sink_values.const_data_ptr<float>() : nullptr;
   if (q.scalar_type() == at::kBFloat16) {
-    run<c10::BFloat16>(q, keys, values, key_scales, value_scales, out, tables, static_cast<float>(scale));
+    run<c10::BFloat16>(q, keys, values, key_scales, value_scales, out, tables, static_cast<float>(scale), sink_data);
   } else {
     TORCH_CHECK(q.scalar_type() == at::kFloat, "the query must be float32 or bfloat16");
-    run<float>(q, keys, values, key_scales, value_scales, out, tables, static_cast<float>(scale));
+    run<float>(q, keys, values, key_scales, value_scales, out, tables, static_cast<float>(scale), sink_data);
   }
   return out;
 }
@@ -437,7 +445,8 @@ void write_kv_int8(const at::Tensor& keys, const at::Tensor& values, const at::T
 TORCH_LIBRARY_FRAGMENT(smolserve, m) {
   m.def(
       "decode_attention_int8(Tensor query, Tensor keys, Tensor values, Tensor key_scales, Tensor value_scales, "
-      "Tensor block_tables, Tensor lengths, int block_size, float scale, int window=0) -> Tensor");
+      "Tensor block_tables, Tensor lengths, int block_size, float scale, int window=0, "
+      "Tensor? sinks=None) -> Tensor");
   m.def(
       "write_kv_int8(Tensor(a!) keys, Tensor(b!) values, Tensor(c!) key_scales, Tensor(d!) value_scales, "
       "Tensor positions, Tensor key, Tensor value) -> ()");

@@ -63,7 +63,7 @@ std::tuple<at::Tensor, at::Tensor> llama_layer(
   write_kv(keys, values, slots, k, heads.narrow(1, num_heads + num_kv_heads, num_kv_heads));
   const at::Tensor grouped = q.reshape({rows, num_kv_heads, num_heads / num_kv_heads, -1});
   const at::Tensor attended =
-      decode_attention(grouped, keys, values, block_tables, lengths, block_size, scale, window);
+      decode_attention(grouped, keys, values, block_tables, lengths, block_size, scale, window, std::nullopt);
   const at::Tensor output = Projection{o, o_type, o_out}(attended.reshape({rows, -1}));
   const auto [residual, post_normed] = add_rms_norm(hidden, output, post_norm, eps, attn_out_norm);
   const at::Tensor projected_up = Projection{gate_up, gate_up_type, gate_up_out}(post_normed);

@@ -14,7 +14,7 @@ namespace smolserve {
 // decode_attention.cpp
 at::Tensor decode_attention(const at::Tensor& query, const at::Tensor& keys, const at::Tensor& values,
                             const at::Tensor& block_tables, const at::Tensor& lengths, int64_t block_size,
-                            double scale, int64_t window);
+                            double scale, int64_t window, const std::optional<at::Tensor>& sinks);
 void write_kv(const at::Tensor& keys, const at::Tensor& values, const at::Tensor& slots, const at::Tensor& key,
               const at::Tensor& value);
 
@@ -22,7 +22,7 @@ void write_kv(const at::Tensor& keys, const at::Tensor& values, const at::Tensor
 at::Tensor decode_attention_int8(const at::Tensor& query, const at::Tensor& keys, const at::Tensor& values,
                                  const at::Tensor& key_scales, const at::Tensor& value_scales,
                                  const at::Tensor& block_tables, const at::Tensor& lengths, int64_t block_size,
-                                 double scale, int64_t window);
+                                 double scale, int64_t window, const std::optional<at::Tensor>& sinks);
 void write_kv_int8(const at::Tensor& keys, const at::Tensor& values, const at::Tensor& key_scales,
                    const at::Tensor& value_scales, const at::Tensor& positions, const at::Tensor& key,
                    const at::Tensor& value);
