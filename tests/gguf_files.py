@@ -8,11 +8,14 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import gguf
 from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter
 from gguf.quants import dequantize, quantize
 from transformers import (
     Gemma3ForCausalLM,
     Gemma3TextConfig,
+    GptOssConfig,
+    GptOssForCausalLM,
     LlamaConfig,
     LlamaForCausalLM,
     OlmoeConfig,
@@ -33,7 +36,8 @@ from transformers import (
 _MODELS = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM),
            "qwen3": (Qwen3Config, Qwen3ForCausalLM), "gemma3": (Gemma3TextConfig, Gemma3ForCausalLM),
            "phi3": (Phi3Config, Phi3ForCausalLM), "qwen3moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM),
-           "olmoe": (OlmoeConfig, OlmoeForCausalLM), "qwen2moe": (Qwen2MoeConfig, Qwen2MoeForCausalLM)}  # fmt: skip
+           "olmoe": (OlmoeConfig, OlmoeForCausalLM), "qwen2moe": (Qwen2MoeConfig, Qwen2MoeForCausalLM),
+           "gpt-oss": (GptOssConfig, GptOssForCausalLM)}  # fmt: skip
 _LAYER = {
     "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
     "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
@@ -43,7 +47,7 @@ _LAYER = {
     "mlp.shared_expert.down_proj": "ffn_down_shexp", "mlp.shared_expert_gate": "ffn_gate_inp_shexp",
 }  # fmt: skip
 #: The mixtures of experts among the tiny models.
-MIXTURES = ("qwen3moe", "olmoe", "qwen2moe")
+MIXTURES = ("qwen3moe", "olmoe", "qwen2moe", "gpt-oss")
 #: A mixture of experts in the tiny models: 8 experts of 64 rows, 2 a row (Qwen3-30B-A3B: 128 of 768, 8 a row).
 TINY_EXPERTS = {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 64, "norm_topk_prob": True}
 #: Gemma 3's four norms a layer, as its converter names them.
@@ -51,6 +55,14 @@ _GEMMA_LAYER = {**_LAYER, "post_attention_layernorm": "post_attention_norm", "pr
                 "post_feedforward_layernorm": "post_ffw_norm"}  # fmt: skip
 #: Phi-3's fused projections.
 _PHI3_LAYER = {**_LAYER, "self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up"}
+#: gpt-oss's router, sinks and MLP input norm.
+_OAI_LAYER = {**_LAYER, "mlp.router": "ffn_gate_inp", "post_attention_layernorm": "post_attention_norm"}
+#: gpt-oss's window in the tiny model (every other layer, from the first): short, so that a prompt slides past it.
+OAI_WINDOW = 12
+#: gpt-oss's YaRN as its config gives it, its pretraining context shortened to the tiny model's, and the
+#: correction range truncated to whole dims as llama.cpp's ggml computes it.
+OAI_ROPE = {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+            "original_max_position_embeddings": 32}  # fmt: skip
 #: Gemma 3's local layers' window in the tiny model: short, so that a test's prompt slides past it.
 GEMMA_WINDOW = 8
 #: Phi-3's window (every layer) in the tiny model.
@@ -68,7 +80,7 @@ def tiny_model(arch: str, vocab: int, seed: int = 0, long_rope: bool = False, po
     ``positions``: its context length."""
     config_class, model_class = _MODELS[arch]
     extra: dict = {"head_dim": 48} if arch in ("qwen3", "qwen3moe") else {}  # the file's key_length is read
-    if arch in MIXTURES:  # olmoe, qwen2moe: the chosen experts' weights as they come (llama.cpp's graph)
+    if arch in MIXTURES and arch != "gpt-oss":  # olmoe, qwen2moe: the chosen experts' weights as they come
         extra.update(TINY_EXPERTS, norm_topk_prob=arch == "qwen3moe")
     if arch == "qwen2moe":
         extra.update(shared_expert_intermediate_size=96)
@@ -82,6 +94,9 @@ def tiny_model(arch: str, vocab: int, seed: int = 0, long_rope: bool = False, po
                 "rope_type": "longrope", "rope_theta": 1e4, "original_max_position_embeddings": 64,
                 "long_factor": factors.tolist(), "short_factor": factors.sqrt().tolist(),
             }  # fmt: skip
+    if arch == "gpt-oss":  # 8 experts of 64 rows (the whole MLP's size in its config), 2 a row; 4 layers
+        extra.update(num_local_experts=8, num_experts_per_tok=2, intermediate_size=64, head_dim=32,
+                     sliding_window=OAI_WINDOW, rope_parameters=OAI_ROPE, num_hidden_layers=4, layer_types=None)
     if arch == "gemma3":  # six layers: five local ones, then a global one, as llama.cpp reads a file without a pattern
         bases = {"full_attention": 1e6, "sliding_attention": 1e4}
         extra.update(
@@ -89,8 +104,9 @@ def tiny_model(arch: str, vocab: int, seed: int = 0, long_rope: bool = False, po
             tie_word_embeddings=True,
             rope_parameters={kind: {"rope_type": "default", "rope_theta": base} for kind, base in bases.items()},
         )  # fmt: skip
+    extra.setdefault("intermediate_size", 256)
     config = config_class(
-        vocab_size=vocab, hidden_size=128, intermediate_size=256, num_attention_heads=4,
+        vocab_size=vocab, hidden_size=128, num_attention_heads=4,
         num_key_value_heads=4 if arch == "olmoe" else 2,  # OLMoE's keys are as many as its queries (llama.cpp's too)
         max_position_embeddings=positions, rms_norm_eps=1e-6, **extra,
     )  # fmt: skip
@@ -98,7 +114,9 @@ def tiny_model(arch: str, vocab: int, seed: int = 0, long_rope: bool = False, po
     model = model_class(config).eval()
     with torch.no_grad():
         for name, parameter in model.named_parameters():
-            if name.endswith("bias"):
+            if name.endswith("gate_up_proj_bias"):  # gpt-oss: past its SwiGLU's clamp at 7 often enough to count
+                parameter.normal_(0, 5.0)
+            elif name.endswith("bias"):
                 parameter.normal_(0, 0.5)
             elif "norm" in name:
                 parameter.uniform_(0.5, 1.5)
@@ -123,8 +141,14 @@ def write_gguf(
     config = model.config
     writer = GGUFWriter(path, arch)
     rope = config.rope_parameters.get("full_attention", config.rope_parameters)  # gemma3: the global layers'
-    if arch in ("gemma3", "phi3"):
+    if arch in ("gemma3", "phi3", "gpt-oss"):
         writer.add_sliding_window(config.sliding_window)
+    if rope.get("rope_type") == "yarn":
+        writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        writer.add_rope_scaling_factor(rope["factor"])
+        writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+        writer.add_rope_scaling_yarn_beta_fast(rope["beta_fast"])
+        writer.add_rope_scaling_yarn_beta_slow(rope["beta_slow"])
     if arch == "gemma3":
         writer.add_rope_freq_base_swa(config.rope_parameters["sliding_attention"]["rope_theta"])
     if arch == "phi3":
@@ -147,9 +171,9 @@ def write_gguf(
     if arch == "qwen2moe":
         writer.add_expert_shared_feed_forward_length(config.shared_expert_intermediate_size)
     if arch in MIXTURES:
-        writer.add_expert_count(config.num_experts)
+        writer.add_expert_count(getattr(config, "num_local_experts", None) or config.num_experts)
         writer.add_expert_used_count(config.num_experts_per_tok)
-        writer.add_expert_feed_forward_length(config.moe_intermediate_size)
+        writer.add_expert_feed_forward_length(getattr(config, "moe_intermediate_size", config.intermediate_size))
     writer.add_file_type(1)
     _copy_tokenizer(GGUFReader(tokenizer_from), writer, renamed or {}, template)
     with torch.no_grad():
@@ -158,7 +182,8 @@ def write_gguf(
                 if arch == "gemma3" and gguf_name.endswith("norm.weight"):  # Gemma multiplies by 1 + w: the file too
                     values = values + np.float32(1.0)
                 kind = gguf_name.split(".")[-2] if gguf_name.startswith("blk.") else gguf_name.split(".")[0]
-                qtype = types.get(kind, GGMLQuantizationType.F32) if values.ndim >= 2 else GGMLQuantizationType.F32
+                matrix = values.ndim >= 2 and gguf_name.endswith(".weight")  # (gpt-oss's experts' biases are 2-D)
+                qtype = types.get(kind, GGMLQuantizationType.F32) if matrix else GGMLQuantizationType.F32
                 if arch == "llama" and kind in ("attn_q", "attn_k"):
                     heads = config.num_attention_heads if kind == "attn_q" else config.num_key_value_heads
                     values = _permute(values, heads)
@@ -182,6 +207,10 @@ def _tensors(name: str, parameter: torch.Tensor, arch: str) -> list[tuple[str, n
     """The file's tensors of one parameter, each with the part of the parameter it restores: one, or the gate's and
     the up's halves of a mixture's experts (``mlp.experts.gate_up_proj``, as the converter splits it)."""
     layer = name.split(".")[2] if name.startswith("model.layers.") else ""
+    if arch == "gpt-oss" and ".mlp.experts." in name:
+        return _oai_experts(name, parameter, layer)
+    if name.endswith("self_attn.sinks"):
+        return [(f"blk.{layer}.attn_sinks.weight", parameter.detach().float().numpy(), parameter.data)]
     if name.endswith("mlp.experts.gate_up_proj"):
         gate, up = parameter.data.chunk(2, dim=1)
         return [(f"blk.{layer}.ffn_{kind}_exps.weight", half.float().numpy().copy(), half)
@@ -189,6 +218,22 @@ def _tensors(name: str, parameter: torch.Tensor, arch: str) -> list[tuple[str, n
     if name.endswith("mlp.experts.down_proj"):
         return [(f"blk.{layer}.ffn_down_exps.weight", parameter.detach().float().numpy(), parameter.data)]
     return [(_gguf_name(name, arch), parameter.detach().float().numpy(), parameter.data)]
+
+
+def _oai_experts(name: str, parameter: torch.Tensor, layer: str) -> list[tuple[str, np.ndarray, torch.Tensor]]:
+    """gpt-oss's experts as its converter writes them: transformers' ``[experts, in, out]`` matrices transposed, the
+    gate's and up's interleaved columns (and biases) split apart."""
+    kind = name.rsplit(".", 1)[1]  # gate_up_proj, gate_up_proj_bias, down_proj, down_proj_bias
+    suffix = "bias" if kind.endswith("_bias") else "weight"
+    if kind.startswith("down_proj"):
+        view = parameter.data.transpose(1, 2) if suffix == "weight" else parameter.data
+        return [(f"blk.{layer}.ffn_down_exps.{suffix}", view.float().numpy().copy(), view)]
+    out = []
+    for part, half in (("gate", 0), ("up", 1)):
+        view = parameter.data[..., half::2]
+        view = view.transpose(1, 2) if suffix == "weight" else view
+        out.append((f"blk.{layer}.ffn_{part}_exps.{suffix}", view.float().numpy().copy(), view))
+    return out
 
 
 def _gguf_name(name: str, arch: str) -> str:
@@ -200,7 +245,7 @@ def _gguf_name(name: str, arch: str) -> str:
         return "output_norm.weight"
     _, _, index, rest = name.split(".", 3)
     module, kind = rest.rsplit(".", 1)
-    names = _GEMMA_LAYER if arch == "gemma3" else _PHI3_LAYER if arch == "phi3" else _LAYER
+    names = {"gemma3": _GEMMA_LAYER, "phi3": _PHI3_LAYER, "gpt-oss": _OAI_LAYER}.get(arch, _LAYER)
     return f"blk.{index}.{names[module]}.{kind}"
 
 

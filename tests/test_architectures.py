@@ -53,6 +53,8 @@ def served(tokenizer_file: Path, tmp_path_factory: pytest.TempPathFactory):
         if (arch, mix) not in made:
             path = root / f"{arch}-{mix}.gguf"
             types = MIXED if mix == "mixed" else {kind: T[mix] for kind in MIXED} if mix != "F32" else {}
+            if arch == "gpt-oss" and mix == "mixed":  # its experts as released: MXFP4
+                types = {**types, **dict.fromkeys(("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"), T.MXFP4)}
             model = write_gguf(tiny_model(arch, vocab=49152), arch, path, tokenizer_file, types)
             made[arch, mix] = model, load(path, root / "cache")
         return made[arch, mix]
@@ -221,7 +223,7 @@ def test_an_architecture_not_served_natively_is_refused_naming_those_that_are(
     from engine.core.architectures import NotServedNatively
 
     renamed = other_architecture(tokenizer_file, tmp_path)
-    served = "llama, qwen2, qwen3, qwen3moe, qwen2moe, olmoe, phi3, gemma3"
+    served = "llama, qwen2, qwen3, qwen3moe, qwen2moe, olmoe, gpt-oss, phi3, gemma3"
     with pytest.raises(NotServedNatively, match=rf"'xllam' is not served natively .*{served}"):
         load(renamed, tmp_path / "cache")
 
@@ -274,16 +276,34 @@ def test_gemma3_s_window_pattern_is_read_from_the_file_where_it_is_given(tokeniz
     llama.cpp reads it); absent, every sixth layer is global."""
     from types import SimpleNamespace
 
-    from engine.runtime.gguf_config import _local_layers
+    from engine.runtime.gguf_config import _gemma3, _local_layers
 
-    keys = {"general.architecture": "gemma3", "gemma3.block_count": 4, "gemma3.attention.sliding_window": 512,
-            "gemma3.embedding_length": 640, "gemma3.attention.head_count": 4,
-            "gemma3.attention.key_length": 256}  # fmt: skip
-    got = _local_layers(SimpleNamespace(keys=keys), {"rope_theta": 1e6})  # type: ignore[arg-type]
-    assert got["layer_types"] == ["sliding_attention"] * 4 and got["query_pre_attn_scalar"] == 256
+    keys = {"general.architecture": "gemma3", "gemma3.block_count": 4, "gemma3.attention.sliding_window": 512}
+    got = _local_layers(SimpleNamespace(keys=keys))  # type: ignore[arg-type]
+    assert got["layer_types"] == ["sliding_attention"] * 4
+    values = {"hidden_size": 640, "num_attention_heads": 4, "head_dim": 256, "num_hidden_layers": 4}
+    assert _gemma3(SimpleNamespace(keys=keys), {}, values)["query_pre_attn_scalar"] == 256  # type: ignore[arg-type]
     keys["gemma3.attention.sliding_window_pattern"] = [True, False, True, False]
-    got = _local_layers(SimpleNamespace(keys=keys), {"rope_theta": 1e6})  # type: ignore[arg-type]
+    got = _local_layers(SimpleNamespace(keys=keys))  # type: ignore[arg-type]
     assert got["layer_types"] == ["sliding_attention", "full_attention"] * 2 and got["sliding_window"] == 512
+
+
+def test_gpt_oss_s_windows_and_yarn_are_read_as_llama_cpp_reads_them() -> None:
+    """gpt-oss's file gives no pattern: every other layer slides, from the first (llama.cpp's period of 2); its
+    YaRN keys become transformers' (the correction range truncated, as ggml computes it), one table for both
+    kinds of layer."""
+    from types import SimpleNamespace
+
+    from engine.runtime.gguf_config import _local_layers, _rope
+
+    keys = {"general.architecture": "gpt-oss", "gpt-oss.block_count": 4, "gpt-oss.attention.sliding_window": 128,
+            "gpt-oss.rope.freq_base": 150000.0, "gpt-oss.rope.scaling.type": "yarn",
+            "gpt-oss.rope.scaling.factor": 32.0, "gpt-oss.rope.scaling.original_context_length": 4096}  # fmt: skip
+    got = _local_layers(SimpleNamespace(keys=keys))  # type: ignore[arg-type]
+    assert got == {"sliding_window": 128, "layer_types": ["sliding_attention", "full_attention"] * 2}
+    rope = _rope(SimpleNamespace(keys=keys))  # type: ignore[arg-type]
+    assert rope == {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0,
+                    "original_max_position_embeddings": 4096}  # fmt: skip
 
 
 def test_a_tensor_type_the_kernels_do_not_read_is_refused_naming_those_they_do(

@@ -45,6 +45,14 @@ class Architecture:
     #: Beside the chosen experts, a shared one every row takes (``ffn_{gate,up,down}_shexp``), its output scaled by
     #: the sigmoid of its own gate (``ffn_gate_inp_shexp``).
     shared_expert: bool = False
+    #: gpt-oss's mixture: the router adds a bias and takes the softmax of the top k logits only; every expert's
+    #: projections add biases; its SwiGLU is clamped (gate at most 7, up within +-7: ``gate * sigmoid(1.702 gate) *
+    #: (up + 1)``); transformers holds each expert's matrices ``[in, out]``, the gate's and up's columns interleaved.
+    oai_experts: bool = False
+    #: The attention's output projection adds a bias (gpt-oss).
+    output_bias: bool = False
+    #: Each query head has an attention sink (``attn_sinks``): a learned logit in its softmax's denominator.
+    sinks: bool = False
 
 
 ARCHITECTURES = {
@@ -56,6 +64,17 @@ ARCHITECTURES = {
         Architecture("qwen3moe", "qwen3_moe", qk_norm=True, experts=True, renormalized_experts=True),  # Qwen3-30B-A3B
         Architecture("qwen2moe", "qwen2_moe", qkv_bias=True, experts=True, shared_expert=True),  # Qwen1.5/2-MoE
         Architecture("olmoe", "olmoe", qk_norm=True, qk_norm_whole=True, experts=True),  # OLMoE-1B-7B: 8 of 64
+        # gpt-oss-20b/120b: MXFP4 experts (4 of 32 or 128 a row), sinks, 128-position windows every other layer, YaRN
+        Architecture(
+            "gpt-oss",
+            "gpt_oss",
+            qkv_bias=True,
+            output_bias=True,
+            sinks=True,
+            experts=True,
+            oai_experts=True,
+            sliding_window_pattern=2,
+        ),
         Architecture("phi3", "phi3", fused_projections=True),  # Phi-3, Phi-3.5 mini (LongRoPE from the file)
         # Gemma 3 (text): 5 local layers of 512-1024 positions for each global one
         Architecture(

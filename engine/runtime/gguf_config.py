@@ -64,22 +64,41 @@ def config_of(reader: GGUFFile) -> PretrainedConfig:
     embedding = next(tensor for tensor in reader.tensors if tensor.name == "token_embd.weight")
     values["vocab_size"] = int(keys.get(f"{arch}.vocab_size", embedding.shape[1]))
     values["tie_word_embeddings"] = not any(tensor.name == "output.weight" for tensor in reader.tensors)
+    row = ARCHITECTURES[arch]
+    for key, field in _RENAMED.get(arch, {}).items():
+        if key in values:
+            values[field] = values.pop(key)
+    rope = _rope(reader)
+    values["rope_parameters"] = rope
+    if row.sliding_window_pattern:
+        values.update(_local_layers(reader))
+    if arch == "gemma3":
+        values.update(_gemma3(reader, rope, values))
+    if arch == "phi3":
+        values.update(_phi3(reader, rope, values))
+    if row.experts and not row.oai_experts:  # the chosen experts' weights as llama.cpp's graph of the family takes them
+        values.update(norm_topk_prob=row.renormalized_experts, decoder_sparse_step=1, mlp_only_layers=[])
+    return AutoConfig.for_model(row.model_type, **values)
+
+
+#: transformers' names of a family's fields where they are not the others' (``_FIELDS``).
+_RENAMED = {"gpt-oss": {"num_experts": "num_local_experts", "moe_intermediate_size": "intermediate_size"}}
+
+
+def _rope(reader: GGUFFile) -> dict:
+    """RoPE as the file's keys give it: its base, and a linear or YaRN scaling (YaRN's correction range truncated to
+    whole dims, as ggml's ``ggml_rope_yarn_corr_dims`` and transformers' default take it)."""
+    arch, keys = architecture(reader), reader.keys
     rope = {"rope_type": "default", "rope_theta": float(keys.get(f"{arch}.rope.freq_base", 10000.0))}
     scaling = keys.get(f"{arch}.rope.scaling.type")
     if scaling in ("linear", "yarn"):
         rope.update(rope_type=scaling, factor=float(keys[f"{arch}.rope.scaling.factor"]))
-        if scaling == "yarn":
-            rope["original_max_position_embeddings"] = int(keys[f"{arch}.rope.scaling.original_context_length"])
-    if ARCHITECTURES[arch].sliding_window_pattern:
-        values.update(_local_layers(reader, rope))
-    else:
-        values["rope_parameters"] = rope
-    if arch == "phi3":
-        values.update(_phi3(reader, rope, values))
-    if ARCHITECTURES[arch].experts:  # the chosen experts' weights as llama.cpp's graph of the family takes them
-        values.update(norm_topk_prob=ARCHITECTURES[arch].renormalized_experts, decoder_sparse_step=1,
-                      mlp_only_layers=[])  # fmt: skip
-    return AutoConfig.for_model(ARCHITECTURES[arch].model_type, **values)
+    if scaling == "yarn":
+        rope["original_max_position_embeddings"] = int(keys[f"{arch}.rope.scaling.original_context_length"])
+        for key, field in (("yarn_beta_fast", "beta_fast"), ("yarn_beta_slow", "beta_slow")):
+            if f"{arch}.rope.scaling.{key}" in keys:
+                rope[field] = float(keys[f"{arch}.rope.scaling.{key}"])
+    return rope
 
 
 def _phi3(reader: GGUFFile, rope: dict, values: dict) -> dict:
@@ -110,11 +129,10 @@ def _phi3(reader: GGUFFile, rope: dict, values: dict) -> dict:
     return extra
 
 
-def _local_layers(reader: GGUFFile, rope: dict) -> dict:
-    """Gemma 3's sliding-window layers as llama.cpp reads them: ``sliding_window`` positions, which layers (the
-    ``sliding_window_pattern`` key, an array of flags or a period; absent: every 6th layer is global), their own
-    RoPE base (``rope.freq_base_swa``, else 10,000) without the global layers' scaling; the attention scaled by the
-    head size (by hidden / heads in the 62-layer 27B, as llama.cpp does); the output's soft cap."""
+def _local_layers(reader: GGUFFile) -> dict:
+    """The sliding-window layers as llama.cpp reads them: ``sliding_window`` positions, in the layers the
+    ``sliding_window_pattern`` key names (an array of flags or a period; absent: the architecture's period, whose last
+    layer is global: Gemma 3's 6, gpt-oss's 2)."""
     arch = architecture(reader)
     keys = reader.keys
     layers = int(keys[f"{arch}.block_count"])
@@ -124,17 +142,26 @@ def _local_layers(reader: GGUFFile, rope: dict) -> dict:
         local = [bool(flag) for flag in pattern][:layers]
     else:
         local = [window > 0 and (int(pattern) == 0 or i % int(pattern) < int(pattern) - 1) for i in range(layers)]
-    head_dim = int(keys.get(f"{arch}.attention.key_length", 0)) or None
-    hidden, heads = int(keys[f"{arch}.embedding_length"]), int(keys[f"{arch}.attention.head_count"])
     return {
         "sliding_window": window or None,
         "layer_types": ["sliding_attention" if flag else "full_attention" for flag in local],
+    }
+
+
+def _gemma3(reader: GGUFFile, rope: dict, values: dict) -> dict:
+    """Gemma 3's local layers' own RoPE base (``rope.freq_base_swa``, else 10,000) without the global layers'
+    scaling; the attention scaled by the head size (by hidden / heads in the 62-layer 27B, as llama.cpp does); the
+    output's soft cap."""
+    keys = reader.keys
+    head_dim = values.get("head_dim")
+    hidden, heads = values["hidden_size"], values["num_attention_heads"]
+    return {
         "rope_parameters": {
             "full_attention": rope,
             "sliding_attention": {
-                "rope_type": "default", "rope_theta": float(keys.get(f"{arch}.rope.freq_base_swa", 10000.0))
+                "rope_type": "default", "rope_theta": float(keys.get("gemma3.rope.freq_base_swa", 10000.0))
             },
         },
-        "query_pre_attn_scalar": hidden // heads if layers == 62 else head_dim or hidden // heads,
-        "final_logit_softcapping": keys.get(f"{arch}.final_logit_softcapping") or None,
+        "query_pre_attn_scalar": hidden // heads if values["num_hidden_layers"] == 62 else head_dim or hidden // heads,
+        "final_logit_softcapping": keys.get("gemma3.final_logit_softcapping") or None,
     }  # fmt: skip

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
-from engine.core.architectures import ARCHITECTURES, Architecture, NotServedNatively
+from engine.core.architectures import ARCHITECTURES, Architecture, NotServedNatively, by_model_type
 from engine.runtime.gguf_file import GGUFFile
 from engine.runtime.gguf_weights import (
     EXPERT_PROJECTIONS,
@@ -36,6 +36,7 @@ _NORMS = {
     "ffn_norm": "post_attention_layernorm",
     "attn_q_norm": "self_attn.q_norm",
     "attn_k_norm": "self_attn.k_norm",
+    "post_attention_norm": "post_attention_layernorm",  # gpt-oss's name of the MLP's input norm
 }
 #: ... where the attention's and MLP's outputs have norms too (Gemma 3): transformers' "post attention" norm is then
 #: the attention output's, and the MLP's input norm is "pre feedforward".
@@ -65,14 +66,14 @@ def build(
         embedding.embed_scale = torch.tensor(embedding.scalar_embed_scale)
     model.tie_weights()
     reader = GGUFFile(path)
+    arch = ARCHITECTURES[architecture(reader)]
     _rope_factors(model, reader)
     quantized = read(reader, config.num_attention_heads, config.num_key_value_heads)
     parameters = dict(model.named_parameters(remove_duplicate=False))
     written = set(quantized) | _experts_in_blocks(quantized)
     for name, values in _dense_tensors(reader, config, written):
         name, _, part = name.partition(":")  # an expert tensor: its part of transformers' 3-D parameter
-        target = parameters[name].data if not part else parameters[name].data.chunk(2, dim=1)[int(part)]
-        target.copy_(values.to(dtype))
+        _place(parameters[name].data, part, arch).copy_(values.to(dtype))
         written.add(name)
     if config.tie_word_embeddings and "model.embed_tokens.weight" in written:
         written.add("lm_head.weight")
@@ -128,14 +129,16 @@ def densify_all(model: PreTrainedModel, quantized: dict[str, QuantizedWeight]) -
     from gguf.quants import dequantize
 
     parameters = dict(model.named_parameters(remove_duplicate=False))
+    arch = by_model_type(model.config.model_type)
+    assert arch is not None
     with torch.no_grad():
         for name, weight in quantized.items():
             rows = dequantize(weight.data.numpy(), GGMLQuantizationType(weight.qtype))
             values = torch.from_numpy(np.ascontiguousarray(rows).reshape(weight.out_features, weight.in_features))
-            _dense_target(parameters, name).copy_(values)
+            _dense_target(parameters, name, arch).copy_(values)
 
 
-def _dense_target(parameters: dict[str, torch.nn.Parameter], name: str) -> torch.Tensor:
+def _dense_target(parameters: dict[str, torch.nn.Parameter], name: str, arch: Architecture) -> torch.Tensor:
     """Where a quantized matrix's values go: its parameter, or an expert's rows of a 3-D one."""
     parsed = parse_expert_name(name)
     if parsed is None:
@@ -143,8 +146,19 @@ def _dense_target(parameters: dict[str, torch.nn.Parameter], name: str) -> torch
     layer, expert, projection = parsed
     prefix = f"model.layers.{layer}.mlp.experts."
     if projection == "down_proj":
-        return parameters[prefix + "down_proj"].data[expert]
-    return parameters[prefix + "gate_up_proj"].data[expert].chunk(2)[0 if projection == "gate_proj" else 1]
+        return _place(parameters[prefix + "down_proj"].data, "", arch)[expert]
+    return _place(parameters[prefix + "gate_up_proj"].data, "0" if projection == "gate_proj" else "1", arch)[expert]
+
+
+def _place(parameter: torch.Tensor, part: str, arch: Architecture) -> torch.Tensor:
+    """The view of a parameter that a file's tensor fills: the whole of it, or (``part`` "0" or "1") the gate's or
+    the up's half of a mixture's ``gate_up_proj`` (and of gpt-oss's ``gate_up_proj_bias``). The file holds each
+    expert's matrix ``[out, in]``; gpt-oss's transformers model holds them ``[in, out]``, gate and up columns
+    interleaved."""
+    if not arch.oai_experts:
+        return parameter if not part else parameter.chunk(2, dim=1)[int(part)]
+    view = parameter if not part else parameter[..., int(part) :: 2]
+    return view.transpose(-1, -2) if view.dim() == 3 else view
 
 
 def _dense_tensors(reader: GGUFFile, config: PretrainedConfig, skip: set[str]) -> Iterator[tuple[str, torch.Tensor]]:
@@ -180,9 +194,11 @@ def _name(gguf_name: str, arch: Architecture) -> str | None:
     if gguf_name == "output_norm.weight":
         return "model.norm.weight"
     parts = gguf_name.split(".")
-    if len(parts) == 4 and parts[2] in _DENSE_EXPERTS:
-        return f"model.layers.{parts[1]}.mlp.experts.{_DENSE_EXPERTS[parts[2]]}"
+    if len(parts) == 4 and parts[2] in _DENSE_EXPERTS:  # gpt-oss's experts' biases too
+        place = _DENSE_EXPERTS[parts[2]]
+        place = place.replace("_proj", "_proj_bias") if parts[3] == "bias" else place
+        return f"model.layers.{parts[1]}.mlp.experts.{place}"
     norms = _OUTPUT_NORMS if arch.output_norms else _NORMS
     if len(parts) == 4 and parts[0] == "blk" and parts[2] in norms:
         return f"model.layers.{parts[1]}.{norms[parts[2]]}.weight"
-    return hf_name(gguf_name, arch.fused_projections)
+    return hf_name(gguf_name, arch)

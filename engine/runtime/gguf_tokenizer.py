@@ -38,8 +38,10 @@ def convert(gguf: Path) -> Any:
 
     try:
         tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    except ValueError as exc:  # an architecture transformers' GGUF reader does not know (olmoe): its class unknown,
-        if "is not supported yet" not in str(exc):  # the vocabulary is still built from the file's own keys
+    except (ValueError, TypeError) as exc:  # an architecture transformers' GGUF reader does not know (olmoe: its
+        # class unknown) or misreads (gpt-oss: its YaRN keys, a TypeError): the vocabulary is still built from the
+        # file's own tokenizer keys, which that reader of the model's config does not need
+        if isinstance(exc, ValueError) and "is not supported yet" not in str(exc):
             raise
         tokenizer = PreTrainedTokenizerFast.from_pretrained(gguf.parent, gguf_file=gguf.name)
     keys = GGUFFile(gguf).keys

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from engine.core.architectures import ARCHITECTURES
+from engine.core.architectures import ARCHITECTURES, Architecture
 from engine.runtime.quantized_weights import SUPPORTED, QuantizedWeight
 
 if TYPE_CHECKING:
@@ -38,6 +38,8 @@ _LAYER_NAMES = {
 }
 #: ... in an architecture that stores them fused (``Architecture.fused_projections``).
 _FUSED_NAMES = {**_LAYER_NAMES, "attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}
+#: ... in gpt-oss (``Architecture.oai_experts``): its router and its attention sinks.
+_OAI_NAMES = {**_LAYER_NAMES, "ffn_gate_inp": "mlp.router", "attn_sinks": "self_attn.sinks"}
 #: A mixture of experts' matrices (3-D: one matrix an expert, ``expert_name``).
 EXPERT_PROJECTIONS = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
 
@@ -50,14 +52,14 @@ def read(path: Path | GGUFFile, num_heads: int, num_kv_heads: int) -> dict[str, 
 
     reader = path if isinstance(path, GGUFFile) else GGUFFile(path)
     permuted = permuted_qk(reader)
-    fused = ARCHITECTURES[architecture(reader)].fused_projections
+    arch = ARCHITECTURES[architecture(reader)]
     weights: dict[str, QuantizedWeight] = {}
     for tensor in reader.tensors:
         qtype = SUPPORTED.get(tensor.tensor_type.name)
         if qtype is not None and tensor.name.split(".")[2:3] and tensor.name.split(".")[2] in EXPERT_PROJECTIONS:
             weights.update(_experts(tensor.name, np.asarray(tensor.data), qtype, int(tensor.shape[0])))
             continue
-        name = hf_name(tensor.name, fused)
+        name = hf_name(tensor.name, arch)
         if qtype is None or name is None:
             continue
         rows = np.asarray(tensor.data)
@@ -117,17 +119,18 @@ def permuted_qk(reader: GGUFFile) -> bool:
     return arch is not None and arch.permuted_qk
 
 
-def hf_name(name: str, fused: bool = False) -> str | None:
-    """transformers' name of a projection's weight or bias (or of the embedding or output layer); ``fused``: in an
-    architecture whose file stores fused projections."""
+def hf_name(name: str, arch: Architecture) -> str | None:
+    """transformers' name of a projection's weight or bias (or of the embedding or output layer) in a file of
+    ``arch``."""
     if name == "token_embd.weight":
         return "model.embed_tokens.weight"
     if name == "output.weight":
         return "lm_head.weight"
     parts = name.split(".")
-    names = _FUSED_NAMES if fused else _LAYER_NAMES
+    names = _FUSED_NAMES if arch.fused_projections else _OAI_NAMES if arch.oai_experts else _LAYER_NAMES
     if len(parts) == 4 and parts[0] == "blk" and parts[2] in names and parts[3] in ("weight", "bias"):
-        return f"model.layers.{parts[1]}.{names[parts[2]]}.{parts[3]}"
+        suffix = "" if parts[2] == "attn_sinks" else f".{parts[3]}"  # a parameter of its own, not a layer's weight
+        return f"model.layers.{parts[1]}.{names[parts[2]]}{suffix}"
     return None
 
 

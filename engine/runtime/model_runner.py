@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface, PreTrainedModel
 
-from engine.core.architectures import by_model_type
+from engine.core.architectures import Architecture, by_model_type
 from engine.runtime import kernels
 from engine.runtime.attention import ATTENTION_NAME, attend, block_attention
 from engine.runtime.kv_cache import StepBatch
@@ -142,6 +142,21 @@ class _Experts:
     renormalize: bool  # the chosen experts' weights scaled to sum to 1
     #: A shared expert every row takes (qwen2moe): its gate and up rows, its down, and its gate's vector ``[hidden]``.
     shared: tuple[Weight, Weight, torch.Tensor] | None = None
+    #: gpt-oss (``Architecture.oai_experts``): the router's bias, each expert's gate-and-up and down biases, and the
+    #: clamped SwiGLU's alpha and limit; the softmax then over the top k logits only.
+    router_bias: torch.Tensor | None = None
+    gate_up_bias: torch.Tensor | None = None  # [experts, 2 * intermediate], gate's then up's
+    down_bias: torch.Tensor | None = None  # [experts, hidden]
+    clamp: tuple[float, float] | None = None
+
+    def route(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each row's chosen experts ``[rows, k]`` and their weights (float32), from the router's ``logits``."""
+        logits = logits.float() if self.router_bias is None else (logits + self.router_bias).float()
+        if self.clamp is not None:  # gpt-oss: the top k logits, then their softmax
+            top, chosen = torch.topk(logits, self.top_k, dim=-1)
+            return torch.softmax(top, dim=-1), chosen
+        weights, chosen = torch.topk(torch.softmax(logits, dim=-1), self.top_k, dim=-1)
+        return (weights / weights.sum(dim=-1, keepdim=True) if self.renormalize else weights), chosen
 
 
 @dataclass(slots=True)
@@ -162,6 +177,8 @@ class _LlamaLayer:
     window: int = 0  # a sliding-window layer: each row attends its last `window` positions (0: all)
     rope: str | None = None  # which RoPE table the layer rotates by (gemma3's local and global layers differ)
     experts: _Experts | None = None  # the MLP's place taken by a mixture of experts
+    o_bias: torch.Tensor | None = None  # the attention output's bias (gpt-oss)
+    sinks: torch.Tensor | None = None  # each query head's attention sink (gpt-oss)
 
     def extras(self) -> dict[str, torch.Tensor | int | bool | None]:
         """What an architecture adds to a llama layer, as ``llama_layer``'s keyword arguments."""
@@ -174,7 +191,9 @@ class _LlamaLayer:
         """The arguments ``llama_layer`` takes for this layer's weights, up to its post-attention norm; None unless
         every projection is one matrix of packed quantized blocks."""
         projections = (self.qkv, self.o, self.gate_up, self.down)
-        if self.qk_norm_whole or not all(isinstance(p, PackedWeight) for p in projections):
+        if self.qk_norm_whole or self.o_bias is not None or self.sinks is not None:
+            return None
+        if not all(isinstance(p, PackedWeight) for p in projections):
             return None  # (the native layer normalizes each head)
         qkv, o, gate_up, down = ((p.data, p.qtype, p.out_features) for p in projections)  # type: ignore[union-attr]
         return (*qkv, *o, self.post_norm, *gate_up, *down)
@@ -309,7 +328,7 @@ class LlamaRunner:
             )
         experts, gate_up, down = None, None, None
         if arch.experts:
-            experts = _experts(mlp, prefix, quantized, fused, arch.shared_expert)
+            experts = _experts(mlp, prefix, quantized, fused, arch)
         else:
             gate_up = (fused(["mlp.gate_up_proj"], [mlp.gate_up_proj]) if arch.fused_projections
                        else fused(["mlp.gate_proj", "mlp.up_proj"], [mlp.gate_proj, mlp.up_proj]))  # fmt: skip
@@ -329,8 +348,10 @@ class LlamaRunner:
             norm(layer.post_feedforward_layernorm) if sandwich else None,
             arch.activation != "silu",
             _window(attn.config, attn.layer_idx),
-            attn.config.layer_types[attn.layer_idx] if arch.sliding_window_pattern else None,
+            _rope_kind(attn.config, attn.layer_idx),
             experts,
+            attn.o_proj.bias.detach() if arch.output_bias else None,
+            attn.sinks.detach().float() if arch.sinks else None,
         )
 
     def forward(
@@ -393,8 +414,10 @@ class LlamaRunner:
                 qk = torch.cat([_rms_norm(q, layer.q_norm, self.eps), _rms_norm(k, layer.k_norm, self.eps)], dim=1)
         qk = self._rope(qk, cos, sin)  # q and k in one pass
         q, k, v = qk[:, : self.num_heads], qk[:, self.num_heads :], heads[:, self.num_heads + self.num_kv_heads :]
-        attended = attend(batch, index, q, k, v, self.scale, layer.window)
+        attended = attend(batch, index, q, k, v, self.scale, layer.window, layer.sinks)
         output = linear(attended.reshape(hidden.shape[0], -1), layer.o, tile)
+        if layer.o_bias is not None:
+            output = output + layer.o_bias
         hidden, normed = self._add_norm(hidden, output, layer.post_norm, self.eps, layer.attn_out_norm)
         if layer.experts is not None:
             output = self._mixture(normed, layer.experts)
@@ -408,17 +431,12 @@ class LlamaRunner:
         """Each row through its top-k experts, their outputs weighted and summed as transformers sums them: expert
         by expert in ascending order, an expert's rows read its weights once. A row's sum has that order and each
         expert's product of it is the same whatever rows share the step: the mixture is batch invariant."""
-        probs = torch.softmax(linear(x, experts.router, self.tile).float(), dim=-1)
-        weights, chosen = torch.topk(probs, experts.top_k, dim=-1)
-        if experts.renormalize:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
+        weights, chosen = experts.route(linear(x, experts.router, self.tile))
         weights = weights.to(x.dtype)
         output = torch.zeros_like(x)
         for expert in torch.unique(chosen).tolist():  # sorted
             rows, slot = torch.where(chosen == expert)
-            gate_up = linear(x[rows], experts.gate_up[expert], self.tile)
-            product = linear(self._silu_mul(gate_up), experts.down[expert], self.tile)
-            output.index_add_(0, rows, product * weights[rows, slot, None])
+            output.index_add_(0, rows, self._expert(x[rows], experts, expert) * weights[rows, slot, None])
         if experts.shared is not None:  # added after the routed experts, as transformers adds it
             gate_up, down, gate = experts.shared
             shared = linear(self._silu_mul(linear(x, gate_up, self.tile)), down, self.tile)
@@ -428,13 +446,23 @@ class LlamaRunner:
         return output
 
 
+    def _expert(self, x: torch.Tensor, experts: _Experts, expert: int) -> torch.Tensor:
+        """One expert's gated MLP over the rows ``x`` that chose it."""
+        gate_up = linear(x, experts.gate_up[expert], self.tile)
+        if experts.clamp is None:
+            return linear(self._silu_mul(gate_up), experts.down[expert], self.tile)
+        assert experts.gate_up_bias is not None and experts.down_bias is not None
+        gated = _clamped_swiglu(gate_up + experts.gate_up_bias[expert], *experts.clamp)
+        return linear(gated, experts.down[expert], self.tile) + experts.down_bias[expert]
+
+
 def _experts(
     mlp: torch.nn.Module, prefix: str, quantized: dict[str, QuantizedWeight],
-    fused: Callable[[list[str], list[torch.nn.Module]], Weight], shared: bool,
+    fused: Callable[[list[str], list[torch.nn.Module]], Weight], arch: Architecture,
 ) -> _Experts:  # fmt: skip
     """A mixture of experts' weights: each expert's in its blocks where the file holds them so
     (``gguf_weights.expert_name``), else its slices of transformers' 3-D parameters; the router's, and the shared
-    expert's (``shared``), as ``fused`` takes a layer's matrices."""
+    expert's, as ``fused`` takes a layer's matrices."""
     count = mlp.experts.gate_up_proj.shape[0]
     gate_up: list[Weight] = []
     down: list[Weight] = []
@@ -445,16 +473,51 @@ def _experts(
             stacked = QuantizedWeight.stack([gate, up])
             gate_up.append(stacked.pack() if stacked is not None else PackedParts((gate.pack(), up.pack())))
         else:
-            gate_up.append(prepack(mlp.experts.gate_up_proj[expert]))
-        down.append(down_blocks.pack() if down_blocks is not None else prepack(mlp.experts.down_proj[expert]))
+            gate_up.append(prepack(_dense_expert(mlp.experts, expert, arch)[0]))
+        dense_down = None if down_blocks is not None else _dense_expert(mlp.experts, expert, arch)[1]
+        down.append(down_blocks.pack() if down_blocks is not None else prepack(dense_down))  # type: ignore[arg-type]
+    if arch.oai_experts:
+        return _oai_experts(mlp, fused, gate_up, down)
     gate = mlp.gate
     experts = _Experts(fused(["mlp.gate"], [gate]), gate_up, down, gate.top_k, bool(gate.norm_topk_prob))
-    if shared:
+    if arch.shared_expert:
         one, names = mlp.shared_expert, ["mlp.shared_expert.gate_proj", "mlp.shared_expert.up_proj"]
         experts.shared = (fused(names, [one.gate_proj, one.up_proj]),
                           fused(["mlp.shared_expert.down_proj"], [one.down_proj]),
                           mlp.shared_expert_gate.weight.detach()[0])  # fmt: skip
     return experts
+
+
+def _dense_expert(experts: torch.nn.Module, expert: int, arch: Architecture) -> tuple[torch.Tensor, torch.Tensor]:
+    """An expert's gate-and-up rows (gate's first) and down rows, ``[out, in]``, from transformers' 3-D parameters
+    (gpt-oss's hold them ``[in, out]``, the gate's and up's columns interleaved)."""
+    gate_up, down = experts.gate_up_proj[expert], experts.down_proj[expert]
+    if not arch.oai_experts:
+        return gate_up, down
+    return torch.cat([gate_up[:, 0::2].T, gate_up[:, 1::2].T]).contiguous(), down.T.contiguous()
+
+
+def _oai_experts(
+    mlp: torch.nn.Module, fused: Callable[[list[str], list[torch.nn.Module]], Weight], gate_up: list[Weight],
+    down: list[Weight],
+) -> _Experts:  # fmt: skip
+    """gpt-oss's mixture: its router (with a bias), the experts' matrices, their biases (the gate's and up's
+    interleaved in transformers' parameter, here gate's then up's as the rows are stacked) and the SwiGLU's clamp."""
+    router, experts = mlp.router, mlp.experts
+    bias = experts.gate_up_proj_bias.detach()
+    return _Experts(
+        fused(["mlp.router"], [router]), gate_up, down, router.top_k, False,
+        router_bias=router.bias.detach(), gate_up_bias=torch.cat([bias[:, 0::2], bias[:, 1::2]], dim=1),
+        down_bias=experts.down_proj_bias.detach(), clamp=(float(experts.alpha), float(experts.limit)),
+    )  # fmt: skip
+
+
+def _clamped_swiglu(gate_up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    """gpt-oss's gated activation as transformers computes it: the gate clamped above at ``limit``, the up to
+    ``+-limit``, ``(up + 1) * gate * sigmoid(alpha gate)``."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    gate = gate.clamp(max=limit)
+    return (up.clamp(min=-limit, max=limit) + 1) * (gate * torch.sigmoid(gate * alpha))
 
 
 def _add_norm(
@@ -479,6 +542,19 @@ def _gelu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return F.gelu(gate, approximate="tanh") * up
 
 
+def _rope_kind(config: object, index: int) -> str | None:
+    """The RoPE table layer ``index`` rotates by (``_rope_tables``): its kind where the kinds rotate differently
+    (the config's RoPE parameters are by kind: Gemma 3), else None."""
+    kinds = getattr(config, "layer_types", None)
+    return kinds[index] if kinds and _rope_by_kind(config) else None
+
+
+def _rope_by_kind(config: object) -> bool:
+    parameters = getattr(config, "rope_parameters", None) or {}
+    kinds = getattr(config, "layer_types", None) or []
+    return bool(kinds) and all(kind in parameters for kind in kinds)
+
+
 def _window(config: object, index: int) -> int:
     """Layer ``index``'s sliding window (0: none): the config's window in the layers its ``layer_types`` say slide
     (Gemma 3's local layers), or in every layer where it lists no kinds (Phi-3)."""
@@ -501,13 +577,12 @@ def _rope_tables(model: PreTrainedModel, max_positions: int) -> dict[str | None,
     positions = torch.arange(max_positions, device=model.device)[None]
     dummy = torch.empty(0, dtype=model.dtype, device=model.device)
     rotary = model.model.rotary_emb
-    arch = by_model_type(model.config.model_type)
-    if arch is None or not arch.sliding_window_pattern:
-        cos, sin = rotary(dummy, positions)
-        return {None: (cos[0], sin[0])}
+    kinds = sorted(set(model.config.layer_types)) if _rope_by_kind(model.config) else [None]
     tables = {}
-    for kind in sorted(set(model.config.layer_types)):
-        cos, sin = rotary(dummy, positions, kind)
+    for kind in kinds:
+        cos, sin = rotary(dummy, positions) if kind is None else rotary(dummy, positions, kind)
+        if 2 * cos.shape[-1] == getattr(model.config, "head_dim", 0):  # gpt-oss's: one angle a pair of dims
+            cos, sin = torch.cat([cos, cos], dim=-1), torch.cat([sin, sin], dim=-1)
         tables[kind] = (cos[0], sin[0])
     return tables
 
