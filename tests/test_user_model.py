@@ -168,7 +168,7 @@ def test_a_sentencepiece_file_s_token_ids_are_llama_cpp_s(tmp_path: Path) -> Non
 
 # qwen2: transformers loads this checkpoint's vocabulary as Qwen2Tokenizer, whose own pre-tokenizer the converter
 # does not recognize; the Qwen GGUF above is that converter's own qwen2 file.
-@pytest.mark.parametrize("arch", ["llama", "qwen3", "phi3", "gemma3", "qwen3moe", "olmoe", "qwen2moe"])
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "phi3", "gemma3", "qwen3moe", "olmoe", "qwen2moe", "gpt-oss"])
 def test_a_file_from_llama_cpp_s_own_converter_scores_text_as_transformers_does(arch: str, tmp_path: Path) -> None:
     """The tiny files of ``tests/gguf_files.py`` are written as the converter writes them; this runs the converter
     itself (``convert_hf_to_gguf.py`` from the tree that built ``LLAMA_SERVER``) on a checkpoint of each
@@ -191,14 +191,17 @@ def test_a_file_from_llama_cpp_s_own_converter_scores_text_as_transformers_does(
     torch.testing.assert_close(got, want, atol=5e-4, rtol=0)
 
 
-@pytest.mark.parametrize("outtype", ["f32", "q8_0"])
-@pytest.mark.parametrize("arch", ["qwen3moe", "olmoe", "qwen2moe"])
+@pytest.mark.parametrize(("arch", "outtype"), [
+    *((arch, outtype) for arch in ("qwen3moe", "olmoe", "qwen2moe", "gpt-oss") for outtype in ("f32", "q8_0")),
+    ("gpt-oss", "mxfp4"),
+])  # fmt: skip
 def test_a_mixture_of_experts_answers_greedy_as_llama_cpp_s_server_does(
     arch: str, outtype: str, tmp_path: Path
 ) -> None:
     """A checkpoint of each mixture of experts (8 experts, 2 a row) converted by llama.cpp's own converter (F32, and
-    Q8_0 as it quantizes): 24 greedy tokens from each of four prompts, from our server and from llama.cpp's on the
-    same file, the same tokens (Q8_0: llama.cpp's tokens and logprobs, ours to rounding). Needs ``LLAMA_SERVER``."""
+    Q8_0 as it quantizes; gpt-oss's experts also in MXFP4 by ``llama-quantize``, as released): 24 greedy tokens from
+    each of four prompts, from our server and from llama.cpp's on the same file, the same tokens (quantized:
+    llama.cpp's tokens and logprobs, ours to rounding). Needs ``LLAMA_SERVER``."""
     import httpx
 
     binary = os.environ.get("LLAMA_SERVER")
@@ -215,7 +218,9 @@ def test_a_mixture_of_experts_answers_greedy_as_llama_cpp_s_server_does(
     # Peaked (std 0.1; the default 0.05 gives near-uniform next tokens, the top two 0.001 apart).
     save_checkpoint(arch, tmp_path / "checkpoint", std=0.1, **({"rms_norm_eps": 1e-5} if arch == "olmoe" else {}))
     gguf = tmp_path / f"moe-{outtype}.gguf"
-    convert(tmp_path / "checkpoint", gguf, Path(binary).resolve().parents[2], outtype)
+    convert(tmp_path / "checkpoint", gguf, Path(binary).resolve().parents[2], "f32" if outtype == "mxfp4" else outtype)
+    if outtype == "mxfp4":  # the experts in MXFP4, the rest Q8_0, as llama-quantize's MXFP4_MOE writes them
+        gguf = _quantized(gguf, Path(binary).with_name("llama-quantize"), "MXFP4_MOE")
     # Its KV cache in float32 and no flash attention (which rounds to F16 on the CPU), as ours: either alone moved
     # logprobs by up to 0.05 here, and flipped tokens.
     flags = ["-ctk", "f32", "-ctv", "f32", "-fa", "off"]
@@ -253,10 +258,29 @@ def test_a_mixture_of_experts_answers_greedy_as_llama_cpp_s_server_does(
                 gaps.append(abs(logprobs["token_logprobs"][position] - steps[index]["logprob"]))
                 tops.append(max(logprobs["top_logprobs"][position].values()) == logprobs["token_logprobs"][position])
         if outtype != "f32":
-            assert sum(gaps) / len(gaps) < 0.06 and sum(tops) / len(tops) > 0.8, (gaps, tops)
+            ordered = sorted(gaps)
+            summary = f"mean {sum(gaps) / len(gaps):.3f}, median {ordered[len(gaps) // 2]:.3f}, max {ordered[-1]:.3f}"
+            # gpt-oss (6 layers, its clamped SwiGLU): 8-bit activations move its scores more, each server's alike.
+            # Measured on these files: ours from llama.cpp's mean 0.112 (Q8_0) and 0.154 (MXFP4), while each server is
+            # 0.23-0.27 (Q8_0) and 0.39-0.44 (MXFP4) from the float product of the same weights (our --quantization
+            # none): the two quantized paths are nearer each other than either is to the exact one.
+            bound, agreeing = (0.2, 0.75) if arch == "gpt-oss" else (0.06, 0.8)
+            assert sum(gaps) / len(gaps) < bound and sum(tops) / len(tops) > agreeing, (summary, sum(tops) / len(tops))
     finally:
         stop_server(ours)
         stop_server(llama)
+
+
+def _quantized(gguf: Path, quantize: Path, kind: str) -> Path:
+    """``gguf`` quantized by llama.cpp's ``llama-quantize`` (built beside its server: ``cmake --build build --target
+    llama-quantize``) to ``kind``."""
+    import subprocess
+
+    if not quantize.exists():
+        pytest.skip(f"{quantize} is not built (cmake --build build --target llama-quantize in llama.cpp's tree)")
+    out = gguf.with_name(f"{gguf.stem}-{kind.lower()}.gguf")
+    subprocess.run([str(quantize), str(gguf), str(out), kind], check=True, capture_output=True)
+    return out
 
 
 def test_fill_in_the_middle_as_llama_cpp_fills_it(gguf: Path) -> None:
