@@ -9,6 +9,10 @@ paired (same minutes of the machine) and the median reported.
 Throughput: closed-loop streaming completions, 64 greedy tokens each (ignore_eos), at each level. Long prompt: the
 time to first token of a prompt of about ``--long-prompt`` tokens (fresh text each time: no prefix-cache hit), one
 token answered, the median of 3 on each server. Also: the start-up time of smolserve and its resident memory.
+
+``--in-turn``: for a file too big for both servers at once (``bench/shaped_gguf.py``'s), each server alone, smolserve
+first; each level's median of ``--rounds`` runs, the ratio of the two medians (unpaired), each one's start-up time
+and resident memory.
 """
 
 from __future__ import annotations
@@ -62,9 +66,13 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--long-prompt", type=int, default=2000)
+    parser.add_argument("--in-turn", action="store_true",
+                        help="one server up at a time (a file too big for both): the ratio of medians, unpaired")
     args = parser.parse_args()
     gguf = args.gguf or Path(subprocess.check_output(["bash", str(USER_MODELS)], text=True).strip())
     bench_serving.MODEL = gguf.stem
+    if args.in_turn:
+        return in_turn(gguf, args)
     started = time.perf_counter()
     ours, ours_base = start_server("--model", str(gguf), "--embedding-model", "none")
     startup = time.perf_counter() - started
@@ -92,12 +100,43 @@ def main() -> None:
                 for i, (name, base) in enumerate(servers.items())
             }
             print(json.dumps({"long_prompt_tokens": args.long_prompt, "ttft_ms": ttft}), flush=True)
-        print("\n| streams | smolserve tok/s | llama.cpp tok/s | ratio (median of paired rounds) |\n|---|---|---|---|")
-        for row in rows:
-            print(f"| {row['streams']} | {row['smolserve']:.1f} | {row['llama.cpp']:.1f} | {row['ratio']:.2f}x |")
+        table(rows)
     finally:
         stop_server(ours)
         stop_server(llama)
+
+
+def in_turn(gguf: Path, args: argparse.Namespace) -> None:
+    """Each server alone on the machine, smolserve first: its start-up and resident memory, then each level's
+    median tokens/s of ``--rounds`` runs, and the long prompt's time to first token."""
+    measured: dict[str, dict] = {}
+    for name in ("smolserve", "llama.cpp"):
+        started = time.perf_counter()
+        if name == "smolserve":
+            proc, base = start_server("--model", str(gguf), "--embedding-model", "none")
+        else:
+            proc, base = start_llama(args.llama_server, max(args.levels, default=1), context=4096, gguf=gguf)
+        ready = time.perf_counter() - started
+        try:
+            rss = RssSampler(proc.pid).rss_kib() / 1024
+            asyncio.run(run_level(base, 2, 8))  # warm-up
+            levels = {level: statistics.median(asyncio.run(run_level(base, level, args.new_tokens))["tok_s"]
+                                               for _ in range(args.rounds)) for level in args.levels}  # fmt: skip
+            prompts = range(3) if args.long_prompt else range(0)
+            ttft = statistics.median([long_prompt_ms(base, args.long_prompt, j) for j in prompts] or [0.0])
+            measured[name] = {"ready_s": round(ready, 1), "rss_mib": round(rss), "tok_s": levels, "ttft_ms": ttft}
+            print(json.dumps({name: measured[name]}), flush=True)
+        finally:
+            stop_server(proc)
+    ours, theirs = measured["smolserve"], measured["llama.cpp"]
+    table([{"streams": level, "smolserve": ours["tok_s"][level], "llama.cpp": theirs["tok_s"][level],
+            "ratio": ours["tok_s"][level] / theirs["tok_s"][level]} for level in args.levels])  # fmt: skip
+
+
+def table(rows: list[dict]) -> None:
+    print("\n| streams | smolserve tok/s | llama.cpp tok/s | ratio |\n|---|---|---|---|")
+    for row in rows:
+        print(f"| {row['streams']} | {row['smolserve']:.1f} | {row['llama.cpp']:.1f} | {row['ratio']:.2f}x |")
 
 
 if __name__ == "__main__":

@@ -16,9 +16,10 @@
 //   IQ4_XS: fp16 d, 8 6-bit scales, 4-bit indices into IQ4_NL's table; sub-block s:     w = d (sc_s - 32) table[q]
 //   MXFP4 (gpt-oss's experts): an E8M0 exponent e, 4-bit E2M1 codes into a table of doubled values; w = 2^(e-128) t[q]
 // Packing turns every type into 32-weight blocks of one of three kinds: 4-bit or 5-bit quants with an offset
-// (Q4_0, Q4_1, Q4_K, Q2_K; Q5_0, Q5_1, Q5_K), or signed 8-bit ones (Q8_0, IQ4_NL, IQ4_XS, MXFP4, Q3_K, Q6_K: a
-// table's value or q minus its offset, exact in int8). The K-quants' scales d sc are products, exact in float32
-// only, and MXFP4's powers of 2 span float32's whole range, so they are packed as float32 (one per 16 weights where the type has that: Q2_K, Q3_K, Q6_K), the others as the
+// (Q4_0, Q4_1, Q4_K, Q2_K; Q5_0, Q5_1, Q5_K), signed 8-bit ones (Q8_0, IQ4_NL, IQ4_XS, Q3_K, Q6_K: a table's value
+// or q minus its offset, exact in int8), or 4-bit indices into a table of int8 values that the kernel looks up
+// (MXFP4: a 20B's experts as 8-bit values would not fit in 24 GB). The K-quants' scales d sc are products, exact
+// in float32 only, and MXFP4's powers of 2 span float32's whole range, so they are packed as float32 (one per 16 weights where the type has that: Q2_K, Q3_K, Q6_K), the others as the
 // file's fp16 (Q4_0's m = -8 d and Q5_0's m = -16 d: powers of 2, exact).
 // `quant_pack` regroups them once at load, as llama.cpp's repacked formats do: the blocks of 8 output rows side
 // by side, so that one vector instruction works on 8 outputs and a block's scales are one vector load:
@@ -28,7 +29,8 @@
 //   5-bit group block: the 4-bit one, then 32 bytes of fifth bits: byte 4c + i holds, for output column c, bit 2k
 //     the fifth bit of weight 4k + i and bit 2k + 1 that of weight 16 + 4k + i (run k's low and high nibbles);
 //   8-bit group block: 8 d (twice where scaled by 16), then 8 runs of 32 bytes, run k holding weights 4k..4k+3 of
-//     each row in turn.
+//     each row in turn;
+//   table group block: 8 float32 d, then the 4-bit group block's runs of nibbles (the table's indices).
 // Each activation row is quantized per block of 32 to int8 with a scale a = max|x| / 127, and a block's dot
 // product is an integer one: sum(w x) = d a sum(q qx) (+ m a sum(qx) for the types with an offset). On AVX2, a
 // run's 4 weights of each of 8 rows meet the row's 4 activations, broadcast, in one vpmaddubsw (unsigned 4/5-bit
@@ -80,6 +82,9 @@ enum QuantType : int64_t {  // GGML's type numbers
 constexpr int8_t kIQ4Values[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
 // MXFP4's E2M1 values, doubled (ggml's kvalues_mxfp4): the block's scale is half the E8M0 power.
 constexpr int8_t kMXFP4Values[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+// The tables a packed layout's nibbles index (Layout::table): none, MXFP4's.
+constexpr int kMXFP4Table = 1;
+constexpr const int8_t* kTables[2] = {nullptr, kMXFP4Values};
 
 // Bytes of one GGML block of `type`, and the weights it holds.
 int64_t block_bytes(int64_t type) {
@@ -107,13 +112,16 @@ int64_t block_bytes(int64_t type) {
 int64_t block_weights(int64_t type) { return block_bytes(type) > 34 ? 256 : kBlock; }  // every K-quant is larger
 
 // How a type is packed: `bits` 4 or 5 (unsigned quants with an offset m) or 8 (signed); float32 scales (else fp16);
-// a scale (and offset) per 16 weights (else per 32).
+// a scale (and offset) per 16 weights (else per 32); `table` (4 bits, no offset): each nibble an index into a table
+// of 16 int8 values (kTables), looked up in the kernel (MXFP4: half the bytes of its values as 8-bit quants).
 struct Layout {
   int bits;
   bool f32, halves;
+  int table = 0;
   constexpr bool q8() const { return bits == 8; }
+  constexpr bool offset() const { return !q8() && table == 0; }  // an m beside each d
   constexpr int64_t scale_bytes() const { return (f32 ? 4 : 2) * kCols * (halves ? 2 : 1); }
-  constexpr int64_t quants_at() const { return scale_bytes() * (q8() ? 1 : 2); }  // after d (and m)
+  constexpr int64_t quants_at() const { return scale_bytes() * (offset() ? 2 : 1); }  // after d (and m)
   constexpr int64_t high_at() const { return quants_at() + kCols * kBlock / 2; }  // 5-bit: the fifth bits
   constexpr int64_t bytes() const {
     return quants_at() + kCols * kBlock / (q8() ? 1 : 2) + (bits == 5 ? kCols * kBlock / 8 : 0);
@@ -129,7 +137,8 @@ Layout layout_of(int64_t type) {
     case kQ5_0: case kQ5_1: return Layout{5, false, false};
     case kQ5_K: return Layout{5, true, false};
     case kQ8_0: case kIQ4_NL: return Layout{8, false, false};
-    case kIQ4_XS: case kMXFP4: return Layout{8, true, false};
+    case kIQ4_XS: return Layout{8, true, false};
+    case kMXFP4: return Layout{4, true, false, kMXFP4Table};
     default: return Layout{8, true, true};  // Q3_K, Q6_K
   }
 }
@@ -271,7 +280,7 @@ void decode_mxfp4(const uint8_t* block, SubBlock& sb) {
   const uint32_t e = block[0];
   const uint32_t bits = e < 2 ? 0x00200000u << e : (e - 1) << 23;
   std::memcpy(&sb.d[0], &bits, 4);
-  for (int64_t j = 0; j < kBlock; ++j) sb.q[j] = static_cast<uint8_t>(kMXFP4Values[nibble(block + 1, j)]);
+  for (int64_t j = 0; j < kBlock; ++j) sb.q[j] = nibble(block + 1, j);  // packed as the table's indices
 }
 
 // The sub-blocks of one GGML block (1 of 32 weights, or 8 for the 256 of the K-quants and IQ4_XS).
@@ -294,11 +303,11 @@ void write_sub_block(const SubBlock& sb, const Layout& layout, int64_t c, uint8_
   if (layout.f32) {
     for (int64_t h = 0; h < (layout.halves ? 2 : 1); ++h) {
       std::memcpy(to + h * half + 4 * c, &sb.d[h], 4);
-      if (!layout.q8()) std::memcpy(to + m_at + h * half + 4 * c, &sb.m[h], 4);
+      if (layout.offset()) std::memcpy(to + m_at + h * half + 4 * c, &sb.m[h], 4);
     }
   } else {
     std::memcpy(to + 2 * c, &sb.d_half, 2);
-    if (!layout.q8()) std::memcpy(to + m_at + 2 * c, &sb.m_half, 2);
+    if (layout.offset()) std::memcpy(to + m_at + 2 * c, &sb.m_half, 2);
   }
   uint8_t* runs = to + layout.quants_at();
   if (layout.q8()) {
@@ -377,12 +386,14 @@ inline float scale_at(const uint8_t* p, int64_t c) {
   }
 }
 
-// Quant j (0-31) of output column c in a packed block: its int8 value, or its unsigned 4/5-bit one.
+// Quant j (0-31) of output column c in a packed block: its int8 value, its table's value, or its unsigned 4/5-bit
+// one.
 inline int32_t quant_at(const uint8_t* block, const Layout& layout, int64_t c, int64_t j) {
   const uint8_t* runs = block + layout.quants_at();
   if (layout.q8()) return static_cast<int8_t>(runs[j / 4 * 32 + c * 4 + j % 4]);
   const int64_t k = j % 16 / 4, at = c * 4 + j % 4;
   int32_t value = (runs[k * 32 + at] >> (j < 16 ? 0 : 4)) & 0x0F;
+  if (layout.table) return kTables[layout.table][value];
   if (layout.bits == 5) value |= ((block[layout.high_at() + at] >> (2 * k + (j < 16 ? 0 : 1))) & 1) << 4;
   return value;
 }
@@ -397,14 +408,14 @@ void dequantize_column(const uint8_t* block, const Layout& layout, int64_t c, fl
   for (int64_t j = 0; j < kBlock; ++j) {
     const int64_t half = layout.halves && j >= 16 ? layout.scale_bytes() / 2 : 0;
     const volatile float product = scale(half) * static_cast<float>(quant_at(block, layout, c, j));
-    out[j] = layout.q8() ? product : product + scale(layout.scale_bytes() + half);
+    out[j] = layout.offset() ? product + scale(layout.scale_bytes() + half) : product;
   }
 }
 
 // Portable loops: for each row and each of the group's 8 outputs, block by block, the AVX2 path's operations.
-template <int Bits, bool F32, bool Halves>
+template <int Bits, bool F32, bool Halves, int Table>
 void tile_portable(const Tile& t, int64_t count) {
-  constexpr Layout layout{Bits, F32, Halves};
+  constexpr Layout layout{Bits, F32, Halves, Table};
   constexpr int64_t bytes = layout.bytes(), half = layout.scale_bytes() / 2;
   for (int64_t r = t.first; r < t.first + count; ++r) {
     for (int64_t c = 0; c < kCols; ++c) {
@@ -422,10 +433,10 @@ void tile_portable(const Tile& t, int64_t count) {
         } else {
           acc = std::fma(scale_at<F32>(g, c) * a, static_cast<float>(dots[0] + dots[1]), acc);
         }
-        if constexpr (Bits != 8 && Halves) {
+        if constexpr (layout.offset() && Halves) {
           acc = std::fma(scale_at<F32>(g + layout.scale_bytes(), c), t.x->scaled_halves[2 * at], acc);
           acc = std::fma(scale_at<F32>(g + layout.scale_bytes() + half, c), t.x->scaled_halves[2 * at + 1], acc);
-        } else if constexpr (Bits != 8) {
+        } else if constexpr (layout.offset()) {
           acc = std::fma(scale_at<F32>(g + layout.scale_bytes(), c), t.x->scaled_sum[at], acc);
         }
       }
@@ -451,12 +462,20 @@ inline __m256 load_scales(const uint8_t* p) {
 // one vector (two with `Halves`: weights 0-15 and 16-31), summed in int16 while they fit (4-bit: 4 runs, at most
 // 4 * 2 * 2 * 15 * 128 = 30720; 5-bit: 2 runs, 2 * 2 * 2 * 31 * 128 = 31744), then in int32, scaled and summed in
 // float.
-template <int64_t R, int Bits, bool F32, bool Halves, bool Vnni>
+//
+// A table's nibbles (MXFP4) become its signed int8 values by one byte shuffle, then multiply as the 8-bit path's do
+// (|w| times x with w's sign); its 4 runs' int16 sums stay below 4 * 2 * 2 * 12 * 127 = 24384. No offset.
+template <int64_t R, int Bits, bool F32, bool Halves, bool Vnni, int Table>
 void tile_q4_avx2(const Tile& t) {
-  constexpr Layout layout{Bits, F32, Halves};
+  constexpr Layout layout{Bits, F32, Halves, Table};
   constexpr int64_t bytes = layout.bytes(), half = layout.scale_bytes() / 2, flush = Bits == 5 ? 2 : 4;
   constexpr int64_t parts = Halves ? 2 : 1;
+  static_assert(Table == 0 || Table == kMXFP4Table, "a table's int16 sums are bounded for MXFP4's values only");
   const __m256i nibble = _mm256_set1_epi8(0x0F), fifth = _mm256_set1_epi8(0x10), ones = _mm256_set1_epi16(1);
+  __m256i table = _mm256_setzero_si256();
+  if constexpr (Table != 0) {
+    table = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(kTables[Table])));
+  }
   __m256 acc[R];
   for (int64_t r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
   for (int64_t b = 0; b < t.blocks; ++b) {
@@ -478,16 +497,28 @@ void tile_q4_avx2(const Tile& t) {
         high = _mm256_or_si256(high, _mm256_and_si256(_mm256_slli_epi16(high_bits, 3), fifth));
         high_bits = _mm256_srli_epi16(high_bits, 2);
       }
+      __m256i low_x_sign = low, high_x_sign = high;  // what gives each activation its weight's sign (a table's)
+      if constexpr (Table != 0) {
+        low_x_sign = _mm256_shuffle_epi8(table, low);
+        high_x_sign = _mm256_shuffle_epi8(table, high);
+        low = _mm256_sign_epi8(low_x_sign, low_x_sign);
+        high = _mm256_sign_epi8(high_x_sign, high_x_sign);
+      }
       for (int64_t r = 0; r < R; ++r) {
+        __m256i xl = broadcast4(qx[r] + 4 * k), xh = broadcast4(qx[r] + 16 + 4 * k);
+        if constexpr (Table != 0) {
+          xl = _mm256_sign_epi8(xl, low_x_sign);
+          xh = _mm256_sign_epi8(xh, high_x_sign);
+        }
 #if defined(SMOLSERVE_QUANT_VNNI)
         if constexpr (Vnni) {
-          wide[r][0] = _mm256_dpbusd_epi32(wide[r][0], low, broadcast4(qx[r] + 4 * k));
-          wide[r][parts - 1] = _mm256_dpbusd_epi32(wide[r][parts - 1], high, broadcast4(qx[r] + 16 + 4 * k));
+          wide[r][0] = _mm256_dpbusd_epi32(wide[r][0], low, xl);
+          wide[r][parts - 1] = _mm256_dpbusd_epi32(wide[r][parts - 1], high, xh);
           continue;
         }
 #endif
-        const __m256i pl = _mm256_maddubs_epi16(low, broadcast4(qx[r] + 4 * k));
-        const __m256i ph = _mm256_maddubs_epi16(high, broadcast4(qx[r] + 16 + 4 * k));
+        const __m256i pl = _mm256_maddubs_epi16(low, xl);
+        const __m256i ph = _mm256_maddubs_epi16(high, xh);
         if constexpr (Halves) {
           sums[r][0] = _mm256_add_epi16(sums[r][0], pl);
           sums[r][1] = _mm256_add_epi16(sums[r][1], ph);
@@ -502,11 +533,13 @@ void tile_q4_avx2(const Tile& t) {
         }
       }
     }
-    const __m256 d = load_scales<F32>(g), m = load_scales<F32>(g + layout.scale_bytes());
+    const __m256 d = load_scales<F32>(g);
     for (int64_t r = 0; r < R; ++r) {
       const int64_t at = (t.first + r) * t.blocks + b;
       const __m256 a = _mm256_set1_ps(t.x->scale[at]);
       acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(d, a), _mm256_cvtepi32_ps(wide[r][0]), acc[r]);
+      if constexpr (Table != 0) continue;  // no offset
+      const __m256 m = load_scales<F32>(g + layout.scale_bytes());
       if constexpr (Halves) {
         const __m256 d_high = load_scales<F32>(g + half), m_high = load_scales<F32>(g + layout.scale_bytes() + half);
         acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(d_high, a), _mm256_cvtepi32_ps(wide[r][1]), acc[r]);
@@ -568,11 +601,11 @@ void tile_q8_avx2(const Tile& t) {
   for (int64_t r = 0; r < R; ++r) _mm256_storeu_ps(t.out + r * t.out_stride, acc[r]);
 }
 
-template <int Bits, bool F32, bool Halves, bool Vnni>
+template <int Bits, bool F32, bool Halves, bool Vnni, int Table>
 void tile_avx2(const Tile& t, int64_t count) {
   auto run = [&](auto rows) {
     if constexpr (Bits == 8) tile_q8_avx2<decltype(rows)::value, F32, Halves, Vnni>(t);
-    else tile_q4_avx2<decltype(rows)::value, Bits, F32, Halves, Vnni>(t);
+    else tile_q4_avx2<decltype(rows)::value, Bits, F32, Halves, Vnni, Table>(t);
   };
   switch (count) {
     case 1: return run(std::integral_constant<int64_t, 1>{});
@@ -605,21 +638,22 @@ std::vector<int64_t> available_paths() {
   return paths;
 }
 
-template <int Bits, bool F32, bool Halves>
+template <int Bits, bool F32, bool Halves, int Table = 0>
 TileFn tile_of(int64_t path) {
 #if defined(SMOLSERVE_QUANT_VNNI)
-  if (path == kVnni) return tile_avx2<Bits, F32, Halves, true>;
+  if (path == kVnni) return tile_avx2<Bits, F32, Halves, true, Table>;
 #endif
 #if defined(SMOLSERVE_QUANT_AVX2)
-  if (path == kAvx2) return tile_avx2<Bits, F32, Halves, false>;
+  if (path == kAvx2) return tile_avx2<Bits, F32, Halves, false, Table>;
 #endif
-  return tile_portable<Bits, F32, Halves>;
+  return tile_portable<Bits, F32, Halves, Table>;
 }
 
 // One instantiation for each layout `layout_of` gives, on `path` (which this build must have).
 TileFn tile_function(const Layout& layout, int64_t path) {
   switch (layout.bits) {
     case 4:
+      if (layout.table == kMXFP4Table) return tile_of<4, true, false, kMXFP4Table>(path);
       if (layout.halves) return tile_of<4, true, true>(path);
       return layout.f32 ? tile_of<4, true, false>(path) : tile_of<4, false, false>(path);
     case 5: return layout.f32 ? tile_of<5, true, false>(path) : tile_of<5, false, false>(path);
