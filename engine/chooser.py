@@ -77,7 +77,7 @@ def _build_hf(config: EngineConfig, engine_thread: ThreadPoolExecutor) -> Served
     if loaded.blocks and mode.dense_from_rows is not None:
         log.info("dense copy of the blocks in memory: steps from %d rows run dense", mode.dense_from_rows)
         gguf_model.densify(loaded.model, loaded.blocks)
-    max_model_len = min(config.max_model_len or loaded.max_position_embeddings, loaded.max_position_embeddings)
+    max_model_len = fitted_context(loaded.model, config, loaded.max_position_embeddings)
     hf_engine = HFEngine(
         loaded.model,
         eos_token_ids=loaded.eos_token_ids,
@@ -99,6 +99,28 @@ def _build_hf(config: EngineConfig, engine_thread: ThreadPoolExecutor) -> Served
     del loaded
     trim_heap()
     return served
+
+
+def fitted_context(model: Any, config: EngineConfig, trained: int) -> int:
+    """The positions a sequence is served: ``--max-model-len`` (at most the model's ``trained`` context), or, where
+    it is not given, the model's context, shrunk to what ``--kv-cache-gib`` holds for one sequence (gpt-oss's 131,072
+    positions take 6 GiB at float32: as llama.cpp fits its context to memory, said in the log). A given length too
+    long for the cache is refused by the engine, naming both."""
+    from engine.core.config import BLOCK_SIZE
+    from engine.runtime.batch_engine import kv_cache_blocks
+
+    if config.max_model_len:
+        return min(config.max_model_len, trained)
+    blocks = kv_cache_blocks(model, int(config.kv_cache_gib * 2**30), config.kv_cache_dtype, BLOCK_SIZE)
+    held = (blocks - 1) * BLOCK_SIZE  # the engine keeps a block's room beyond one sequence
+    if held >= trained:
+        return trained
+    log.warning(
+        "the model's context of %d positions does not fit --kv-cache-gib %g (%d positions): serving %d a sequence "
+        "(--max-model-len, --kv-cache-gib or --kv-cache-dtype int8 to choose)",
+        trained, config.kv_cache_gib, blocks * BLOCK_SIZE, max(held, BLOCK_SIZE),
+    )  # fmt: skip
+    return max(held, BLOCK_SIZE)
 
 
 def quantized_weights(loaded: LoadedModel, quantization: str) -> dict[str, QuantizedWeight] | None:

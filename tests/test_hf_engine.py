@@ -258,3 +258,20 @@ def test_int8_quantizes_a_llama_s_linear_layers_and_refuses_other_architectures(
     with pytest.raises(ValueError, match="llama-architecture"):
         chooser.quantized_weights(gpt2, "int8")
     assert chooser.quantized_weights(gpt2, "auto") is None
+
+
+def test_a_context_longer_than_the_kv_cache_holds_is_shrunk_to_fit_unless_asked_for() -> None:
+    """gpt-oss's 131,072 positions did not fit the default --kv-cache-gib and the server refused to start: without
+    --max-model-len the context is shrunk to what the cache holds for one sequence (and a prompt that long still
+    runs); a --max-model-len too long for the cache stays, for the engine to refuse naming both."""
+    served = chooser.build(EngineConfig(max_batch_size=2, kv_cache_gib=0.01))
+    engine = served.engine
+    trained = 8192  # SmolLM2's
+    assert 64 < engine.max_model_len < trained
+    assert engine.max_model_len <= (engine.memory_stats().num_blocks - 1) * 16  # a block's room beyond one sequence
+    prompt = tuple(range(100, 100 + engine.max_model_len - 2))
+    engine.admit([GenerationRequest(prompt, 2, ignore_eos=True)])
+    outputs = [out for _ in range(64) if engine.num_active() for out in engine.step()]
+    assert sum(len(out.token_ids) for out in outputs) == 2 and outputs[-1].finish_reason == "length"
+    config = EngineConfig(max_batch_size=2, kv_cache_gib=0.01, max_model_len=4096)
+    assert chooser.fitted_context(None, config, trained) == 4096  # given: kept (the engine refuses it)

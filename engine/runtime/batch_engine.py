@@ -31,6 +31,20 @@ from engine.runtime.sampler import Row, token_logprobs
 from engine.runtime.speculative import accept
 
 
+def kv_cache_blocks(model: PreTrainedModel, kv_cache_bytes: int, kv_cache_dtype: str, block_size: int) -> int:
+    """The blocks of ``block_size`` positions a KV cache of ``kv_cache_bytes`` holds for ``model``."""
+    per_block = BlockKVCache.bytes_per_token(*_cache_shape(model), kv_cache_dtype) * block_size
+    return kv_cache_bytes // per_block
+
+
+def _cache_shape(model: PreTrainedModel) -> tuple[int, int, int, torch.dtype]:
+    """The layers, KV heads, head size and dtype of ``model``'s KV cache."""
+    config = model.config
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    num_kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    return config.num_hidden_layers, num_kv_heads, head_dim, model.dtype
+
+
 class HFEngine(InferenceEngine):
     """Continuous batching: one packed forward per step over all decoding sequences and prefill chunks."""
 
@@ -65,11 +79,8 @@ class HFEngine(InferenceEngine):
         self.capacity = capacity
         self.max_model_len = max_model_len
         self.max_num_batched_tokens = max_num_batched_tokens
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        num_kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-        shape = (config.num_hidden_layers, num_kv_heads, head_dim, model.dtype)
-        per_block = BlockKVCache.bytes_per_token(*shape, kv_cache_dtype) * block_size
-        num_blocks = kv_cache_bytes // per_block
+        shape = _cache_shape(model)
+        num_blocks = kv_cache_blocks(model, kv_cache_bytes, kv_cache_dtype, block_size)
         if num_blocks * block_size < max_model_len + block_size:
             raise ValueError(
                 f"a KV cache of {kv_cache_bytes} bytes holds {num_blocks * block_size} tokens, "
