@@ -445,7 +445,6 @@ class LlamaRunner:
             output = output + torch.sigmoid((x * gate).sum(dim=-1, keepdim=True)) * shared
         return output
 
-
     def _expert(self, x: torch.Tensor, experts: _Experts, expert: int) -> torch.Tensor:
         """One expert's gated MLP over the rows ``x`` that chose it."""
         gate_up = linear(x, experts.gate_up[expert], self.tile)
@@ -473,9 +472,9 @@ def _experts(
             stacked = QuantizedWeight.stack([gate, up])
             gate_up.append(stacked.pack() if stacked is not None else PackedParts((gate.pack(), up.pack())))
         else:
-            gate_up.append(prepack(_dense_expert(mlp.experts, expert, arch)[0]))
-        dense_down = None if down_blocks is not None else _dense_expert(mlp.experts, expert, arch)[1]
-        down.append(down_blocks.pack() if down_blocks is not None else prepack(dense_down))  # type: ignore[arg-type]
+            gate_up.append(prepack(_dense_expert(mlp.experts, expert, arch, "gate_up")))
+        down.append(down_blocks.pack() if down_blocks is not None
+                    else prepack(_dense_expert(mlp.experts, expert, arch, "down")))  # fmt: skip
     if arch.oai_experts:
         return _oai_experts(mlp, fused, gate_up, down)
     gate = mlp.gate
@@ -488,13 +487,15 @@ def _experts(
     return experts
 
 
-def _dense_expert(experts: torch.nn.Module, expert: int, arch: Architecture) -> tuple[torch.Tensor, torch.Tensor]:
-    """An expert's gate-and-up rows (gate's first) and down rows, ``[out, in]``, from transformers' 3-D parameters
-    (gpt-oss's hold them ``[in, out]``, the gate's and up's columns interleaved)."""
-    gate_up, down = experts.gate_up_proj[expert], experts.down_proj[expert]
-    if not arch.oai_experts:
-        return gate_up, down
-    return torch.cat([gate_up[:, 0::2].T, gate_up[:, 1::2].T]).contiguous(), down.T.contiguous()
+def _dense_expert(experts: torch.nn.Module, expert: int, arch: Architecture, part: str) -> torch.Tensor:
+    """An expert's gate-and-up rows (gate's first) or its down rows, ``[out, in]``, from transformers' 3-D parameters
+    (gpt-oss's hold them ``[in, out]``, the gate's and up's columns interleaved: a copy, made only where the file has
+    no blocks for it)."""
+    if part == "down":
+        down = experts.down_proj[expert]
+        return down.T.contiguous() if arch.oai_experts else down
+    gate_up = experts.gate_up_proj[expert]
+    return torch.cat([gate_up[:, 0::2].T, gate_up[:, 1::2].T]) if arch.oai_experts else gate_up
 
 
 def _oai_experts(
