@@ -39,6 +39,14 @@ def live(base: str) -> int:
     return httpx.get(f"{base}/health", timeout=5).json()["replicas"]["live"]
 
 
+def until_live(base: str, replicas: int, seconds: float) -> int:
+    """The live replicas once they are ``replicas``, or when ``seconds`` have passed."""
+    deadline = time.monotonic() + seconds
+    while live(base) < replicas and time.monotonic() < deadline:
+        time.sleep(1)
+    return live(base)
+
+
 def keep_busy(base: str, stop: threading.Event) -> None:
     body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 120, "ignore_eos": True}
     while not stop.is_set():
@@ -51,17 +59,15 @@ def test_joined_application_scales_up_under_load_and_leaves_the_cluster_running(
     stop = threading.Event()
     clients = [threading.Thread(target=keep_busy, args=(base, stop)) for _ in range(6)]
     try:
-        assert live(base) >= 1
+        assert until_live(base, 1, 60) >= 1  # /health answered as the first replica's count was still coming in
         for client in clients:
             client.start()
-        deadline = time.monotonic() + 150  # Serve's upscale delay, then a replica loading the model
-        while live(base) < 2 and time.monotonic() < deadline:
-            time.sleep(1)
-        assert live(base) == 2
+        assert until_live(base, 2, 150) == 2  # Serve's upscale delay, then a replica loading the model
     finally:
         stop.set()
         for client in clients:
-            client.join(timeout=150)
+            if client.is_alive():
+                client.join(timeout=150)
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=90) == 0
     env = {**os.environ, "RAY_AUTH_MODE": "token"}  # as the launcher sets it to join
