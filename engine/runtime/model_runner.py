@@ -142,8 +142,10 @@ class _Experts:
     renormalize: bool  # the chosen experts' weights scaled to sum to 1
     #: A shared expert every row takes (qwen2moe): its gate and up rows, its down, and its gate's vector ``[hidden]``.
     shared: tuple[Weight, Weight, torch.Tensor] | None = None
+    #: The softmax over the top k logits only, not over all experts (gpt-oss).
+    top_k_softmax: bool = False
     #: gpt-oss (``Architecture.oai_experts``): the router's bias, each expert's gate-and-up and down biases, and the
-    #: clamped SwiGLU's alpha and limit; the softmax then over the top k logits only.
+    #: clamped SwiGLU's alpha and limit.
     router_bias: torch.Tensor | None = None
     gate_up_bias: torch.Tensor | None = None  # [experts, 2 * intermediate], gate's then up's
     down_bias: torch.Tensor | None = None  # [experts, hidden]
@@ -152,7 +154,7 @@ class _Experts:
     def route(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Each row's chosen experts ``[rows, k]`` and their weights (float32), from the router's ``logits``."""
         logits = logits.float() if self.router_bias is None else (logits + self.router_bias).float()
-        if self.clamp is not None:  # gpt-oss: the top k logits, then their softmax
+        if self.top_k_softmax:
             top, chosen = torch.topk(logits, self.top_k, dim=-1)
             return torch.softmax(top, dim=-1), chosen
         weights, chosen = torch.topk(torch.softmax(logits, dim=-1), self.top_k, dim=-1)
@@ -507,7 +509,7 @@ def _oai_experts(
     router, experts = mlp.router, mlp.experts
     bias = experts.gate_up_proj_bias.detach()
     return _Experts(
-        fused(["mlp.router"], [router]), gate_up, down, router.top_k, False,
+        fused(["mlp.router"], [router]), gate_up, down, router.top_k, False, top_k_softmax=True,
         router_bias=router.bias.detach(), gate_up_bias=torch.cat([bias[:, 0::2], bias[:, 1::2]], dim=1),
         down_bias=experts.down_proj_bias.detach(), clamp=(float(experts.alpha), float(experts.limit)),
     )  # fmt: skip
