@@ -11,6 +11,11 @@ from typing import Any, Protocol
 
 from app.backend import Backend, LocalBackend
 from app.generation import Generation
+from app.harmony import encoding as harmony_encoding
+from app.harmony import prompt as harmony_prompt
+from app.harmony.encoding import MESSAGE, START, Harmony
+from app.harmony.grammar import reply_grammar
+from app.harmony.reader import HarmonyReader
 from app.metrics import Metrics
 from app.openai.choices import Format
 from app.openai.errors import APIError, bad_request
@@ -74,13 +79,18 @@ class ChatModel:
         #: The tags' token ids, where the model reasons and both are tokens.
         self.think_tags = (opening, closing) if self.reasons and opening is not None and closing is not None else None
         self.think_ids = frozenset(self.think_tags or ())
+        #: gpt-oss's harmony (``app/harmony/``): its prompts, replies and grammars; None for other models.
+        self.harmony: Harmony | None = harmony_encoding.load(model.tokenizer)
 
     def chat_prompt(
         self, messages: list[Message], calling: ToolCalling | None = None, extra: dict[str, Any] | None = None
     ) -> list[int]:
         """The conversation through the model's template; tools through the template when it renders them, else
         through the default tool prompt (``app/tools/``); ``extra``: more of the template's variables. Tools for a
-        template whose call syntax this server cannot read back, or a conversation the template refuses: a 400."""
+        template whose call syntax this server cannot read back, or a conversation the template refuses: a 400.
+        A harmony model's conversation is rendered by openai-harmony instead (``app/harmony/prompt.py``)."""
+        if self.harmony is not None:
+            return harmony_prompt.render(self.harmony, messages, calling, extra or {})
         if calling is not None and self.tool_syntax is UNSUPPORTED:
             raise bad_request(
                 "tools: this model's chat template writes tool calls in a syntax this server cannot read back "
@@ -110,17 +120,31 @@ class ChatModel:
     def reading(self, calling: ToolCalling | None, prompt: list[int]) -> Reading:
         """How the replies to ``prompt`` are read: their calls, and their reasoning (inside it from the start where
         the prompt opened it)."""
+        if self.harmony is not None:
+            return self._harmony_reading(self.harmony, prompt)
         inside = self.reasons and starts_inside(self.tokenizer.decode(prompt[-8:], skip_special_tokens=False))
         return Reading(self.call_syntax(calling), self.reasons, inside)
+
+    @staticmethod
+    def _harmony_reading(harmony: Harmony, prompt: list[int]) -> Reading:
+        """Harmony's reader, primed with what the prompt holds of the reply (a prefill's header and text)."""
+        primed = _reply_begun(harmony, prompt)
+        return Reading(reasons=True, own=lambda: HarmonyReader(harmony, primed))
 
     def with_budget(self, options: GenerationOptions, calling: ToolCalling | None, reading: Reading,
                     budget: int | None) -> GenerationOptions:  # fmt: skip
         """``options`` whose reasoning ends after at most ``budget`` tokens (a grammar), where the model reasons and
-        no other grammar holds the reply (a structured output's or the tools' leave no room for reasoning)."""
+        no other grammar holds the reply (a structured output's or the tools' leave no room for reasoning; harmony's
+        reasoning has its own message, beside either)."""
+        if budget is not None and self.harmony is not None:
+            grammar = reply_grammar(self.harmony, calling, options.structured, budget)
+            budgeted = StructuredOutput("grammar", grammar, "thinking.budget_tokens", whole=True)
+            return dataclasses.replace(options, structured=budgeted)
         if budget is None or not self.reasons or options.structured is not None or calling is not None:
             return options
         grammar = budget_grammar(budget, reading.inside, self.think_tags)
-        return dataclasses.replace(options, structured=StructuredOutput("grammar", grammar, "thinking.budget_tokens"))
+        budgeted = StructuredOutput("grammar", grammar, "thinking.budget_tokens", whole=True)
+        return dataclasses.replace(options, structured=budgeted)
 
     def prompt_ids(self, prompt: str | list[int], param: str = "prompt") -> list[int]:
         if isinstance(prompt, str):
@@ -166,17 +190,29 @@ class ChatModel:
         for ids in prompts:
             self.check_context(len(ids), options.max_tokens, prompt_param)
         self.check_tokens(options)
-        grammar = await self.grammar(options, calling)
+        inside = self.harmony is not None and self.harmony.ids[MESSAGE] in _reply_begun(self.harmony, prompts[0])
+        grammar = await self.grammar(options, calling, inside)
         syntax = self.call_syntax(calling)
         kept = (syntax.kept_special if syntax is not None else frozenset()) | self.think_ids
+        if self.harmony is not None:  # the reader sees the markers; a call ends the reply as <|return|> does
+            kept |= self.harmony.marker_ids
+            options = dataclasses.replace(options, stop_token_ids=options.stop_token_ids | self.harmony.stop_ids)
         return kind(
             self.backend, self.metrics, self.tokenizer, self.name, fmt, options, prompts, echo_texts, arrived,
             grammar, kept_special=kept, context=self.max_model_len, **extra,
         )  # fmt: skip
 
-    async def grammar(self, options: GenerationOptions, calling: ToolCalling | None) -> str | None:
+    async def grammar(
+        self, options: GenerationOptions, calling: ToolCalling | None, inside: bool = False
+    ) -> str | None:
         """What every sequence's tokens must follow: the structured output asked for, else the calls the tools
-        allow (with ``tool_choice: "none"``, text that starts no call), else nothing."""
+        allow (with ``tool_choice: "none"``, text that starts no call), else nothing. A harmony reply's grammar
+        holds its shape too (``app/harmony/grammar.py``; ``inside``: the prompt opened its final message)."""
+        structured = options.structured
+        if self.harmony is not None and not (structured is not None and structured.whole):
+            grammar = reply_grammar(self.harmony, calling, structured, None, inside)
+            param = structured.param if structured is not None else "tools"
+            return None if grammar is None else await self.compile(StructuredOutput("grammar", grammar, param))
         if options.structured is not None:
             return await self.compile(options.structured)
         if calling is not None:
@@ -209,3 +245,9 @@ class ChatModel:
                 except ValueError as exc:
                     raise bad_request(f"{param}: {exc}", param) from None
             raise
+
+
+def _reply_begun(harmony: Harmony, prompt: list[int]) -> tuple[int, ...]:
+    """What a harmony prompt holds of the reply: the tokens after its last ``<|start|>`` and the assistant's role."""
+    last = len(prompt) - 1 - prompt[::-1].index(harmony.ids[START])
+    return tuple(prompt[last + 2 :])

@@ -4,8 +4,9 @@ API shape the same pieces. Torch-free."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from app.reasoning import ReasoningParser
 from app.tools.parser import ParsedCall, ToolCallParser
@@ -21,8 +22,12 @@ class Reading:
     #: Whether the model reasons between ``<think>`` tags first; ``inside``: the prompt opened them.
     reasons: bool = False
     inside: bool = False
+    #: A reader of the model's own reply format where it has one (gpt-oss's harmony: ``app/harmony/``).
+    own: Callable[[], Reader] | None = None
 
-    def reader(self) -> ReplyReader:
+    def reader(self) -> Reader:
+        if self.own is not None:
+            return self.own()
         return ReplyReader(
             ReasoningParser(self.inside) if self.reasons else None,
             ToolCallParser(self.calls) if self.calls is not None else None,
@@ -37,6 +42,23 @@ class Piece:
     content: str = ""
     #: ``tool_calls`` stream deltas (``ToolCallParser.feed``).
     calls: list[dict[str, Any]] = field(default_factory=list)
+
+
+class Reader(Protocol):
+    """Reads a reply fed piece by piece into reasoning, content and calls."""
+
+    def feed(self, text: str) -> Piece: ...
+
+    def finish(self) -> Piece: ...
+
+    @property
+    def content(self) -> str | None: ...
+
+    @property
+    def reasoning(self) -> str | None: ...
+
+    @property
+    def calls(self) -> list[ParsedCall]: ...
 
 
 @dataclass(slots=True)

@@ -134,13 +134,13 @@ def prepare(state: ServerState, raw: bytes) -> tuple[ChatModel, ResponsesRequest
     previous = req.body.previous_response_id
     history = [] if previous is None else state.responses.get(previous, "previous_response_id").conversation
     messages = history + conversation(req.items)
-    prompt = model.chat_prompt(with_instructions(req.instructions, messages), req.tools)
+    prompt = model.chat_prompt(with_instructions(req.instructions, messages), req.tools, req.template_kwargs)
     # truncation: auto drops the oldest items to leave max_output_tokens; past that (or without it) the reply is
     # clamped to what the prompt leaves, and only a prompt that leaves nothing is refused.
     need = req.options.max_tokens or 1
     while req.truncate and len(prompt) + need > model.max_model_len and len(messages) > 1:
         messages = _drop_oldest(messages)
-        prompt = model.chat_prompt(with_instructions(req.instructions, messages), req.tools)
+        prompt = model.chat_prompt(with_instructions(req.instructions, messages), req.tools, req.template_kwargs)
     if len(prompt) >= model.max_model_len:
         raise bad_request(
             f"This model's maximum context length is {model.max_model_len} tokens. However, the input is "

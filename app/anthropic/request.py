@@ -44,7 +44,7 @@ class MessagesBody(BaseModel):
     tool_choice: dict[str, Any] | None = None
     thinking: dict[str, Any] | None = None
     #: Accepted, and no change to the reply here: ``user_id``, the tier, Claude Code's context management (the
-    #: server clears nothing), ``output_config.effort``, automatic caching (the prefix cache is always on), where
+    #: server clears nothing), automatic caching (the prefix cache is always on), where
     #: and how fast to run, the SDK 2.x's account fields.
     metadata: dict[str, Any] | None = None
     service_tier: str | None = None
@@ -97,6 +97,7 @@ def parse_messages_request(body: dict[str, Any]) -> MessagesRequest:
     last = messages[-1]
     prefill = last.role == "assistant" and not last.tool_calls and bool(last.text)
     template_kwargs, budget = _thinking(req.thinking, req.max_tokens)
+    template_kwargs.update(_effort(req.output_config))
     return MessagesRequest(req.model, messages, options, calling, template_kwargs, prefill, budget)
 
 
@@ -248,6 +249,19 @@ def _thinking(thinking: dict[str, Any] | None, max_tokens: int) -> tuple[dict[st
     if budget is not None and budget >= max_tokens:
         raise bad_request("max_tokens must be greater than thinking.budget_tokens", "max_tokens")
     return {}, budget
+
+
+#: ``output_config.effort`` as the template's ``reasoning_effort`` (harmony honours it; ``max`` is its ``high``).
+_EFFORTS = {"low": "low", "medium": "medium", "high": "high", "max": "high"}
+
+
+def _effort(config: dict[str, Any] | None) -> dict[str, Any]:
+    effort = (config or {}).get("effort")
+    if effort is None:
+        return {}
+    if effort not in _EFFORTS:
+        raise bad_request(f"output_config.effort: one of {', '.join(_EFFORTS)}", "output_config.effort")
+    return {"reasoning_effort": _EFFORTS[effort]}
 
 
 def _output_format(req: MessagesBody) -> StructuredOutput | None:

@@ -14,7 +14,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from app.reply import Reading, ReplyReader
+from app.reply import Reader, Reading
 from engine.core.types import FinishReason
 
 
@@ -28,7 +28,7 @@ class MessageBuilder:
     stop: tuple[str, ...] = ()
     blocks: list[dict[str, Any]] = field(default_factory=list)
     stop_sequence: str | None = None
-    _reader: ReplyReader | None = None
+    _reader: Reader | None = None
     _open: str | None = None  # the type of the block being written
     _calls: dict[int, int] = field(default_factory=dict)  # the parser's call index -> block index
     _arguments: dict[int, str] = field(default_factory=dict)  # block index -> its input's JSON so far

@@ -14,8 +14,15 @@ from app.openai.choices import Choice, token_string
 from app.openai.errors import bad_request
 from app.openai.messages import Message, NamedToolChoice, Tool
 from app.openai.request import validated
-from app.openai.sampling import MAX_LOGPROBS, GenerationOptions, SamplingBody, generation_options, reject_unsupported
-from app.reply import Piece, Reading, ReplyReader
+from app.openai.sampling import (
+    MAX_LOGPROBS,
+    Effort,
+    GenerationOptions,
+    SamplingBody,
+    generation_options,
+    reject_unsupported,
+)
+from app.reply import Piece, Reader, Reading
 from app.tools import ToolCalling, tool_calling
 from engine.core.streams import Delta
 from engine.core.tokenizer import Tokenizer
@@ -31,6 +38,7 @@ class ChatBody(SamplingBody):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    reasoning_effort: Effort | None = None
 
 
 #: The chat template's variables the server sets itself, and the rendering's own parameters (transformers'
@@ -72,7 +80,10 @@ def parse_chat_request(body: dict[str, Any]) -> ChatRequest:
             raise bad_request(f"{param} cannot be combined with tool calls (unless tool_choice is none)", param)
         if options.min_tokens:
             raise bad_request("min_tokens cannot hold back the end of a tool call", "min_tokens")
-    return ChatRequest(req.model, list(req.messages), options, calling, template_kwargs(req.chat_template_kwargs))
+    kwargs = template_kwargs(req.chat_template_kwargs)
+    if req.reasoning_effort is not None:
+        kwargs["reasoning_effort"] = req.reasoning_effort
+    return ChatRequest(req.model, list(req.messages), options, calling, kwargs)
 
 
 def template_kwargs(kwargs: dict[str, Any] | None) -> dict[str, Any]:
@@ -107,7 +118,7 @@ class ChatFormat:
     object_name: str = "chat.completion"
     chunk_object_name: str = "chat.completion.chunk"
     id_prefix: str = "chatcmpl"
-    _readers: dict[int, ReplyReader] = field(default_factory=dict)  # a stream's, by choice
+    _readers: dict[int, Reader] = field(default_factory=dict)  # a stream's, by choice
 
     def choice(self, index: int, choice: Choice, want_logprobs: bool) -> dict[str, Any]:
         reader = self.reading.reader()

@@ -15,7 +15,7 @@ from typing import Any
 
 from app.openai.chat import token_logprobs
 from app.openai.responses import call_item, message_item, new_id, output_text_part, reasoning_item
-from app.reply import Reading, ReplyReader
+from app.reply import Reader, Reading
 from engine.core.tokenizer import Tokenizer
 from engine.core.types import FinishReason, TokenLogprob
 
@@ -54,7 +54,7 @@ class ResponseEvents:
     encrypted_reasoning: bool = False
     output: list[dict[str, Any]] = field(default_factory=list)
     sequence_number: int = 0
-    _reader: ReplyReader | None = None
+    _reader: Reader | None = None
     _thought: _Message | None = None  # the reasoning item, while open
     _message: _Message | None = None
     _call: _Call | None = None

@@ -17,7 +17,7 @@ import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Annotated, Any, Literal, TypeVar
+from typing import Annotated, Any, Literal, TypeVar, get_args
 
 from pydantic import Field
 
@@ -26,6 +26,7 @@ from app.openai.messages import FunctionCall, FunctionDefinition, Message, Tool,
 from app.openai.request import NonEmpty, WireModel, validated
 from app.openai.sampling import (
     MAX_LOGPROBS,
+    Effort,
     GenerationOptions,
     JsonSchemaFormat,
     ResponseFormat,
@@ -208,7 +209,9 @@ class ResponsesBody(SamplingBody):
     truncation: Literal["auto", "disabled"] | None = None
     include: list[str] | None = None
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
-    reasoning: dict[str, Any] | None = None  # accepted; this model does not reason apart from its answer
+    #: ``effort`` is the template's ``reasoning_effort`` (harmony honours it); ``summary``: no summary is made, the
+    #: reasoning items hold the reasoning's own text.
+    reasoning: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None  # checked one by one: a tool type this server lacks is a 400
     tool_choice: Literal["none", "auto", "required"] | NamedFunctionChoice | None = None
     text: TextConfig | None = None
@@ -248,6 +251,11 @@ class ResponsesRequest:
     def truncate(self) -> bool:
         return self.body.truncation == "auto"
 
+    @property
+    def template_kwargs(self) -> dict[str, Any]:
+        effort = (self.body.reasoning or {}).get("effort")
+        return {} if effort is None else {"reasoning_effort": effort}
+
 
 def parse_responses_request(body: dict[str, Any]) -> ResponsesRequest:
     for name in _UNSUPPORTED:
@@ -260,6 +268,9 @@ def parse_responses_request(body: dict[str, Any]) -> ResponsesRequest:
     if body.get("background"):
         raise bad_request("background responses are not supported by this server", "background")
     req: ResponsesBody = validated(ResponsesBody, body)
+    effort = (req.reasoning or {}).get("effort")
+    if effort is not None and effort not in get_args(Effort):
+        raise bad_request(f"reasoning.effort: one of {', '.join(get_args(Effort))}", "reasoning.effort")
     items = input_items(req.input)
     include = req.include or []
     for index, name in enumerate(include):

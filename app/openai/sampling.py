@@ -143,6 +143,11 @@ class GenerationOptions:
     cache_key: str | None = None
 
 
+#: ``reasoning_effort`` (chat) and ``reasoning.effort`` (Responses) as OpenAI spells them: passed to the chat template
+#: as its ``reasoning_effort`` variable (as vLLM does), which gpt-oss's harmony prompt honours.
+Effort = Literal["none", "minimal", "low", "medium", "high", "xhigh"]
+
+
 @dataclass(slots=True, frozen=True)
 class StructuredOutput:
     """What the output must match: JSON of a schema, a regex, one of some strings, or a Lark grammar."""
@@ -150,6 +155,9 @@ class StructuredOutput:
     kind: Literal["json", "regex", "choice", "grammar"]
     value: Any  # a JSON schema (an object or a boolean), a pattern, a list of strings, a grammar's text
     param: str  # the request field it came from, for errors
+    #: The grammar is of the whole reply (a reasoning budget's), not of its answer alone: a model whose replies
+    #: have a shape of their own (harmony) does not wrap it in that shape.
+    whole: bool = False
 
 
 # Fields that change what a client gets back and that this server does not implement yet: a 400 naming the field,

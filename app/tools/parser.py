@@ -176,7 +176,7 @@ class ToolCallParser:
         fragment = self._pending[:end] if end is not None else self._pending
         if fragment:
             self.calls[-1].arguments += fragment
-            _add_arguments(deltas, len(self.calls) - 1, fragment)
+            add_arguments(deltas, len(self.calls) - 1, fragment)
         self._pending = self._pending[len(fragment) :]
         if end is None:
             return False
@@ -225,7 +225,7 @@ def _json_string(literal: str) -> str:
         return literal[1:-1]
 
 
-def _add_arguments(deltas: list[dict[str, Any]], index: int, fragment: str) -> None:
+def add_arguments(deltas: list[dict[str, Any]], index: int, fragment: str) -> None:
     """One delta per call per chunk: a fragment joins the call's delta already in this chunk, if any."""
     if deltas and deltas[-1]["index"] == index:
         deltas[-1]["function"]["arguments"] += fragment
