@@ -4,7 +4,10 @@ with the bundled SmolLM2 file's tokenizer, and their matrices in any type gguf-p
 
 from __future__ import annotations
 
+import functools
+import itertools
 from pathlib import Path
+from typing import Any
 
 import gguf
 import numpy as np
@@ -129,7 +132,7 @@ def write_gguf(
     model: PreTrainedModel,
     arch: str,
     path: Path,
-    tokenizer_from: Path,
+    tokenizer_from: Path | TokenizerKeys,
     types: dict[str, GGMLQuantizationType],
     renamed: dict[int, str] | None = None,
     template: str | None = None,
@@ -175,7 +178,8 @@ def write_gguf(
         writer.add_expert_used_count(config.num_experts_per_tok)
         writer.add_expert_feed_forward_length(getattr(config, "moe_intermediate_size", config.intermediate_size))
     writer.add_file_type(1)
-    _copy_tokenizer(GGUFReader(tokenizer_from), writer, renamed or {}, template)
+    keys = tokenizer_from if isinstance(tokenizer_from, list) else tokenizer_keys(tokenizer_from)
+    _copy_tokenizer(keys, writer, renamed or {}, template)
     with torch.no_grad():
         for name, parameter in model.named_parameters():
             for gguf_name, values, target in _tensors(name, parameter, arch):
@@ -281,25 +285,33 @@ QWEN_FIM = {7: "<|fim_prefix|>", 8: "<|fim_suffix|>", 9: "<|fim_middle|>", 10: "
             5: "<|file_sep|>"}  # fmt: skip
 
 
-def _copy_tokenizer(reader: GGUFReader, writer: GGUFWriter, renamed: dict[int, str], template: str | None) -> None:
+#: A file's tokenizer keys: (name, value, the value's type; an array's is ARRAY).
+TokenizerKeys = list[tuple[str, Any, GGUFValueType]]
+
+
+@functools.lru_cache(maxsize=8)
+def tokenizer_keys(path: Path) -> TokenizerKeys:
+    """The ``tokenizer.*`` keys of the GGUF at ``path``, read once (gguf-py's reader takes seconds on a vocabulary)."""
+    fields = GGUFReader(path).fields.items()
+    return [(name, field.contents(), field.types[0]) for name, field in fields if name.startswith("tokenizer.")]
+
+
+def _copy_tokenizer(keys: TokenizerKeys, writer: GGUFWriter, renamed: dict[int, str], template: str | None) -> None:
     """The tokenizer's keys, the special tokens ``renamed`` by id, the chat template ``template`` if given."""
-    for name, field in reader.fields.items():
-        if not name.startswith("tokenizer."):
-            continue
+    for name, value, kind in keys:
         if name == "tokenizer.chat_template" and template is not None:
             writer.add_chat_template(template)
             continue
         if name == "tokenizer.ggml.tokens" and renamed:
-            tokens = list(field.contents())
+            tokens = list(value)
             for index, token in renamed.items():
                 tokens[index] = token
             writer.add_array(name, tokens)
             continue
-        kind = field.types[0]
         if kind == GGUFValueType.ARRAY:
-            writer.add_array(name, field.contents())
+            writer.add_array(name, value)
         else:
-            writer.add_key_value(name, field.contents(), kind)
+            writer.add_key_value(name, value, kind)
 
 
 def save_checkpoint(
@@ -363,3 +375,76 @@ def convert(checkpoint: Path, out: Path, llama_cpp: Path, outtype: str = "f32") 
     done = subprocess.run([*command, "--outtype", outtype], env=env, capture_output=True, text=True)
     if done.returncode:
         raise RuntimeError(f"convert_hf_to_gguf.py failed: {done.stderr[-2000:]}")
+
+
+#: gpt-oss's vocabulary (o200k_harmony): o200k_base's 199,998 ranks, then its special tokens up to 201,088.
+HARMONY_VOCAB = 201_088
+HARMONY_SPECIALS = {199998: "<|startoftext|>", 199999: "<|endoftext|>", 200002: "<|return|>", 200003: "<|constrain|>",
+                    200005: "<|channel|>", 200006: "<|start|>", 200007: "<|end|>", 200008: "<|message|>",
+                    200012: "<|call|>", 200018: "<|endofprompt|>"}  # fmt: skip
+#: Enough of gpt-oss's chat template for a server to know it writes harmony (a harmony model's prompt is rendered
+#: by openai-harmony, not by its template).
+HARMONY_TEMPLATE = (
+    "{%- for m in messages %}<|start|>{{ m.role }}<|channel|>final<|message|>{{ m.content }}<|end|>{%- endfor %}"
+    "{%- if add_generation_prompt %}<|start|>assistant{%- endif %}"
+)
+
+
+def o200k_ranks() -> list[bytes]:
+    """o200k_base's tokens by rank, from the data file of PyPI's ``quicktok-v1`` (a dev dependency): a count, then
+    each token's length (u16), bytes and rank (u32). The server checks them against OpenAI's SHA-256."""
+    import importlib.util
+    import struct
+
+    spec = importlib.util.find_spec("quicktok")
+    assert spec is not None and spec.submodule_search_locations, "quicktok-v1 is a dev dependency (make install)"
+    data = (Path(spec.submodule_search_locations[0]) / "data" / "o200k.vocab").read_bytes()
+    (count,) = struct.unpack_from("<I", data)
+    ranks: list[bytes] = [b""] * count
+    offset = 4
+    for _ in range(count):
+        (size,) = struct.unpack_from("<H", data, offset)
+        token = data[offset + 2 : offset + 2 + size]
+        (rank,) = struct.unpack_from("<I", data, offset + 2 + size)
+        ranks[rank] = token
+        offset += 6 + size
+    return ranks
+
+
+def _bpe_merges(ranks: list[bytes]) -> list[tuple[bytes, bytes]]:
+    """The merges that build each token from its bytes: the last pair byte-pair encoding joins, with only the lower
+    ranks (tiktoken's ranks are the merges' order)."""
+    rank_of = {token: rank for rank, token in enumerate(ranks)}
+    merges = []
+    for rank, token in enumerate(ranks):
+        if len(token) < 2:
+            continue
+        parts = [bytes([byte]) for byte in token]
+        while len(parts) > 2:
+            pairs = [(rank_of.get(a + b, rank), i) for i, (a, b) in enumerate(itertools.pairwise(parts))]
+            _, i = min(pairs)
+            parts[i : i + 2] = [parts[i] + parts[i + 1]]
+        merges.append((parts[0], parts[1]))
+    return merges
+
+
+@functools.cache
+def harmony_tokenizer() -> TokenizerKeys:
+    """gpt-oss's tokenizer keys, as its converter writes them (``tokenizer_from`` for a tiny gpt-oss model that
+    speaks harmony)."""
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    spelled = bytes_to_unicode()
+    ranks = o200k_ranks()
+    as_text = ["".join(spelled[byte] for byte in token) for token in ranks]
+    names = [HARMONY_SPECIALS.get(i, f"<|reserved_{i}|>") for i in range(len(ranks), HARMONY_VOCAB)]
+    merges = ["".join(spelled[b] for b in a) + " " + "".join(spelled[c] for c in b) for a, b in _bpe_merges(ranks)]
+    array, text, number = GGUFValueType.ARRAY, GGUFValueType.STRING, GGUFValueType.UINT32
+    return [
+        ("tokenizer.ggml.model", "gpt2", text), ("tokenizer.ggml.pre", "gpt-4o", text),
+        ("tokenizer.ggml.tokens", as_text + names, array),
+        ("tokenizer.ggml.token_type", [1] * len(ranks) + [3] * len(names), array),
+        ("tokenizer.ggml.merges", merges, array), ("tokenizer.ggml.bos_token_id", 199998, number),
+        ("tokenizer.ggml.eos_token_id", 200002, number), ("tokenizer.ggml.padding_token_id", 199999, number),
+        ("tokenizer.chat_template", HARMONY_TEMPLATE, text),
+    ]  # fmt: skip
