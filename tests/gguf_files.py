@@ -19,6 +19,10 @@ from transformers import (
     Gemma3TextConfig,
     GptOssConfig,
     GptOssForCausalLM,
+    GraniteConfig,
+    GraniteForCausalLM,
+    GraniteMoeConfig,
+    GraniteMoeForCausalLM,
     LlamaConfig,
     LlamaForCausalLM,
     OlmoeConfig,
@@ -40,7 +44,8 @@ _MODELS = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen
            "qwen3": (Qwen3Config, Qwen3ForCausalLM), "gemma3": (Gemma3TextConfig, Gemma3ForCausalLM),
            "phi3": (Phi3Config, Phi3ForCausalLM), "qwen3moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM),
            "olmoe": (OlmoeConfig, OlmoeForCausalLM), "qwen2moe": (Qwen2MoeConfig, Qwen2MoeForCausalLM),
-           "gpt-oss": (GptOssConfig, GptOssForCausalLM)}  # fmt: skip
+           "gpt-oss": (GptOssConfig, GptOssForCausalLM), "granite": (GraniteConfig, GraniteForCausalLM),
+           "granitemoe": (GraniteMoeConfig, GraniteMoeForCausalLM)}  # fmt: skip
 _LAYER = {
     "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
     "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
@@ -50,7 +55,12 @@ _LAYER = {
     "mlp.shared_expert.down_proj": "ffn_down_shexp", "mlp.shared_expert_gate": "ffn_gate_inp_shexp",
 }  # fmt: skip
 #: The mixtures of experts among the tiny models.
-MIXTURES = ("qwen3moe", "olmoe", "qwen2moe", "gpt-oss")
+MIXTURES = ("qwen3moe", "olmoe", "qwen2moe", "gpt-oss", "granitemoe")
+#: The architectures whose converter permutes the query's and key's rows (llama.cpp's ``LlamaModel`` and its heirs).
+PERMUTED = ("llama", "granite", "granitemoe")
+#: Granite's multipliers in the tiny models: far enough from 1 (and from 1/sqrt(head size)) that each counts.
+GRANITE_MULTIPLIERS = {"embedding_multiplier": 3.0, "attention_multiplier": 0.3, "residual_multiplier": 0.5,
+                       "logits_scaling": 4.0}  # fmt: skip
 #: A mixture of experts in the tiny models: 8 experts of 64 rows, 2 a row (Qwen3-30B-A3B: 128 of 768, 8 a row).
 TINY_EXPERTS = {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 64, "norm_topk_prob": True}
 #: Gemma 3's four norms a layer, as its converter names them.
@@ -60,6 +70,8 @@ _GEMMA_LAYER = {**_LAYER, "post_attention_layernorm": "post_attention_norm", "pr
 _PHI3_LAYER = {**_LAYER, "self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up"}
 #: gpt-oss's router, sinks and MLP input norm.
 _OAI_LAYER = {**_LAYER, "mlp.router": "ffn_gate_inp", "post_attention_layernorm": "post_attention_norm"}
+#: granitemoe's router.
+_GRANITE_MOE_LAYER = {**_LAYER, "block_sparse_moe.router": "ffn_gate_inp"}
 #: gpt-oss's window in the tiny model (every other layer, from the first): short, so that a prompt slides past it.
 OAI_WINDOW = 12
 #: gpt-oss's YaRN as its config gives it, its pretraining context shortened to the tiny model's, and the
@@ -83,7 +95,11 @@ def tiny_model(arch: str, vocab: int, seed: int = 0, long_rope: bool = False, po
     ``positions``: its context length."""
     config_class, model_class = _MODELS[arch]
     extra: dict = {"head_dim": 48} if arch in ("qwen3", "qwen3moe") else {}  # the file's key_length is read
-    if arch in MIXTURES and arch != "gpt-oss":  # olmoe, qwen2moe: the chosen experts' weights as they come
+    if arch in ("granite", "granitemoe"):
+        extra.update(GRANITE_MULTIPLIERS)
+    if arch == "granitemoe":  # 8 experts of 64 rows, 2 a row (granite-3.0-1b-a400m: 32 of 512, 8 a row)
+        extra.update(num_local_experts=8, num_experts_per_tok=2, intermediate_size=64)
+    elif arch in MIXTURES and arch != "gpt-oss":  # olmoe, qwen2moe: the chosen experts' weights as they come
         extra.update(TINY_EXPERTS, norm_topk_prob=arch == "qwen3moe")
     if arch == "qwen2moe":
         extra.update(shared_expert_intermediate_size=96)
@@ -156,6 +172,11 @@ def write_gguf(
         writer.add_rope_freq_base_swa(config.rope_parameters["sliding_attention"]["rope_theta"])
     if arch == "phi3":
         _phi3_keys(model, writer)
+    if arch in ("granite", "granitemoe"):
+        writer.add_embedding_scale(config.embedding_multiplier)
+        writer.add_attention_scale(config.attention_multiplier)
+        writer.add_residual_scale(config.residual_multiplier)
+        writer.add_logit_scale(config.logits_scaling)
     if rope.get("rope_type") == "llama3":
         scaled = model.model.rotary_emb.inv_freq
         default = rope["rope_theta"] ** -(torch.arange(scaled.numel()) / scaled.numel())
@@ -188,7 +209,7 @@ def write_gguf(
                 kind = gguf_name.split(".")[-2] if gguf_name.startswith("blk.") else gguf_name.split(".")[0]
                 matrix = values.ndim >= 2 and gguf_name.endswith(".weight")  # (gpt-oss's experts' biases are 2-D)
                 qtype = types.get(kind, GGMLQuantizationType.F32) if matrix else GGMLQuantizationType.F32
-                if arch == "llama" and kind in ("attn_q", "attn_k"):
+                if arch in PERMUTED and kind in ("attn_q", "attn_k"):
                     heads = config.num_attention_heads if kind == "attn_q" else config.num_key_value_heads
                     values = _permute(values, heads)
                 if qtype == GGMLQuantizationType.F32:
@@ -197,7 +218,7 @@ def write_gguf(
                 raw = quantize(values, qtype)
                 writer.add_tensor(gguf_name, raw, raw_dtype=qtype)
                 restored = dequantize(raw, qtype)
-                if arch == "llama" and kind in ("attn_q", "attn_k"):
+                if arch in PERMUTED and kind in ("attn_q", "attn_k"):
                     restored = _unpermute(restored, heads)
                 target.copy_(torch.from_numpy(np.ascontiguousarray(restored)))
     writer.write_header_to_file()
@@ -215,11 +236,11 @@ def _tensors(name: str, parameter: torch.Tensor, arch: str) -> list[tuple[str, n
         return _oai_experts(name, parameter, layer)
     if name.endswith("self_attn.sinks"):
         return [(f"blk.{layer}.attn_sinks.weight", parameter.detach().float().numpy(), parameter.data)]
-    if name.endswith("mlp.experts.gate_up_proj"):
+    if name.endswith(("mlp.experts.gate_up_proj", "block_sparse_moe.experts.gate_up_proj")):
         gate, up = parameter.data.chunk(2, dim=1)
         return [(f"blk.{layer}.ffn_{kind}_exps.weight", half.float().numpy().copy(), half)
                 for kind, half in (("gate", gate), ("up", up))]  # fmt: skip
-    if name.endswith("mlp.experts.down_proj"):
+    if name.endswith(("mlp.experts.down_proj", "block_sparse_moe.experts.down_proj")):
         return [(f"blk.{layer}.ffn_down_exps.weight", parameter.detach().float().numpy(), parameter.data)]
     return [(_gguf_name(name, arch), parameter.detach().float().numpy(), parameter.data)]
 
@@ -249,7 +270,9 @@ def _gguf_name(name: str, arch: str) -> str:
         return "output_norm.weight"
     _, _, index, rest = name.split(".", 3)
     module, kind = rest.rsplit(".", 1)
-    names = {"gemma3": _GEMMA_LAYER, "phi3": _PHI3_LAYER, "gpt-oss": _OAI_LAYER}.get(arch, _LAYER)
+    names = {"gemma3": _GEMMA_LAYER, "phi3": _PHI3_LAYER, "gpt-oss": _OAI_LAYER, "granitemoe": _GRANITE_MOE_LAYER}.get(
+        arch, _LAYER
+    )
     return f"blk.{index}.{names[module]}.{kind}"
 
 

@@ -168,7 +168,9 @@ def test_a_sentencepiece_file_s_token_ids_are_llama_cpp_s(tmp_path: Path) -> Non
 
 # qwen2: transformers loads this checkpoint's vocabulary as Qwen2Tokenizer, whose own pre-tokenizer the converter
 # does not recognize; the Qwen GGUF above is that converter's own qwen2 file.
-@pytest.mark.parametrize("arch", ["llama", "qwen3", "phi3", "gemma3", "qwen3moe", "olmoe", "qwen2moe", "gpt-oss"])
+@pytest.mark.parametrize(
+    "arch", ["llama", "qwen3", "phi3", "gemma3", "qwen3moe", "olmoe", "qwen2moe", "gpt-oss", "granite", "granitemoe"]
+)
 def test_a_file_from_llama_cpp_s_own_converter_scores_text_as_transformers_does(arch: str, tmp_path: Path) -> None:
     """The tiny files of ``tests/gguf_files.py`` are written as the converter writes them; this runs the converter
     itself (``convert_hf_to_gguf.py`` from the tree that built ``LLAMA_SERVER``) on a checkpoint of each
@@ -192,7 +194,8 @@ def test_a_file_from_llama_cpp_s_own_converter_scores_text_as_transformers_does(
 
 
 @pytest.mark.parametrize(("arch", "outtype"), [
-    *((arch, outtype) for arch in ("qwen3moe", "olmoe", "qwen2moe", "gpt-oss") for outtype in ("f32", "q8_0")),
+    *((arch, outtype) for arch in ("qwen3moe", "olmoe", "qwen2moe", "gpt-oss", "granitemoe")
+      for outtype in ("f32", "q8_0")),
     ("gpt-oss", "mxfp4"),
 ])  # fmt: skip
 def test_a_mixture_of_experts_answers_greedy_as_llama_cpp_s_server_does(
@@ -264,7 +267,10 @@ def test_a_mixture_of_experts_answers_greedy_as_llama_cpp_s_server_does(
             # Measured on these files: ours from llama.cpp's mean 0.112 (Q8_0) and 0.154 (MXFP4), while each server is
             # 0.23-0.27 (Q8_0) and 0.39-0.44 (MXFP4) from the float product of the same weights (our --quantization
             # none): the two quantized paths are nearer each other than either is to the exact one.
-            bound, agreeing = (0.2, 0.75) if arch == "gpt-oss" else (0.06, 0.8)
+            # granitemoe (its embedding times 3, its logits divided by 4: flatter, larger activations): ours from
+            # llama.cpp's mean 0.067, top token agreeing 61%, while ours is 0.088 and llama.cpp's 0.124 from the float
+            # product of the same weights (our F32 file).
+            bound, agreeing = {"gpt-oss": (0.2, 0.75), "granitemoe": (0.1, 0.55)}.get(arch, (0.06, 0.8))
             assert sum(gaps) / len(gaps) < bound and sum(tops) / len(tops) > agreeing, (summary, sum(tops) / len(tops))
     finally:
         stop_server(ours)

@@ -53,6 +53,15 @@ class Architecture:
     output_bias: bool = False
     #: Each query head has an attention sink (``attn_sinks``): a learned logit in its softmax's denominator.
     sinks: bool = False
+    #: The router's softmax is over the top k logits only, not over all experts (gpt-oss, granitemoe).
+    top_k_softmax: bool = False
+    #: transformers' name of the layer's MLP (or mixture) module, and of the mixture's router in it.
+    mlp: str = "mlp"
+    router: str = "gate"
+    #: Granite's multipliers, from the config (the file's ``<arch>.embedding_scale``, ``attention.scale``,
+    #: ``residual_scale``, ``logit_scale``): the embedding times one, the attention's scale instead of
+    #: 1/sqrt(head size), each block's output times one before the residual add, the logits divided by one.
+    multipliers: bool = False
 
 
 ARCHITECTURES = {
@@ -73,7 +82,21 @@ ARCHITECTURES = {
             sinks=True,
             experts=True,
             oai_experts=True,
+            top_k_softmax=True,
+            router="router",
             sliding_window_pattern=2,
+        ),
+        Architecture("granite", "granite", permuted_qk=True, multipliers=True),  # Granite 3.x dense
+        # Granite 3.x MoE (1B-A400M, 3B-A800M): the top k logits' softmax, JetMoE's fused experts split by the converter
+        Architecture(
+            "granitemoe",
+            "granitemoe",
+            permuted_qk=True,
+            multipliers=True,
+            experts=True,
+            top_k_softmax=True,
+            mlp="block_sparse_moe",
+            router="router",
         ),
         Architecture("phi3", "phi3", fused_projections=True),  # Phi-3, Phi-3.5 mini (LongRoPE from the file)
         # Gemma 3 (text): 5 local layers of 512-1024 positions for each global one

@@ -76,13 +76,23 @@ def config_of(reader: GGUFFile) -> PretrainedConfig:
         values.update(_gemma3(reader, rope, values))
     if arch == "phi3":
         values.update(_phi3(reader, rope, values))
-    if row.experts and not row.oai_experts:  # the chosen experts' weights as llama.cpp's graph of the family takes them
+    if row.multipliers:
+        values.update({field: float(keys[f"{arch}.{k}"]) for k, field in _MULTIPLIERS.items() if f"{arch}.{k}" in keys})
+    if row.experts and not row.top_k_softmax:  # the chosen weights as llama.cpp's graph of the family takes them
         values.update(norm_topk_prob=row.renormalized_experts, decoder_sparse_step=1, mlp_only_layers=[])
     return AutoConfig.for_model(row.model_type, **values)
 
 
 #: transformers' names of a family's fields where they are not the others' (``_FIELDS``).
-_RENAMED = {"gpt-oss": {"num_experts": "num_local_experts", "moe_intermediate_size": "intermediate_size"}}
+_RENAMED = {
+    "gpt-oss": {"num_experts": "num_local_experts", "moe_intermediate_size": "intermediate_size"},
+    "granitemoe": {"num_experts": "num_local_experts", "moe_intermediate_size": "intermediate_size"},
+}
+#: Granite's multipliers (``Architecture.multipliers``): the file's keys, transformers' fields.
+_MULTIPLIERS = {
+    "embedding_scale": "embedding_multiplier", "attention.scale": "attention_multiplier",
+    "residual_scale": "residual_multiplier", "logit_scale": "logits_scaling",
+}  # fmt: skip
 
 
 def _rope(reader: GGUFFile) -> dict:

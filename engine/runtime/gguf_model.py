@@ -70,7 +70,7 @@ def build(
     _rope_factors(model, reader)
     quantized = read(reader, config.num_attention_heads, config.num_key_value_heads)
     parameters = dict(model.named_parameters(remove_duplicate=False))
-    written = set(quantized) | _experts_in_blocks(quantized)
+    written = set(quantized) | _experts_in_blocks(quantized, arch)
     for name, values in _dense_tensors(reader, config, written):
         name, _, part = name.partition(":")  # an expert tensor: its part of transformers' 3-D parameter
         _place(parameters[name].data, part, arch).copy_(values.to(dtype))
@@ -84,13 +84,14 @@ def build(
     return model, quantized
 
 
-def _experts_in_blocks(quantized: dict[str, QuantizedWeight]) -> set[str]:
+def _experts_in_blocks(quantized: dict[str, QuantizedWeight], arch: Architecture) -> set[str]:
     """transformers' 3-D expert parameters whose experts' matrices are all in blocks (``gguf_weights.expert_name``):
     ``model.layers.N.mlp.experts.gate_up_proj`` (gate and up) and ``down_proj``."""
     covered = set()
     for parsed in filter(None, map(parse_expert_name, quantized)):
         layer, _, projection = parsed
-        covered.add(f"model.layers.{layer}.mlp.experts.{'down_proj' if projection == 'down_proj' else 'gate_up_proj'}")
+        part = "down_proj" if projection == "down_proj" else "gate_up_proj"
+        covered.add(f"model.layers.{layer}.{arch.mlp}.experts.{part}")
     return covered
 
 
@@ -144,7 +145,7 @@ def _dense_target(parameters: dict[str, torch.nn.Parameter], name: str, arch: Ar
     if parsed is None:
         return parameters[name].data
     layer, expert, projection = parsed
-    prefix = f"model.layers.{layer}.mlp.experts."
+    prefix = f"model.layers.{layer}.{arch.mlp}.experts."
     if projection == "down_proj":
         return _place(parameters[prefix + "down_proj"].data, "", arch)[expert]
     return _place(parameters[prefix + "gate_up_proj"].data, "0" if projection == "gate_proj" else "1", arch)[expert]
@@ -197,7 +198,7 @@ def _name(gguf_name: str, arch: Architecture) -> str | None:
     if len(parts) == 4 and parts[2] in _DENSE_EXPERTS:  # gpt-oss's experts' biases too
         place = _DENSE_EXPERTS[parts[2]]
         place = place.replace("_proj", "_proj_bias") if parts[3] == "bias" else place
-        return f"model.layers.{parts[1]}.mlp.experts.{place}"
+        return f"model.layers.{parts[1]}.{arch.mlp}.experts.{place}"
     norms = _OUTPUT_NORMS if arch.output_norms else _NORMS
     if len(parts) == 4 and parts[0] == "blk" and parts[2] in norms:
         return f"model.layers.{parts[1]}.{norms[parts[2]]}.weight"

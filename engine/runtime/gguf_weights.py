@@ -39,7 +39,7 @@ _LAYER_NAMES = {
 #: ... in an architecture that stores them fused (``Architecture.fused_projections``).
 _FUSED_NAMES = {**_LAYER_NAMES, "attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}
 #: ... in gpt-oss (``Architecture.oai_experts``): its router and its attention sinks.
-_OAI_NAMES = {**_LAYER_NAMES, "ffn_gate_inp": "mlp.router", "attn_sinks": "self_attn.sinks"}
+_OAI_NAMES = {**_LAYER_NAMES, "attn_sinks": "self_attn.sinks"}
 #: A mixture of experts' matrices (3-D: one matrix an expert, ``expert_name``).
 EXPERT_PROJECTIONS = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
 
@@ -130,7 +130,10 @@ def hf_name(name: str, arch: Architecture) -> str | None:
     names = _FUSED_NAMES if arch.fused_projections else _OAI_NAMES if arch.oai_experts else _LAYER_NAMES
     if len(parts) == 4 and parts[0] == "blk" and parts[2] in names and parts[3] in ("weight", "bias"):
         suffix = "" if parts[2] == "attn_sinks" else f".{parts[3]}"  # a parameter of its own, not a layer's weight
-        return f"model.layers.{parts[1]}.{names[parts[2]]}{suffix}"
+        module, _, rest = names[parts[2]].partition(".")
+        if module == "mlp":  # the family's MLP module, and its router's name (``Architecture.mlp``, ``router``)
+            module, rest = arch.mlp, arch.router if parts[2] == "ffn_gate_inp" else rest
+        return f"model.layers.{parts[1]}.{module}.{rest}{suffix}"
     return None
 
 

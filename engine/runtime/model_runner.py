@@ -181,12 +181,14 @@ class _LlamaLayer:
     experts: _Experts | None = None  # the MLP's place taken by a mixture of experts
     o_bias: torch.Tensor | None = None  # the attention output's bias (gpt-oss)
     sinks: torch.Tensor | None = None  # each query head's attention sink (gpt-oss)
+    residual_scale: float = 1.0  # each block's output multiplied by it before the residual add (granite)
 
     def extras(self) -> dict[str, torch.Tensor | int | bool | None]:
         """What an architecture adds to a llama layer, as ``llama_layer``'s keyword arguments."""
         return {
             "qkv_bias": self.qkv_bias, "q_norm": self.q_norm, "k_norm": self.k_norm, "window": self.window,
             "attn_out_norm": self.attn_out_norm, "ffn_out_norm": self.ffn_out_norm, "gelu": self.gelu,
+            "residual_scale": self.residual_scale,
         }  # fmt: skip
 
     def packed(self) -> tuple[object, ...] | None:
@@ -240,9 +242,12 @@ class LlamaRunner:
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
-        self.scale = (getattr(config, "query_pre_attn_scalar", None) or self.head_dim) ** -0.5
+        self.scale = getattr(config, "attention_multiplier", None) or (
+            getattr(config, "query_pre_attn_scalar", None) or self.head_dim
+        ) ** -0.5
         self.eps = config.rms_norm_eps
         self.softcap = getattr(config, "final_logit_softcapping", None)
+        self.logits_scaling = float(getattr(config, "logits_scaling", 1.0) or 1.0)  # granite divides by it
         inner = model.model
         self._embeddings(model, quantized, max_positions)
         # torch.compile of the element-wise work between the matmuls was tried and dropped: with the matmuls
@@ -272,8 +277,11 @@ class LlamaRunner:
         arch = by_model_type(model.config.model_type)
         assert arch is not None  # supports() holds
         # Gemma multiplies the embedding by sqrt(hidden size), rounded to its dtype as transformers (and Gemma) do.
-        scaled = arch.scaled_embedding
-        self.embed_scale = torch.tensor(model.config.hidden_size**0.5).to(self.dtype) if scaled else None
+        # Granite multiplies it by its config's embedding multiplier.
+        scale = model.config.hidden_size**0.5 if arch.scaled_embedding else None
+        if arch.multipliers:
+            scale = model.config.embedding_multiplier
+        self.embed_scale = torch.tensor(scale).to(self.dtype) if scale is not None else None
         self.ropes = _rope_tables(model, max_positions)
         self.norm = _norm_weight(model.model.norm.weight, arch.norm_offset)
         head = quantized.get("lm_head.weight")
@@ -306,7 +314,7 @@ class LlamaRunner:
     @staticmethod
     def _fuse(layer: torch.nn.Module, prefix: str, quantized: dict[str, QuantizedWeight]) -> _LlamaLayer:
         """One decoder layer's weights as the lean forward takes them: projections fused, norms as they multiply."""
-        attn, mlp = layer.self_attn, layer.mlp
+        attn = layer.self_attn
 
         def fused(names: list[str], linears: list[torch.nn.Linear]) -> torch.Tensor | PackedWeight | PackedParts:
             parts = [part for name in names if (part := quantized.get(f"{prefix}{name}.weight")) is not None]
@@ -317,6 +325,7 @@ class LlamaRunner:
 
         arch = by_model_type(attn.config.model_type)  # what this architecture adds to a llama layer
         assert arch is not None
+        mlp = getattr(layer, arch.mlp)
 
         def norm(module: torch.nn.Module | None) -> torch.Tensor | None:
             return None if module is None else _norm_weight(module.weight, arch.norm_offset)
@@ -354,6 +363,7 @@ class LlamaRunner:
             experts,
             attn.o_proj.bias.detach() if arch.output_bias else None,
             attn.sinks.detach().float() if arch.sinks else None,
+            float(getattr(attn.config, "residual_multiplier", 1.0)) if arch.multipliers else 1.0,
         )
 
     def forward(
@@ -384,6 +394,8 @@ class LlamaRunner:
             normed = normed[rows]  # none at all when the step's prompt chunks all go on: [0, vocab] logits
         head = self._dense_head if self._dense_head is not None and self.runs_dense(normed.shape[0]) else self.lm_head
         logits = linear(normed, head, self.tile).float()
+        if self.logits_scaling != 1.0:
+            logits = logits / self.logits_scaling
         return logits if not self.softcap else torch.tanh(logits / self.softcap) * self.softcap
 
     @property
@@ -420,6 +432,8 @@ class LlamaRunner:
         output = linear(attended.reshape(hidden.shape[0], -1), layer.o, tile)
         if layer.o_bias is not None:
             output = output + layer.o_bias
+        if layer.residual_scale != 1.0:
+            output = output * layer.residual_scale
         hidden, normed = self._add_norm(hidden, output, layer.post_norm, self.eps, layer.attn_out_norm)
         if layer.experts is not None:
             output = self._mixture(normed, layer.experts)
@@ -427,6 +441,8 @@ class LlamaRunner:
             assert layer.gate_up is not None and layer.down is not None
             gate_up = linear(normed, layer.gate_up, tile)
             output = linear(self._gelu_mul(gate_up) if layer.gelu else self._silu_mul(gate_up), layer.down, tile)
+        if layer.residual_scale != 1.0:
+            output = output * layer.residual_scale
         return self._add_norm(hidden, output, next_norm, self.eps, layer.ffn_out_norm)
 
     def _mixture(self, x: torch.Tensor, experts: _Experts) -> torch.Tensor:
@@ -479,8 +495,10 @@ def _experts(
                     else prepack(_dense_expert(mlp.experts, expert, arch, "down")))  # fmt: skip
     if arch.oai_experts:
         return _oai_experts(mlp, fused, gate_up, down)
-    gate = mlp.gate
-    experts = _Experts(fused(["mlp.gate"], [gate]), gate_up, down, gate.top_k, bool(gate.norm_topk_prob))
+    gate = getattr(mlp, arch.router)
+    router = fused([f"{arch.mlp}.{arch.router}"], [gate])
+    renormalize = bool(getattr(gate, "norm_topk_prob", False))
+    experts = _Experts(router, gate_up, down, gate.top_k, renormalize, top_k_softmax=arch.top_k_softmax)
     if arch.shared_expert:
         one, names = mlp.shared_expert, ["mlp.shared_expert.gate_proj", "mlp.shared_expert.up_proj"]
         experts.shared = (fused(names, [one.gate_proj, one.up_proj]),

@@ -37,7 +37,8 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
 // cos, sin [rows, head_dim]; keys, values: this layer's cache (decode_attention's layout); slots [rows]: where
 // each row's K/V are stored; block_tables, lengths, block_size, window: as decode_attention takes them. What an
 // architecture adds to a llama layer, as the runner's _LlamaLayer.extras: qkv_bias, q_norm and k_norm (qwen2,
-// qwen3), the norms of the attention's and the MLP's outputs and GELU for SiLU (gemma3).
+// qwen3), the norms of the attention's and the MLP's outputs and GELU for SiLU (gemma3), each block's output scaled
+// before the residual add (granite's residual multiplier).
 std::tuple<at::Tensor, at::Tensor> llama_layer(
     const at::Tensor& hidden, const at::Tensor& normed, const at::Tensor& qkv, int64_t qkv_type, int64_t qkv_out,
     const at::Tensor& o, int64_t o_type, int64_t o_out, const at::Tensor& post_norm, const at::Tensor& gate_up,
@@ -47,7 +48,7 @@ std::tuple<at::Tensor, at::Tensor> llama_layer(
     const at::Tensor& block_tables, const at::Tensor& lengths, int64_t block_size, double scale,
     const std::optional<at::Tensor>& qkv_bias, const std::optional<at::Tensor>& q_norm,
     const std::optional<at::Tensor>& k_norm, int64_t window, const std::optional<at::Tensor>& attn_out_norm,
-    const std::optional<at::Tensor>& ffn_out_norm, bool gelu) {
+    const std::optional<at::Tensor>& ffn_out_norm, bool gelu, double residual_scale) {
   const int64_t rows = hidden.size(0);
   TORCH_CHECK(num_heads % num_kv_heads == 0, "query heads must be a multiple of KV heads");
   at::Tensor projected = Projection{qkv, qkv_type, qkv_out}(normed);
@@ -64,11 +65,13 @@ std::tuple<at::Tensor, at::Tensor> llama_layer(
   const at::Tensor grouped = q.reshape({rows, num_kv_heads, num_heads / num_kv_heads, -1});
   const at::Tensor attended =
       decode_attention(grouped, keys, values, block_tables, lengths, block_size, scale, window, std::nullopt);
-  const at::Tensor output = Projection{o, o_type, o_out}(attended.reshape({rows, -1}));
+  at::Tensor output = Projection{o, o_type, o_out}(attended.reshape({rows, -1}));
+  if (residual_scale != 1.0) output = output * residual_scale;  // granite's residual multiplier
   const auto [residual, post_normed] = add_rms_norm(hidden, output, post_norm, eps, attn_out_norm);
   const at::Tensor projected_up = Projection{gate_up, gate_up_type, gate_up_out}(post_normed);
   const at::Tensor gated = gelu ? gelu_mul(projected_up) : silu_mul(projected_up);
-  const at::Tensor mlp = Projection{down, down_type, down_out}(gated);
+  at::Tensor mlp = Projection{down, down_type, down_out}(gated);
+  if (residual_scale != 1.0) mlp = mlp * residual_scale;
   return add_rms_norm(residual, mlp, next_norm, eps, ffn_out_norm);
 }
 
@@ -81,7 +84,8 @@ TORCH_LIBRARY_FRAGMENT(smolserve, m) {
       "int down_out, Tensor next_norm, float eps, Tensor cos, Tensor sin, int num_heads, int num_kv_heads, "
       "Tensor(a!) keys, Tensor(b!) values, Tensor slots, Tensor block_tables, Tensor lengths, int block_size, "
       "float scale, Tensor? qkv_bias=None, Tensor? q_norm=None, Tensor? k_norm=None, int window=0, "
-      "Tensor? attn_out_norm=None, Tensor? ffn_out_norm=None, bool gelu=False) -> (Tensor, Tensor)");
+      "Tensor? attn_out_norm=None, Tensor? ffn_out_norm=None, bool gelu=False, float residual_scale=1.0) -> "
+      "(Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(smolserve, CPU, m) { m.impl("llama_layer", &smolserve::llama_layer); }

@@ -52,6 +52,6 @@ std::tuple<at::Tensor, at::Tensor> llama_layer(
     const at::Tensor& block_tables, const at::Tensor& lengths, int64_t block_size, double scale,
     const std::optional<at::Tensor>& qkv_bias, const std::optional<at::Tensor>& q_norm,
     const std::optional<at::Tensor>& k_norm, int64_t window, const std::optional<at::Tensor>& attn_out_norm,
-    const std::optional<at::Tensor>& ffn_out_norm, bool gelu);
+    const std::optional<at::Tensor>& ffn_out_norm, bool gelu, double residual_scale);
 
 }  // namespace smolserve
