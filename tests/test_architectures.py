@@ -231,6 +231,8 @@ def test_an_architecture_not_served_natively_is_refused_naming_those_that_are(
 @pytest.mark.parametrize(("renamed", "error"), [
     ("blk.1.post_ffw_norm.weight", r"llama file's tensor blk.1.post_ffw_norm.weight is not read by the native path"),
     (None, r"this llama file has no tensor for model.layers.1.post_attention_layernorm.weight"),
+    ("blk.1.ffn_gate_shexp.weight",  # a shared expert's, in a family without one (GraniteMoeShared's in granitemoe)
+     r"this llama file's model.layers.1.mlp.shared_expert.gate_proj.weight has no place in transformers' llama"),
 ])  # fmt: skip
 def test_a_tensor_the_path_does_not_read_or_a_weight_the_file_lacks_is_refused(
     renamed: str | None, error: str, tokenizer_file: Path, tmp_path: Path

@@ -73,6 +73,8 @@ def build(
     written = set(quantized) | _experts_in_blocks(quantized, arch)
     for name, values in _dense_tensors(reader, config, written):
         name, _, part = name.partition(":")  # an expert tensor: its part of transformers' 3-D parameter
+        if name not in parameters:  # a tensor the family's transformers model has no place for (a shared expert)
+            raise NotServedNatively(f"this {arch.gguf} file's {name} has no place in transformers' {config.model_type}")
         _place(parameters[name].data, part, arch).copy_(values.to(dtype))
         written.add(name)
     if config.tie_word_embeddings and "model.embed_tokens.weight" in written:
