@@ -1,6 +1,7 @@
 """The app's exception handlers: every error a client gets is in its API's envelope (OpenAI's, ``app/openai/errors.py``;
-Anthropic's on the Messages API's routes, ``app/anthropic/errors.py``); an API error is counted by its reason, a route
-that does not exist names itself, an unexpected error is logged and a 500."""
+Anthropic's on the Messages API's routes, ``app/anthropic/errors.py``; Ollama's ``{"error": "..."}`` on ``/api/*``);
+an API error is counted by its reason, a route that does not exist names itself, an unexpected error is logged and a
+500."""
 
 from __future__ import annotations
 
@@ -49,6 +50,8 @@ def _body(request: Request, status: int, message: str, openai: dict[str, Any]) -
     """The error in the envelope of the API the route belongs to."""
     if _anthropic(request):
         return anthropic_errors.error_body(status, message)
+    if request.url.path.startswith("/api/"):  # Ollama's envelope
+        return {"error": message}
     return openai
 
 

@@ -15,6 +15,7 @@ from app import batches, chat, completions, embeddings, files, messages, respons
 from app import infill as fill
 from app.anthropic.models import VERSION_HEADER, model_info, model_page
 from app.model_pool import PoolEntry
+from app.ollama import api as ollama
 from app.openai.completions import CompletionFormat
 from app.openai.errors import APIError, bad_request
 from app.openai.models import model_list
@@ -126,4 +127,14 @@ ROUTES = [
     Route("/tokenize", tokens.tokenize, methods=["POST"]),
     Route("/detokenize", tokens.detokenize, methods=["POST"]),
     Route("/openapi.json", openapi, methods=["GET"]),
+    # Ollama's API (``app/ollama/``)
+    Route("/", ollama.root, methods=["GET", "HEAD"]),
+    Route("/api/chat", ollama.chat, methods=["POST"]),
+    Route("/api/generate", ollama.generate, methods=["POST"]),
+    Route("/api/embed", ollama.embed, methods=["POST"]),
+    Route("/api/embeddings", ollama.embeddings, methods=["POST"]),
+    Route("/api/tags", ollama.tags, methods=["GET"]),
+    Route("/api/ps", ollama.ps, methods=["GET"]),
+    Route("/api/show", ollama.show, methods=["POST"]),
+    Route("/api/version", ollama.version, methods=["GET"]),
 ]

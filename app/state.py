@@ -19,7 +19,7 @@ from prometheus_client import Gauge
 from sse_starlette import EventSourceResponse
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from app.backend import Backend
 from app.batch_runner import BATCH_HEADER, BATCH_PRIORITY, NO_BATCHES, BatchRunner
@@ -258,7 +258,7 @@ class ServerState:
 
     async def respond(
         self, request: Request, generation: Generation, complete: Callable[[], Awaitable[dict[str, Any]]] | None = None,
-        events: Callable[[], AsyncIterator[str]] | None = None,
+        events: Callable[[], AsyncIterator[str]] | None = None, ndjson: bool = False,
     ) -> Response:  # fmt: skip
         """Queue the generation's sequences and answer: a stream of events, or JSON when all are done (the
         endpoint's shapes: ``complete`` and ``events``, the OpenAI ones by default)."""
@@ -275,6 +275,8 @@ class ServerState:
         request.state.replica = generation.replicas
         if generation.options.stream:
             stream = _logged(request, generation, (events or generation.events)())
+            if ndjson:  # Ollama's stream: one JSON object a line
+                return StreamingResponse((line + "\n" async for line in stream), media_type="application/x-ndjson")
             return EventSourceResponse(stream, sep="\n", ping=self.sse_ping)
         done = asyncio.ensure_future((complete or generation.complete)())
         hangup = asyncio.ensure_future(_wait_for_disconnect(request))

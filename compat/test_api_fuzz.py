@@ -55,8 +55,10 @@ def _cases() -> list[tuple[Any, GenerationMode]]:
 
 
 def _in_envelope(path: str, body: Any) -> bool:
-    """OpenAI's ``{"error": {"message", "type", ...}}``, or Anthropic's ``{"type": "error", "error": {...}}`` on the
-    Messages API's routes."""
+    """OpenAI's ``{"error": {"message", "type", ...}}``, Anthropic's ``{"type": "error", "error": {...}}`` on the
+    Messages API's routes, Ollama's ``{"error": "..."}`` on its ``/api/*``."""
+    if path.startswith("/api/"):
+        return isinstance(body, dict) and isinstance(body.get("error"), str)
     if not isinstance(body, dict) or not isinstance(body.get("error"), dict):
         return False
     error = body["error"]

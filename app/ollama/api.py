@@ -1,0 +1,188 @@
+"""Ollama's routes: ``/api/chat`` and ``/api/generate`` through the chat pipeline (``app/chat_model.py``: template,
+tools, grammar, reasoning, the scheduler), ``/api/embed`` and ``/api/embeddings`` through the embedding model, the
+listings, ``/api/version`` and ``GET /`` as Ollama answers them."""
+
+from __future__ import annotations
+
+import datetime
+import time
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, PlainTextResponse, Response
+
+from app.chat_model import ChatModel
+from app.limits import check_text
+from app.ollama import request as wire
+from app.ollama.models import listed, running, shown
+from app.ollama.response import VERSION, OllamaGeneration, timestamp
+from app.openai.chat import ChatFormat, ChatRequest, parse_chat_request
+from app.openai.embeddings import parse_embeddings_request
+from app.openai.errors import APIError, bad_request
+from app.state import ServerState, server_state
+
+
+def _model(state: ServerState, name: str) -> ChatModel:
+    """The chat model ``name`` (its ``:latest`` tag dropped); Ollama's 404 for any other."""
+    try:
+        return state.chat_model(name)
+    except APIError as exc:
+        if exc.status == 404:
+            raise APIError(404, f"model '{name}' not found", param="model") from None
+        raise
+
+
+def _prepare_chat(state: ServerState, body: dict[str, Any]) -> tuple[ChatModel, ChatRequest, list[int]]:
+    name = wire.model_name(body)
+    model = _model(state, name)
+    req = parse_chat_request(wire.chat_body(body, model.max_model_len))
+    if body.get("think") and not model.reasons and model.harmony is None:
+        raise bad_request(f'"{name}" does not support thinking', "think")
+    check_text([message.text for message in req.messages], model.max_chars, model.max_model_len, "messages")
+    return model, req, model.chat_prompt(req.messages, req.tools, req.template_kwargs)
+
+
+async def chat(request: Request) -> Response:
+    arrived = time.perf_counter()
+    state = server_state(request)
+    raw = await request.body()
+    body = await state.prepare(lambda: state.parse_body(raw), len(raw))
+    if not body.get("messages"):  # Ollama's way to load a model: an empty conversation
+        return await _loaded(state, body, {"message": {"role": "assistant", "content": ""}})
+    model, req, prompt = await state.prepare(lambda: _prepare_chat(state, body), len(raw))
+    return await _answer(request, state, model, req, prompt, arrived, generate=False)
+
+
+def _prepare_generate(state: ServerState, body: dict[str, Any]) -> tuple[ChatModel, ChatRequest, list[int]]:
+    """``/api/generate``: the prompt through the model's template (with ``system``), or as it is (``raw``); the ids
+    of an earlier turn (``context``) before it."""
+    if body.get("suffix"):
+        raise bad_request("suffix: fill-in-the-middle is served by POST /infill and /v1/completions", "suffix")
+    system, prompt = body.get("system"), body.get("prompt") or ""
+    messages = [{"role": "system", "content": system}] if system else []
+    chat = {**body, "messages": [*messages, {"role": "user", "content": prompt}]}
+    name = wire.model_name(body)
+    model = _model(state, name)
+    req = parse_chat_request({key: v for key, v in wire.chat_body(chat, model.max_model_len).items() if key != "tools"})
+    check_text([prompt, system or ""], model.max_chars, model.max_model_len, "prompt")
+    ids = model.prompt_ids(prompt) if body.get("raw") else model.chat_prompt(req.messages, None, req.template_kwargs)
+    context = body.get("context") or []
+    if not isinstance(context, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in context):
+        raise bad_request("context must be a list of token ids", "context")
+    return model, req, [*model.prompt_ids(context, "context"), *ids]
+
+
+async def generate(request: Request) -> Response:
+    arrived = time.perf_counter()
+    state = server_state(request)
+    raw = await request.body()
+    body = await state.prepare(lambda: state.parse_body(raw), len(raw))
+    if not body.get("prompt") and not body.get("context"):
+        return await _loaded(state, body, {"response": ""})
+    model, req, prompt = await state.prepare(lambda: _prepare_generate(state, body), len(raw))
+    return await _answer(request, state, model, req, prompt, arrived, generate=True)
+
+
+async def _answer(request: Request, state: ServerState, model: ChatModel, req: ChatRequest, prompt: list[int],
+                  arrived: float, generate: bool) -> Response:  # fmt: skip
+    options = model.up_to_context(req.options, prompt)
+    generation = await model.generation(
+        ChatFormat(model.tokenizer), options, [prompt], None, arrived, req.tools, kind=OllamaGeneration,
+        prompt_param="prompt" if generate else "messages", reading=model.reading(req.tools, prompt), generate=generate,
+    )  # fmt: skip
+    return await state.respond(request, generation, ndjson=True)
+
+
+async def _loaded(state: ServerState, body: dict[str, Any], empty: dict[str, Any]) -> Response:
+    """A request with nothing to answer: the model loaded (Ollama's preload), ``done_reason`` "load"."""
+    name = wire.model_name(body)
+    await state.prepare(lambda: _model(state, name), 0)
+    return JSONResponse({"model": name, "created_at": timestamp(), **empty, "done": True, "done_reason": "load"})
+
+
+async def embed(request: Request) -> Response:
+    """``/api/embed``: one vector per input, L2-normalized; ``truncate`` (on by default) cuts inputs to the model's
+    length, off refuses a longer one."""
+    started = time.perf_counter()
+    state = server_state(request)
+    raw = await request.body()
+
+    def prepare() -> tuple[Any, Any, list[list[int]], str]:
+        body = state.parse_body(raw)
+        name = wire.model_name(body)
+        service = state.embedding_model(name)
+        openai = {"model": name, "input": body.get("input"), "dimensions": body.get("dimensions"),
+                  "truncate_prompt_tokens": -1 if body.get("truncate", True) else None}  # fmt: skip
+        req = parse_embeddings_request(openai, state.config.max_embedding_inputs)
+        return service, req, service.token_ids(req), name
+
+    service, req, batch, name = await state.prepare(prepare, len(raw))
+    answer = await service.answer(req, batch)
+    vectors = [item["embedding"] for item in answer["data"]]
+    took = int((time.perf_counter() - started) * 1e9)
+    return JSONResponse({"model": name, "embeddings": vectors, "total_duration": took, "load_duration": 0,
+                         "prompt_eval_count": answer["usage"]["prompt_tokens"]})  # fmt: skip
+
+
+async def embeddings(request: Request) -> Response:
+    """The older ``/api/embeddings``: ``prompt``, one vector."""
+    state = server_state(request)
+    raw = await request.body()
+
+    def prepare() -> tuple[Any, Any, list[list[int]]]:
+        body = state.parse_body(raw)
+        service = state.embedding_model(wire.model_name(body))
+        req = parse_embeddings_request({"model": body.get("model"), "input": body.get("prompt")}, 1)
+        return service, req, service.token_ids(req)
+
+    service, req, batch = await state.prepare(prepare, len(raw))
+    return JSONResponse({"embedding": (await service.answer(req, batch))["data"][0]["embedding"]})
+
+
+def _modified(state: ServerState) -> str:
+    return datetime.datetime.fromtimestamp(state.created, datetime.UTC).isoformat().replace("+00:00", "Z")
+
+
+async def tags(request: Request) -> Response:
+    state = server_state(request)
+    return JSONResponse({"models": [listed(entry, _modified(state)) for entry in state.pool.entries]})
+
+
+async def ps(request: Request) -> Response:
+    state = server_state(request)
+    keep = state.config.keep_alive_s
+    never = "2318-06-07T00:00:00Z"  # Ollama's "never" for a model kept loaded for good
+    entries = [entry for entry in state.pool.entries if entry.model is not None]
+    expiry = {id(e): never if keep is None or keep < 0 else _at(e.last_used + keep) for e in entries}
+    return JSONResponse({"models": [running(e, _modified(state), expiry[id(e)]) for e in entries]})
+
+
+def _at(monotonic: float) -> str:
+    moment = time.time() + monotonic - time.monotonic()
+    return datetime.datetime.fromtimestamp(moment, datetime.UTC).isoformat().replace("+00:00", "Z")
+
+
+async def show(request: Request) -> Response:
+    state = server_state(request)
+    raw = await request.body()
+    body = state.parse_body(raw)
+    name = wire.model_name({"model": body.get("model") or body.get("name")})
+    entry = next((e for e in state.pool.entries if name in e.names), None)
+    if entry is None:
+        raise APIError(404, f"model '{name}' not found", param="model")
+    model = await state.prepare(lambda: _model(state, name), 0)
+    capabilities = ["completion", "tools"]
+    if model.reasons or model.harmony is not None:
+        capabilities.append("thinking")
+    if model.tokenizer.fim is not None:
+        capabilities.append("insert")
+    template = model.tokenizer.info().get("chat_template")
+    return JSONResponse(shown(entry, template, capabilities, _modified(state)))
+
+
+async def version(request: Request) -> Response:
+    return JSONResponse({"version": VERSION})
+
+
+async def root(request: Request) -> Response:
+    return PlainTextResponse("Ollama is running")
