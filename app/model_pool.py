@@ -72,6 +72,9 @@ class PoolEntry:
     last_used: float = field(default_factory=time.monotonic)
     max_model_len: int | None = None
     load_seconds: float | None = None
+    #: How long the model stays loaded once idle, as the last request asked (Ollama's ``keep_alive``; negative:
+    #: for good); None: ``--keep-alive``.
+    keep_alive_s: float | None = None
 
     @property
     def status(self) -> Status:
@@ -197,7 +200,7 @@ class ModelPool:
 
     async def start(self) -> None:
         await self.entries[0].model.backend.start()  # type: ignore[union-attr]  # loaded at start
-        if len(self.entries) > 1 and self.keep_alive_s >= 0:
+        if len(self.entries) > 1:  # a request's keep_alive may unload a model even where --keep-alive never does
             self._sweeper = asyncio.ensure_future(self._sweep())
 
     async def stop(self) -> None:
@@ -215,13 +218,17 @@ class ModelPool:
     async def _sweep(self) -> None:
         """Unload the models idle for ``--keep-alive`` seconds; a model still busy counts as used now."""
         while True:
-            await asyncio.sleep(min(SWEEP_S, max(self.keep_alive_s, 0.1)))
+            await asyncio.sleep(SWEEP_S if self.keep_alive_s < 0 else min(SWEEP_S, max(self.keep_alive_s, 0.1)))
             now = time.monotonic()
             for entry in self.entries:
                 if entry.model is not None and not entry.model.backend.is_idle:
                     entry.last_used = now
-                elif entry.idle and now - entry.last_used >= self.keep_alive_s:
+                elif entry.idle and 0 <= self.kept_for(entry) <= now - entry.last_used:
                     await self.unload(entry)
+
+    def kept_for(self, entry: PoolEntry) -> float:
+        """Seconds ``entry``'s model stays loaded once idle (negative: for good)."""
+        return self.keep_alive_s if entry.keep_alive_s is None else entry.keep_alive_s
 
     def card(self, name: str) -> dict[str, Any]:
         """What ``/v1/models`` adds for the chat model ``name`` (llama.cpp's router shape): its status, and its

@@ -22,19 +22,24 @@ from app.openai.errors import APIError, bad_request
 from app.state import ServerState, server_state
 
 
-def _model(state: ServerState, name: str) -> ChatModel:
-    """The chat model ``name`` (its ``:latest`` tag dropped); Ollama's 404 for any other."""
+def _model(state: ServerState, name: str, body: dict[str, Any] | None = None) -> ChatModel:
+    """The chat model ``name`` (its ``:latest`` tag dropped); Ollama's 404 for any other. The body's
+    ``keep_alive``, if any, becomes how long the model stays loaded once idle."""
     try:
-        return state.chat_model(name)
+        model = state.chat_model(name)
     except APIError as exc:
         if exc.status == 404:
             raise APIError(404, f"model '{name}' not found", param="model") from None
         raise
+    kept = wire.keep_alive((body or {}).get("keep_alive"))
+    if kept is not None:
+        state.pool.entry(name).keep_alive_s = kept
+    return model
 
 
 def _prepare_chat(state: ServerState, body: dict[str, Any]) -> tuple[ChatModel, ChatRequest, list[int]]:
     name = wire.model_name(body)
-    model = _model(state, name)
+    model = _model(state, name, body)
     req = parse_chat_request(wire.chat_body(body, model.max_model_len))
     if body.get("think") and not model.reasons and model.harmony is None:
         raise bad_request(f'"{name}" does not support thinking', "think")
@@ -62,7 +67,7 @@ def _prepare_generate(state: ServerState, body: dict[str, Any]) -> tuple[ChatMod
     messages = [{"role": "system", "content": system}] if system else []
     chat = {**body, "messages": [*messages, {"role": "user", "content": prompt}]}
     name = wire.model_name(body)
-    model = _model(state, name)
+    model = _model(state, name, body)
     req = parse_chat_request({key: v for key, v in wire.chat_body(chat, model.max_model_len).items() if key != "tools"})
     check_text([prompt, system or ""], model.max_chars, model.max_model_len, "prompt")
     ids = model.prompt_ids(prompt) if body.get("raw") else model.chat_prompt(req.messages, None, req.template_kwargs)
@@ -94,10 +99,22 @@ async def _answer(request: Request, state: ServerState, model: ChatModel, req: C
 
 
 async def _loaded(state: ServerState, body: dict[str, Any], empty: dict[str, Any]) -> Response:
-    """A request with nothing to answer: the model loaded (Ollama's preload), ``done_reason`` "load"."""
+    """A request with nothing to answer: the model loaded (Ollama's preload, ``done_reason`` "load"), or with
+    ``keep_alive`` 0 unloaded ("unload")."""
     name = wire.model_name(body)
-    await state.prepare(lambda: _model(state, name), 0)
+    if wire.keep_alive(body.get("keep_alive")) == 0:
+        entry = state.pool.entry(_model_entry(state, name))
+        await state.pool.unload(entry)
+        return JSONResponse({"model": name, "created_at": timestamp(), **empty, "done": True, "done_reason": "unload"})
+    await state.prepare(lambda: _model(state, name, body), 0)
     return JSONResponse({"model": name, "created_at": timestamp(), **empty, "done": True, "done_reason": "load"})
+
+
+def _model_entry(state: ServerState, name: str) -> str:
+    """``name`` if a chat model is served under it, else Ollama's 404."""
+    if not any(name in entry.names for entry in state.pool.entries):
+        raise APIError(404, f"model '{name}' not found", param="model")
+    return name
 
 
 async def embed(request: Request) -> Response:
@@ -150,10 +167,11 @@ async def tags(request: Request) -> Response:
 
 async def ps(request: Request) -> Response:
     state = server_state(request)
-    keep = state.config.keep_alive_s
     never = "2318-06-07T00:00:00Z"  # Ollama's "never" for a model kept loaded for good
     entries = [entry for entry in state.pool.entries if entry.model is not None]
-    expiry = {id(e): never if keep is None or keep < 0 else _at(e.last_used + keep) for e in entries}
+    kept = {id(e): state.pool.kept_for(e) if len(state.pool.entries) > 1 and e.spec is not None else -1.0
+            for e in entries}  # fmt: skip
+    expiry = {id(e): never if kept[id(e)] < 0 else _at(e.last_used + kept[id(e)]) for e in entries}
     return JSONResponse({"models": [running(e, _modified(state), expiry[id(e)]) for e in entries]})
 
 
@@ -167,9 +185,7 @@ async def show(request: Request) -> Response:
     raw = await request.body()
     body = state.parse_body(raw)
     name = wire.model_name({"model": body.get("model") or body.get("name")})
-    entry = next((e for e in state.pool.entries if name in e.names), None)
-    if entry is None:
-        raise APIError(404, f"model '{name}' not found", param="model")
+    entry = state.pool.entry(_model_entry(state, name))
     model = await state.prepare(lambda: _model(state, name), 0)
     capabilities = ["completion", "tools"]
     if model.reasons or model.harmony is not None:

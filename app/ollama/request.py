@@ -5,7 +5,9 @@ naming it; options about where and how the model runs (threads, GPUs, memory map
 
 from __future__ import annotations
 
+import contextlib
 import json
+import re
 from typing import Any
 
 from app.openai.errors import bad_request
@@ -24,6 +26,27 @@ OFF = {"repeat_last_n": (-1, 64), "typical_p": (1.0,), "tfs_z": (1.0,), "mirosta
        "mirostat_eta": (0.1,), "penalize_newline": (False, True)}  # fmt: skip
 #: Fields of both bodies that need what this server does not have.
 _REFUSED = {"images": "images: no vision model is served", "template": "template: the model's own template is used"}
+
+
+#: A Go duration's units (Ollama's ``keep_alive`` is one: "5m", "1h30m", "-1"), in seconds.
+_UNITS = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
+_DURATION = re.compile(r"(\d+(?:\.\d+)?)(ns|us|µs|ms|s|m|h)")
+
+
+def keep_alive(value: Any) -> float | None:
+    """``keep_alive`` in seconds (negative: for good; 0: unload at once); None where not given."""
+    if value is None or value == "":
+        return None
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        return float(value)
+    if isinstance(value, str):
+        sign, text = (-1.0, value[1:]) if value.startswith("-") else (1.0, value)
+        with contextlib.suppress(ValueError):
+            return sign * float(text)
+        parts = _DURATION.findall(text)
+        if parts and "".join(number + unit for number, unit in parts) == text:
+            return sign * sum(float(number) * _UNITS[unit] for number, unit in parts)
+    raise bad_request('keep_alive: seconds, or a duration such as "5m" or "1h30m" (negative: for good)', "keep_alive")
 
 
 def model_name(body: dict[str, Any]) -> str:

@@ -1,0 +1,106 @@
+"""Ollama's API (``app/ollama/``) over the fake engine: the newline-delimited stream, whole answers, options and
+fields refused by name, ``keep_alive`` (a duration; 0 unloads), errors in Ollama's envelope. The official client on
+the real model: ``compat/test_ollama_client.py``."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+import pytest
+from app_helpers import fake_client
+from test_several_models import Builds, _lifespan, served
+
+from app.ollama.request import keep_alive
+
+ASK = [{"role": "user", "content": "hi"}]
+
+
+def chat(client, **body: Any):
+    return client.post("/api/chat", json={"model": "fake", "messages": ASK, **body})
+
+
+def test_the_stream_is_one_json_object_a_line_ending_done_and_equal_to_the_whole() -> None:
+    with fake_client() as client:
+        streamed = chat(client, options={"num_predict": 6})
+        assert streamed.status_code == 200 and streamed.headers["content-type"] == "application/x-ndjson"
+        lines = [json.loads(line) for line in streamed.text.splitlines()]
+        assert all(not line["done"] for line in lines[:-1]) and lines[-1]["done"]
+        whole = chat(client, stream=False, options={"num_predict": 6}).json()
+    assert "".join(line["message"]["content"] for line in lines) == whole["message"]["content"]
+    assert lines[-1]["eval_count"] == whole["eval_count"] == 6 and whole["done_reason"] == "length"
+    assert whole["prompt_eval_count"] > 0 and whole["total_duration"] >= whole["eval_duration"] > 0
+
+
+def test_generate_returns_the_context_and_takes_it_back() -> None:
+    with fake_client() as client:
+        first = client.post("/api/generate", json={"model": "fake:latest", "prompt": "ab", "raw": True,
+                                                   "stream": False, "options": {"num_predict": 3}}).json()  # fmt: skip
+        assert first["context"] == [*b"ab", *first["response"].encode()]
+        turn = {"model": "fake", "prompt": "c", "raw": True, "stream": False, "context": first["context"],
+                "options": {"num_predict": 1}}  # fmt: skip
+        again = client.post("/api/generate", json=turn)
+        assert again.json()["prompt_eval_count"] == len(first["context"]) + 1
+
+
+@pytest.mark.parametrize(("body", "named"), [
+    ({"options": {"mirostat": 1}}, "options.mirostat"),
+    ({"options": {"num_ctx": 100_000}}, "options.num_ctx"),
+    ({"options": {"no_such_option": 1}}, "options.no_such_option"),
+    ({"messages": [{"role": "user", "content": "hi", "images": ["aGk="]}]}, "images"),
+    ({"format": "yaml"}, "format"),
+    ({"think": True}, "thinking"),
+    ({"keep_alive": "soon"}, "keep_alive"),
+])  # fmt: skip
+def test_what_is_not_implemented_is_a_400_in_ollama_s_envelope(body: dict[str, Any], named: str) -> None:
+    with fake_client() as client:
+        response = chat(client, **body)
+    assert response.status_code == 400 and named in response.json()["error"]
+
+
+def test_runtime_options_and_off_values_are_accepted() -> None:
+    options = {"num_thread": 2, "num_gpu": 0, "use_mmap": True, "num_ctx": 64, "mirostat": 0, "typical_p": 1.0,
+               "num_predict": -1, "temperature": 0}  # fmt: skip
+    with fake_client() as client:
+        assert chat(client, stream=False, options=options).json()["done"]
+
+
+def test_an_unknown_model_is_ollama_s_404_and_the_listings_name_the_model_tagged() -> None:
+    with fake_client() as client:
+        missing = chat(client, model="nope")
+        assert missing.status_code == 404 and missing.json() == {"error": "model 'nope' not found"}
+        assert [m["name"] for m in client.get("/api/tags").json()["models"]] == ["fake:latest"]
+        assert client.get("/").text == "Ollama is running" and client.head("/").status_code == 200
+        assert client.post("/api/show", json={"model": "fake"}).json()["model_info"]["llama.context_length"] == 64
+
+
+@pytest.mark.parametrize(("value", "seconds"), [
+    (None, None), (300, 300.0), ("5m", 300.0), ("1h30m", 5400.0), ("0", 0.0), ("-1", -1.0), ("-1m", -60.0),
+    ("1.5s", 1.5), (0, 0.0),
+])  # fmt: skip
+def test_keep_alive_reads_seconds_and_go_durations(value: Any, seconds: float | None) -> None:
+    assert keep_alive(value) == seconds
+
+
+def test_keep_alive_zero_unloads_and_a_duration_is_what_ps_reports() -> None:
+    builds = Builds()
+
+    async def body() -> None:
+        app, client = await served(builds, ["beta"])
+        pool = app.state.server.pool
+        async with client:
+
+            async def check() -> None:
+                asked = {"model": "beta", "messages": ASK, "stream": False, "keep_alive": "10m"}
+                assert (await client.post("/api/chat", json=asked)).json()["done"]
+                (beta,) = [m for m in (await client.get("/api/ps")).json()["models"] if m["name"] == "beta:latest"]
+                assert beta["expires_at"] != "2318-06-07T00:00:00Z" and pool.entry("beta").keep_alive_s == 600
+                unload = await client.post("/api/generate", json={"model": "beta", "keep_alive": 0})
+                assert unload.json()["done_reason"] == "unload" and pool.entry("beta").model is None
+                load = await client.post("/api/generate", json={"model": "beta"})
+                assert load.json()["done_reason"] == "load" and pool.entry("beta").model is not None
+
+            await _lifespan(app, check)
+
+    asyncio.run(body())
