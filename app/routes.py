@@ -137,4 +137,9 @@ ROUTES = [
     Route("/api/ps", ollama.ps, methods=["GET"]),
     Route("/api/show", ollama.show, methods=["POST"]),
     Route("/api/version", ollama.version, methods=["GET"]),
+    Route("/api/pull", ollama.pull, methods=["POST"]),
+    Route("/api/push", ollama.refused, methods=["POST"]),
+    Route("/api/create", ollama.refused, methods=["POST"]),
+    Route("/api/copy", ollama.refused, methods=["POST"]),
+    Route("/api/delete", ollama.refused, methods=["DELETE"]),
 ]

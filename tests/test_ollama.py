@@ -104,3 +104,16 @@ def test_keep_alive_zero_unloads_and_a_duration_is_what_ps_reports() -> None:
             await _lifespan(app, check)
 
     asyncio.run(body())
+
+
+def test_pull_of_a_served_model_succeeds_and_of_any_other_is_a_404() -> None:
+    """As ``codex --oss`` pulls the model it was given before its first turn (after ``/api/version`` >= 0.13.4)."""
+    with fake_client() as client:
+        lines = [json.loads(line) for line in client.post("/api/pull", json={"model": "fake"}).text.splitlines()]
+        assert lines[-1] == {"status": "success"}
+        assert client.post("/api/pull", json={"model": "fake", "stream": False}).json() == {"status": "success"}
+        missing = client.post("/api/pull", json={"model": "llama3.2"})
+        assert missing.status_code == 404 and "local files" in missing.json()["error"]
+        refused = client.post("/api/create", json={"model": "mine", "from": "fake"})
+        assert refused.status_code == 400 and "create" in refused.json()["error"]
+        assert tuple(map(int, client.get("/api/version").json()["version"].split("."))) >= (0, 13, 4)

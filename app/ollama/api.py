@@ -5,6 +5,7 @@ listings, ``/api/version`` and ``GET /`` as Ollama answers them."""
 from __future__ import annotations
 
 import datetime
+import json
 import time
 from typing import Any
 
@@ -194,6 +195,33 @@ async def show(request: Request) -> Response:
         capabilities.append("insert")
     template = model.tokenizer.info().get("chat_template")
     return JSONResponse(shown(entry, template, capabilities, _modified(state)))
+
+
+#: What Ollama's pull stream says before ``success`` (a model served here is already on this machine).
+_PULLED = ("pulling manifest", "verifying sha256 digest", "writing manifest", "success")
+
+
+async def pull(request: Request) -> Response:
+    """``/api/pull`` of a model this server serves: loaded, with Ollama's progress ending in ``success``; any
+    other a 404 (models come from local files, nothing is downloaded)."""
+    state = server_state(request)
+    body = state.parse_body(await request.body())
+    name = wire.model_name({"model": body.get("model") or body.get("name")})
+    if any(name in entry.names for entry in state.pool.entries):
+        await state.prepare(lambda: _model(state, name), 0)
+    elif state.embeddings is None or name not in state.embeddings.entry.names:
+        raise APIError(404, f"model '{name}' not found: this server pulls nothing; its models are local files "
+                       "(--model, --models-dir)", param="model")  # fmt: skip
+    if body.get("stream") is False:
+        return JSONResponse({"status": "success"})
+    lines = "".join(json.dumps({"status": status}) + "\n" for status in _PULLED)
+    return Response(lines, media_type="application/x-ndjson")
+
+
+async def refused(request: Request) -> Response:
+    """``/api/push``, ``/api/create``, ``/api/copy``, ``/api/delete``: a registry's and a model store's jobs."""
+    job = request.url.path.removeprefix("/api/")
+    raise APIError(400, f"{job}: this server keeps no model store; its models are local files (--model, --models-dir)")
 
 
 async def version(request: Request) -> Response:

@@ -18,8 +18,9 @@ from app.reply import Piece, Reading
 from app.tools.parser import ParsedCall
 from engine.core.streams import EngineError
 
-#: Ollama's version as ``/api/version`` reports it (clients check for features by it).
-VERSION = "0.12.6"
+#: Ollama's version as ``/api/version`` reports it: clients check for features by it (Codex CLI 0.171 refuses
+#: one before 0.13.4).
+VERSION = "0.13.5"
 
 
 def timestamp() -> str:
