@@ -198,3 +198,20 @@ def test_the_budget_s_grammar_closes_the_reasoning_at_its_token(thinker, budget:
     got = chat(client, max_tokens=budget + 8, logprobs=True, structured_outputs={"grammar": grammar})
     tokens = [entry["token"] for entry in got["logprobs"]["content"]]
     assert tokens.index("</think>") == budget and got["message"]["content"]
+
+
+def test_ollama_s_think_gives_the_reasoning_as_message_thinking(thinker) -> None:
+    """``/api/chat`` with ``think``: the reasoning as ``message.thinking``, never in ``content`` (the R1 distill's
+    prompt opens it; Qwen3's ``think: false`` reaches its template as ``enable_thinking`` and closes it empty)."""
+    client, name = thinker
+    body = {"model": f"tiny-{name}", "messages": ASK, "stream": False, "options": {"temperature": 0, "num_predict": 12}}
+    if name == "qwen3":
+        off = client.post("/api/chat", json={**body, "think": False}).json()
+        prompt = client.post("/tokenize", json={"messages": ASK, "chat_template_kwargs": {"enable_thinking": False}})
+        assert off["prompt_eval_count"] == prompt.json()["count"] and "thinking" not in off["message"]
+        return
+    reply = client.post("/api/chat", json={**body, "think": True}).json()
+    assert reply["message"]["thinking"] and not reply["message"]["content"]
+    lines = [json.loads(line) for line in client.post("/api/chat", json={**body, "think": True, "stream": True}).text
+             .splitlines()]  # fmt: skip
+    assert "".join(line["message"].get("thinking", "") for line in lines) == reply["message"]["thinking"]
