@@ -57,6 +57,13 @@ def with_suffix(model: ChatModel, req: CompletionRequest) -> tuple[CompletionReq
     return _ending_the_middle(req, fim_tokens), prompts, None
 
 
+def fill_prompt(model: ChatModel, prefix: str, suffix: str, param: str) -> tuple[list[int], frozenset[int]]:
+    """A fill-in-the-middle prompt of the text before and after the gap (``suffix``'s plain layout), and the tokens
+    that end the middle; a 400 naming ``param`` for a model without FIM tokens."""
+    fim_tokens = _fim(model, param)
+    return _layout(model, fim.Infill(prefix, suffix), param), fim_tokens.ends
+
+
 def _ending_the_middle(req: CompletionRequest, fim_tokens: fim.Fim) -> CompletionRequest:
     """``req`` whose sequences also stop at the model's end-of-middle tokens."""
     stops = req.options.stop_token_ids | fim_tokens.ends

@@ -213,3 +213,18 @@ def test_the_bundled_model_has_no_fim_tokens(real_model) -> None:
     from engine.core.tokenizer import HFTokenizer
 
     assert HFTokenizer(real_model.tokenizer, real_model.eos_token_ids).fim is None
+
+
+def test_ollama_s_generate_fills_the_middle_as_completions_suffix_does(fim_client) -> None:
+    """``/api/generate`` with ``suffix`` (as Ollama's coder integrations send it): the same prompt and greedy middle
+    as ``/v1/completions``' ``suffix``."""
+    client, served = fim_client
+    prefix, suffix = "def add(a, b):\n    return ", "\n\nprint(add(1, 2))\n"
+    body = {"model": served.name, "prompt": prefix, "suffix": suffix, "stream": False,
+            "options": {"num_predict": 8, "temperature": 0}}  # fmt: skip
+    native = client.post("/api/generate", json=body)
+    assert native.status_code == 200, native.text
+    completion = client.post("/v1/completions", json={"model": served.name, "prompt": prefix, "suffix": suffix,
+                                                      "max_tokens": 8, "temperature": 0}).json()  # fmt: skip
+    assert native.json()["prompt_eval_count"] == len(expected_prompt(served, prefix, suffix))
+    assert native.json()["response"] == completion["choices"][0]["text"]

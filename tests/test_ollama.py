@@ -117,3 +117,9 @@ def test_pull_of_a_served_model_succeeds_and_of_any_other_is_a_404() -> None:
         refused = client.post("/api/create", json={"model": "mine", "from": "fake"})
         assert refused.status_code == 400 and "create" in refused.json()["error"]
         assert tuple(map(int, client.get("/api/version").json()["version"].split("."))) >= (0, 13, 4)
+
+
+def test_suffix_on_a_model_without_fim_tokens_is_a_400_saying_why() -> None:
+    with fake_client() as client:
+        response = client.post("/api/generate", json={"model": "fake", "prompt": "a", "suffix": "b"})
+    assert response.status_code == 400 and "fill-in-the-middle" in response.json()["error"]

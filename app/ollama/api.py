@@ -4,6 +4,7 @@ listings, ``/api/version`` and ``GET /`` as Ollama answers them."""
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import json
 import time
@@ -12,6 +13,7 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 
+from app import infill
 from app.chat_model import ChatModel
 from app.limits import check_text
 from app.ollama import request as wire
@@ -60,10 +62,8 @@ async def chat(request: Request) -> Response:
 
 
 def _prepare_generate(state: ServerState, body: dict[str, Any]) -> tuple[ChatModel, ChatRequest, list[int]]:
-    """``/api/generate``: the prompt through the model's template (with ``system``), or as it is (``raw``); the ids
-    of an earlier turn (``context``) before it."""
-    if body.get("suffix"):
-        raise bad_request("suffix: fill-in-the-middle is served by POST /infill and /v1/completions", "suffix")
+    """``/api/generate``: the prompt through the model's template (with ``system``), as it is (``raw``), or before
+    the gap of a fill-in-the-middle prompt (``suffix``); the ids of an earlier turn (``context``) before it."""
     system, prompt = body.get("system"), body.get("prompt") or ""
     messages = [{"role": "system", "content": system}] if system else []
     chat = {**body, "messages": [*messages, {"role": "user", "content": prompt}]}
@@ -71,7 +71,14 @@ def _prepare_generate(state: ServerState, body: dict[str, Any]) -> tuple[ChatMod
     model = _model(state, name, body)
     req = parse_chat_request({key: v for key, v in wire.chat_body(chat, model.max_model_len).items() if key != "tools"})
     check_text([prompt, system or ""], model.max_chars, model.max_model_len, "prompt")
-    ids = model.prompt_ids(prompt) if body.get("raw") else model.chat_prompt(req.messages, None, req.template_kwargs)
+    if body.get("suffix"):  # fill in the middle (a coder model's FIM tokens), as /v1/completions' suffix
+        ids, ends = infill.fill_prompt(model, prompt, str(body["suffix"]), "suffix")
+        stops = req.options.stop_token_ids | ends
+        req = dataclasses.replace(req, options=dataclasses.replace(req.options, stop_token_ids=stops))
+    elif body.get("raw"):
+        ids = model.prompt_ids(prompt)
+    else:
+        ids = model.chat_prompt(req.messages, None, req.template_kwargs)
     context = body.get("context") or []
     if not isinstance(context, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in context):
         raise bad_request("context must be a list of token ids", "context")
