@@ -67,6 +67,11 @@ def test_the_listings_name_the_served_model(client: ollama.Client) -> None:
     assert f"{MODEL}:latest" in [m.model for m in client.ps().models]
     shown = client.show(MODEL)
     assert "completion" in shown.capabilities and shown.modelinfo["llama.context_length"] > 0
+    # SmolLM2-135M: a llama of 134.5M weights, its file's blocks Q4_1 (with the types llama.cpp keeps some in)
+    assert shown.details.family == "llama" and shown.details.parameter_size.endswith("M")
+    assert "Q4_1" in shown.details.quantization_level.split("/")
+    (listed,) = [m for m in client.list().models if m.model == f"{MODEL}:latest"]
+    assert listed.details.family == "llama"
 
 
 def test_embeddings_are_unit_vectors(client: ollama.Client) -> None:

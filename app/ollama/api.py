@@ -16,6 +16,7 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response
 from app import infill
 from app.chat_model import ChatModel
 from app.limits import check_text
+from app.model_pool import PoolEntry
 from app.ollama import request as wire
 from app.ollama.models import listed, running, shown
 from app.ollama.response import VERSION, OllamaGeneration, timestamp
@@ -168,9 +169,17 @@ def _modified(state: ServerState) -> str:
     return datetime.datetime.fromtimestamp(state.created, datetime.UTC).isoformat().replace("+00:00", "Z")
 
 
+async def _facts(entry: PoolEntry) -> dict[str, Any]:
+    """What a loaded model's engine says of the model (architecture, parameters, block types); empty otherwise."""
+    if entry.model is None:
+        return {}
+    return ((await entry.model.backend.health()).get("engine") or {}).get("model") or {}
+
+
 async def tags(request: Request) -> Response:
     state = server_state(request)
-    return JSONResponse({"models": [listed(entry, _modified(state)) for entry in state.pool.entries]})
+    modified = _modified(state)
+    return JSONResponse({"models": [listed(e, modified, await _facts(e)) for e in state.pool.entries]})
 
 
 async def ps(request: Request) -> Response:
@@ -180,7 +189,8 @@ async def ps(request: Request) -> Response:
     kept = {id(e): state.pool.kept_for(e) if len(state.pool.entries) > 1 and e.spec is not None else -1.0
             for e in entries}  # fmt: skip
     expiry = {id(e): never if kept[id(e)] < 0 else _at(e.last_used + kept[id(e)]) for e in entries}
-    return JSONResponse({"models": [running(e, _modified(state), expiry[id(e)]) for e in entries]})
+    models = [running(e, _modified(state), expiry[id(e)], await _facts(e)) for e in entries]
+    return JSONResponse({"models": models})
 
 
 def _at(monotonic: float) -> str:
@@ -201,7 +211,7 @@ async def show(request: Request) -> Response:
     if model.tokenizer.fim is not None:
         capabilities.append("insert")
     template = model.tokenizer.info().get("chat_template")
-    return JSONResponse(shown(entry, template, capabilities, _modified(state)))
+    return JSONResponse(shown(entry, template, capabilities, _modified(state), await _facts(entry)))
 
 
 #: What Ollama's pull stream says before ``success`` (a model served here is already on this machine).

@@ -14,28 +14,39 @@ def tagged(name: str) -> str:
     return name if ":" in name else f"{name}:latest"
 
 
-def listed(entry: PoolEntry, modified: str) -> dict[str, Any]:
-    """One model as ``/api/tags`` lists it (no file sizes or digests of a registry: a digest of its name)."""
+def listed(entry: PoolEntry, modified: str, facts: dict[str, Any]) -> dict[str, Any]:
+    """One model as ``/api/tags`` lists it (no file sizes or digests of a registry: a digest of its name);
+    ``facts``: what its engine says of it (``runtime_info``'s ``model``; empty while it is not loaded)."""
     name = tagged(entry.names[0])
     digest = hashlib.sha256(entry.names[0].encode()).hexdigest()
-    return {"name": name, "model": name, "modified_at": modified, "size": 0, "digest": digest, "details": details()}
+    return {"name": name, "model": name, "modified_at": modified, "size": 0, "digest": digest,
+            "details": details(facts)}  # fmt: skip
 
 
-def running(entry: PoolEntry, modified: str, expires: str) -> dict[str, Any]:
+def running(entry: PoolEntry, modified: str, expires: str, facts: dict[str, Any]) -> dict[str, Any]:
     """A loaded model as ``/api/ps`` lists it: on the CPU (``size_vram`` 0), its context length."""
-    return {**listed(entry, modified), "expires_at": expires, "size_vram": 0, "context_length": entry.max_model_len}
+    return {**listed(entry, modified, facts), "expires_at": expires, "size_vram": 0,
+            "context_length": entry.max_model_len}  # fmt: skip
 
 
-def details() -> dict[str, Any]:
-    return {"parent_model": "", "format": "gguf", "family": "", "families": None, "parameter_size": "",
-            "quantization_level": ""}  # fmt: skip
+def details(facts: dict[str, Any]) -> dict[str, Any]:
+    """Ollama's ``details``: the architecture as the family, the parameter count as "135.0M" / "7.6B", the block
+    types as the quantization level ("F32" for a dense model)."""
+    family = facts.get("architecture", "")
+    count = facts.get("parameters")
+    size = "" if not count else f"{count / 1e9:.1f}B" if count >= 1e9 else f"{count / 1e6:.1f}M"
+    level = "/".join(facts.get("block_types") or []) or ("F32" if facts else "")
+    return {"parent_model": "", "format": "gguf", "family": family, "families": [family] if family else None,
+            "parameter_size": size, "quantization_level": level}  # fmt: skip
 
 
-def shown(entry: PoolEntry, template: str | None, capabilities: list[str], modified: str) -> dict[str, Any]:
-    """``/api/show``: the template, the context length under ``model_info``, the capabilities."""
-    # Clients read ``<general.architecture>.context_length``; the architecture named is the key's, not the model's.
-    info = {"general.architecture": "llama", "llama.context_length": entry.max_model_len}
+def shown(entry: PoolEntry, template: str | None, capabilities: list[str], modified: str,
+          facts: dict[str, Any]) -> dict[str, Any]:  # fmt: skip
+    """``/api/show``: the template, the architecture and context length under ``model_info``, the capabilities."""
+    arch = facts.get("architecture") or "llama"  # clients read ``<general.architecture>.context_length``
+    info = {"general.architecture": arch, f"{arch}.context_length": entry.max_model_len,
+            "general.parameter_count": facts.get("parameters")}  # fmt: skip
     return {
         "license": "", "modelfile": f"FROM {entry.names[0]}\n", "parameters": "", "template": template or "",
-        "details": details(), "model_info": info, "capabilities": capabilities, "modified_at": modified,
+        "details": details(facts), "model_info": info, "capabilities": capabilities, "modified_at": modified,
     }  # fmt: skip

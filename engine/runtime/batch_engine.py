@@ -209,6 +209,9 @@ class HFEngine(InferenceEngine):
         )
         return {
             "weights": weights,
+            # What a model listing shows (Ollama's details): the architecture as its GGUF names it, the weights'
+            # count and block types.
+            "model": {"architecture": kind, "parameters": model.num_parameters(), "block_types": blocks},
             "kv_cache": {
                 "blocks": pool.num_blocks, "block_size": pool.block_size, "tokens": positions,
                 "bytes": positions * per_token, "dtype": "int8" if cache.quantized else dtype,
