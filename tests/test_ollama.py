@@ -122,4 +122,8 @@ def test_pull_of_a_served_model_succeeds_and_of_any_other_is_a_404() -> None:
 def test_suffix_on_a_model_without_fim_tokens_is_a_400_saying_why() -> None:
     with fake_client() as client:
         response = client.post("/api/generate", json={"model": "fake", "prompt": "a", "suffix": "b"})
+        at_start = client.post("/api/generate", json={"model": "fake", "suffix": "b"})  # a gap at the file's start
+        thinking = client.post("/api/generate", json={"model": "fake", "prompt": "a", "think": True})
     assert response.status_code == 400 and "fill-in-the-middle" in response.json()["error"]
+    assert at_start.status_code == 400 and "fill-in-the-middle" in at_start.json()["error"]
+    assert thinking.status_code == 400 and "does not support thinking" in thinking.json()["error"]

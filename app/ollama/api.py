@@ -41,12 +41,17 @@ def _model(state: ServerState, name: str, body: dict[str, Any] | None = None) ->
     return model
 
 
+def _check_think(model: ChatModel, name: str, body: dict[str, Any]) -> None:
+    """``think`` on a model that does not reason: Ollama's 400."""
+    if body.get("think") and not model.reasons and model.harmony is None:
+        raise bad_request(f'"{name}" does not support thinking', "think")
+
+
 def _prepare_chat(state: ServerState, body: dict[str, Any]) -> tuple[ChatModel, ChatRequest, list[int]]:
     name = wire.model_name(body)
     model = _model(state, name, body)
     req = parse_chat_request(wire.chat_body(body, model.max_model_len))
-    if body.get("think") and not model.reasons and model.harmony is None:
-        raise bad_request(f'"{name}" does not support thinking', "think")
+    _check_think(model, name, body)
     check_text([message.text for message in req.messages], model.max_chars, model.max_model_len, "messages")
     return model, req, model.chat_prompt(req.messages, req.tools, req.template_kwargs)
 
@@ -71,6 +76,7 @@ def _prepare_generate(state: ServerState, body: dict[str, Any]) -> tuple[ChatMod
     name = wire.model_name(body)
     model = _model(state, name, body)
     req = parse_chat_request({key: v for key, v in wire.chat_body(chat, model.max_model_len).items() if key != "tools"})
+    _check_think(model, name, body)
     check_text([prompt, system or ""], model.max_chars, model.max_model_len, "prompt")
     if body.get("suffix"):  # fill in the middle (a coder model's FIM tokens), as /v1/completions' suffix
         ids, ends = infill.fill_prompt(model, prompt, str(body["suffix"]), "suffix")
@@ -91,7 +97,7 @@ async def generate(request: Request) -> Response:
     state = server_state(request)
     raw = await request.body()
     body = await state.prepare(lambda: state.parse_body(raw), len(raw))
-    if not body.get("prompt") and not body.get("context"):
+    if not any(body.get(field) for field in ("prompt", "suffix", "context")):  # Ollama's preload, or unload
         return await _loaded(state, body, {"response": ""})
     model, req, prompt = await state.prepare(lambda: _prepare_generate(state, body), len(raw))
     return await _answer(request, state, model, req, prompt, arrived, generate=True)
