@@ -5,7 +5,6 @@ listings, ``/api/version`` and ``GET /`` as Ollama answers them."""
 from __future__ import annotations
 
 import dataclasses
-import datetime
 import json
 import time
 from typing import Any
@@ -33,12 +32,17 @@ def _model(state: ServerState, name: str, body: dict[str, Any] | None = None) ->
         model = state.chat_model(name)
     except APIError as exc:
         if exc.status == 404:
-            raise APIError(404, f"model '{name}' not found", param="model") from None
+            raise _not_found(name) from None
         raise
     kept = wire.keep_alive((body or {}).get("keep_alive"))
     if kept is not None:
         state.pool.entry(name).keep_alive_s = kept
     return model
+
+
+def _not_found(name: str, why: str = "") -> APIError:
+    """Ollama's 404 for a model it does not have."""
+    return APIError(404, f"model '{name}' not found{why}", param="model")
 
 
 def _check_think(model: ChatModel, name: str, body: dict[str, Any]) -> None:
@@ -128,7 +132,7 @@ async def _loaded(state: ServerState, body: dict[str, Any], empty: dict[str, Any
 def _model_entry(state: ServerState, name: str) -> str:
     """``name`` if a chat model is served under it, else Ollama's 404."""
     if not any(name in entry.names for entry in state.pool.entries):
-        raise APIError(404, f"model '{name}' not found", param="model")
+        raise _not_found(name)
     return name
 
 
@@ -172,7 +176,7 @@ async def embeddings(request: Request) -> Response:
 
 
 def _modified(state: ServerState) -> str:
-    return datetime.datetime.fromtimestamp(state.created, datetime.UTC).isoformat().replace("+00:00", "Z")
+    return timestamp(state.created)
 
 
 async def _facts(entry: PoolEntry) -> dict[str, Any]:
@@ -190,18 +194,20 @@ async def tags(request: Request) -> Response:
 
 async def ps(request: Request) -> Response:
     state = server_state(request)
-    never = "2318-06-07T00:00:00Z"  # Ollama's "never" for a model kept loaded for good
     entries = [entry for entry in state.pool.entries if entry.model is not None]
-    kept = {id(e): state.pool.kept_for(e) if len(state.pool.entries) > 1 and e.spec is not None else -1.0
-            for e in entries}  # fmt: skip
-    expiry = {id(e): never if kept[id(e)] < 0 else _at(e.last_used + kept[id(e)]) for e in entries}
-    models = [running(e, _modified(state), expiry[id(e)], await _facts(e)) for e in entries]
+    models = [running(e, _modified(state), _expires(state, e), await _facts(e)) for e in entries]
     return JSONResponse({"models": models})
 
 
-def _at(monotonic: float) -> str:
-    moment = time.time() + monotonic - time.monotonic()
-    return datetime.datetime.fromtimestamp(moment, datetime.UTC).isoformat().replace("+00:00", "Z")
+#: Ollama's "never" for a model kept loaded for good.
+NEVER = "2318-06-07T00:00:00Z"
+
+
+def _expires(state: ServerState, entry: PoolEntry) -> str:
+    """When a model unloads once idle: its keep_alive after its last use; never where it is kept for good (a negative
+    keep_alive, or the one model of a server, which the pool never unloads)."""
+    kept = state.pool.kept_for(entry) if len(state.pool.entries) > 1 and entry.spec is not None else -1.0
+    return NEVER if kept < 0 else timestamp(time.time() + entry.last_used + kept - time.monotonic())
 
 
 async def show(request: Request) -> Response:
@@ -233,8 +239,7 @@ async def pull(request: Request) -> Response:
     if any(name in entry.names for entry in state.pool.entries):
         await state.prepare(lambda: _model(state, name), 0)
     elif state.embeddings is None or name not in state.embeddings.entry.names:
-        raise APIError(404, f"model '{name}' not found: this server pulls nothing; its models are local files "
-                       "(--model, --models-dir)", param="model")  # fmt: skip
+        raise _not_found(name, ": this server pulls nothing; its models are local files (--model, --models-dir)")
     if body.get("stream") is False:
         return JSONResponse({"status": "success"})
     lines = "".join(json.dumps({"status": status}) + "\n" for status in _PULLED)

@@ -23,8 +23,10 @@ from engine.core.streams import EngineError
 VERSION = "0.13.5"
 
 
-def timestamp() -> str:
-    return datetime.datetime.now(datetime.UTC).isoformat().replace("+00:00", "Z")
+def timestamp(seconds: float | None = None) -> str:
+    """A moment (seconds since the epoch; now where not given) as Ollama writes it: ISO 8601, UTC, with a Z."""
+    moment = datetime.datetime.fromtimestamp(time.time() if seconds is None else seconds, datetime.UTC)
+    return moment.isoformat().replace("+00:00", "Z")
 
 
 @dataclass(slots=True)
