@@ -46,6 +46,12 @@ def startup_summary(state: ServerState, engine: dict[str, Any], address: str) ->
         lines.append(f"  KV cache: {kv['blocks']} blocks of {kv['block_size']} = {kv['tokens']} tokens, "
                      f"{kv['bytes'] / 2**30:.2f} GiB, {kv['dtype']}; prefix caching "
                      f"{'on' if engine['prefix_caching'] else 'off'}")  # fmt: skip
+        if state := engine.get("recurrent_state"):
+            lines.append(f"  recurrent state ({state['kind']}, {state['layers']} layers): "
+                         f"{state['bytes_per_sequence'] / 2**10:.0f} KiB a sequence, {state['bytes'] / 2**20:.1f} MiB "
+                         f"for {engine['max_batch_size']}")  # fmt: skip
+        for what, why in engine.get("hybrid_limits", {}).items():
+            lines.append(f"  {what.replace('_', ' ')} {why}")
         lines.append(f"  batches: up to {engine['max_batch_size']} sequences and "
                      f"{engine['max_num_batched_tokens']} tokens a step")  # fmt: skip
     if "batch_invariant" in engine:

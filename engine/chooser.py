@@ -198,7 +198,7 @@ def probe_paths(
     ``--speculative`` (for the lean llama runner on the CPU; None for other models: no choice to make)."""
     from engine.runtime import gguf_model
     from engine.runtime.model_runner import LlamaRunner
-    from engine.runtime.path_probe import PROBED, probe
+    from engine.runtime.path_probe import probe, probed
 
     model = loaded.model
     if not (LlamaRunner.supports(model) and model.device.type == "cpu"):
@@ -207,7 +207,7 @@ def probe_paths(
         log.info("mixture of experts: every step multiplies the experts' blocks (no dense copy to choose)")
         return None
     if loaded.blocks:  # the probe times the dense path on the first layer's and the output layer's values
-        gguf_model.densify(model, loaded.blocks, [n for n in loaded.blocks if n.startswith(PROBED)])
+        gguf_model.densify(model, loaded.blocks, [n for n in loaded.blocks if n.startswith(probed(model))])
     times = probe(model, quantized, config.max_batch_size)
     log.info("%s", times.describe())
     return times

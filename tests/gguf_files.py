@@ -23,6 +23,8 @@ from transformers import (
     GraniteForCausalLM,
     GraniteMoeConfig,
     GraniteMoeForCausalLM,
+    Lfm2Config,
+    Lfm2ForCausalLM,
     LlamaConfig,
     LlamaForCausalLM,
     OlmoeConfig,
@@ -45,7 +47,7 @@ _MODELS = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen
            "phi3": (Phi3Config, Phi3ForCausalLM), "qwen3moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM),
            "olmoe": (OlmoeConfig, OlmoeForCausalLM), "qwen2moe": (Qwen2MoeConfig, Qwen2MoeForCausalLM),
            "gpt-oss": (GptOssConfig, GptOssForCausalLM), "granite": (GraniteConfig, GraniteForCausalLM),
-           "granitemoe": (GraniteMoeConfig, GraniteMoeForCausalLM)}  # fmt: skip
+           "granitemoe": (GraniteMoeConfig, GraniteMoeForCausalLM), "lfm2": (Lfm2Config, Lfm2ForCausalLM)}  # fmt: skip
 _LAYER = {
     "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
     "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
@@ -72,6 +74,14 @@ _PHI3_LAYER = {**_LAYER, "self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "
 _OAI_LAYER = {**_LAYER, "mlp.router": "ffn_gate_inp", "post_attention_layernorm": "post_attention_norm"}
 #: granitemoe's router.
 _GRANITE_MOE_LAYER = {**_LAYER, "block_sparse_moe.router": "ffn_gate_inp"}
+#: LFM2's modules, as its converter names them (its final norm is ``token_embd_norm``).
+_LFM2_LAYER = {**_LAYER, "operator_norm": "attn_norm", "ffn_norm": "ffn_norm", "feed_forward.w1": "ffn_gate",
+               "feed_forward.w3": "ffn_up", "feed_forward.w2": "ffn_down", "self_attn.out_proj": "attn_output",
+               "self_attn.q_layernorm": "attn_q_norm", "self_attn.k_layernorm": "attn_k_norm",
+               "conv.in_proj": "shortconv.in_proj", "conv.out_proj": "shortconv.out_proj",
+               "conv.conv": "shortconv.conv"}  # fmt: skip
+#: LFM2's layers in the tiny model: convolutions first and last, as LFM2-1.2B's (10 of its 16 layers).
+LFM2_LAYERS = ["conv", "conv", "full_attention", "conv"]
 #: gpt-oss's window in the tiny model (every other layer, from the first): short, so that a prompt slides past it.
 OAI_WINDOW = 12
 #: gpt-oss's YaRN as its config gives it, its pretraining context shortened to the tiny model's, and the
@@ -123,6 +133,9 @@ def tiny_model(arch: str, vocab: int, seed: int = 0, long_rope: bool = False, po
             tie_word_embeddings=True,
             rope_parameters={kind: {"rope_type": "default", "rope_theta": base} for kind, base in bases.items()},
         )  # fmt: skip
+    if arch == "lfm2":  # the MLP's size as given (the file's is adjusted already); a span of 3, as released
+        extra.update(layer_types=LFM2_LAYERS, num_hidden_layers=4, block_auto_adjust_ff_dim=False, conv_L_cache=3,
+                     norm_eps=1e-6)  # fmt: skip
     extra.setdefault("intermediate_size", 256)
     config = config_class(
         vocab_size=vocab, hidden_size=128, num_attention_heads=4,
@@ -186,9 +199,13 @@ def write_gguf(
     writer.add_embedding_length(config.hidden_size)
     writer.add_feed_forward_length(config.intermediate_size)
     writer.add_head_count(config.num_attention_heads)
-    writer.add_head_count_kv(config.num_key_value_heads)
+    if arch == "lfm2":  # a KV head count per layer, 0 in a convolution layer
+        writer.add_head_count_kv([0 if kind == "conv" else config.num_key_value_heads for kind in config.layer_types])
+        writer.add_shortconv_l_cache(config.conv_L_cache)
+    else:
+        writer.add_head_count_kv(config.num_key_value_heads)
     writer.add_rope_freq_base(rope["rope_theta"])
-    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_layer_norm_rms_eps(config.norm_eps if arch == "lfm2" else config.rms_norm_eps)
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     writer.add_key_length(head_dim)
     writer.add_value_length(head_dim)
@@ -234,6 +251,8 @@ def _tensors(name: str, parameter: torch.Tensor, arch: str) -> list[tuple[str, n
     layer = name.split(".")[2] if name.startswith("model.layers.") else ""
     if arch == "gpt-oss" and ".mlp.experts." in name:
         return _oai_experts(name, parameter, layer)
+    if name.endswith("conv.conv.weight"):  # LFM2's depthwise convolution: [channels, span], as the converter has it
+        return [(f"blk.{layer}.shortconv.conv.weight", parameter.detach()[:, 0].float().numpy(), parameter.data)]
     if name.endswith("self_attn.sinks"):
         return [(f"blk.{layer}.attn_sinks.weight", parameter.detach().float().numpy(), parameter.data)]
     if name.endswith(("mlp.experts.gate_up_proj", "block_sparse_moe.experts.gate_up_proj")):
@@ -268,11 +287,12 @@ def _gguf_name(name: str, arch: str) -> str:
         return "output.weight"
     if name == "model.norm.weight":
         return "output_norm.weight"
+    if name == "model.embedding_norm.weight":  # LFM2's final norm
+        return "token_embd_norm.weight"
     _, _, index, rest = name.split(".", 3)
     module, kind = rest.rsplit(".", 1)
-    names = {"gemma3": _GEMMA_LAYER, "phi3": _PHI3_LAYER, "gpt-oss": _OAI_LAYER, "granitemoe": _GRANITE_MOE_LAYER}.get(
-        arch, _LAYER
-    )
+    names = {"gemma3": _GEMMA_LAYER, "phi3": _PHI3_LAYER, "gpt-oss": _OAI_LAYER, "granitemoe": _GRANITE_MOE_LAYER,
+             "lfm2": _LFM2_LAYER}.get(arch, _LAYER)  # fmt: skip
     return f"blk.{index}.{names[module]}.{kind}"
 
 

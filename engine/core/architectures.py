@@ -62,7 +62,35 @@ class Architecture:
     #: ``residual_scale``, ``logit_scale``): the embedding times one, the attention's scale instead of
     #: 1/sqrt(head size), each block's output times one before the residual add, the logits divided by one.
     multipliers: bool = False
+    #: Short convolution layers (LFM2) among the attention ones, by the config's ``layer_types`` ("conv"): the
+    #: input projected to ``B``, ``C`` and ``x``, ``C * conv(B * x)`` over the last ``conv_L_cache`` positions (a
+    #: depthwise causal convolution), projected out. Each sequence keeps its last positions' ``B * x`` as a state.
+    short_conv: bool = False
+    #: transformers' names of this family's modules where they are not llama's (``input_layernorm``,
+    #: ``self_attn.o_proj``, ``mlp.gate_proj``, ``model.norm``, ...): pairs of llama's name and the family's.
+    renamed: tuple[tuple[str, str], ...] = ()
 
+    def name(self, llama_name: str) -> str:
+        """The family's name of a module llama names ``llama_name`` (a layer's relative name, or ``model.norm``)."""
+        for llama, own in self.renamed:
+            if llama_name == llama or llama_name.startswith(llama + "."):
+                return own + llama_name[len(llama) :]
+        return llama_name
+
+    @property
+    def recurrent(self) -> bool:
+        """Some layers keep a state per sequence beside (or instead of) its KV blocks."""
+        return self.short_conv
+
+
+#: LFM2's names of llama's modules.
+_LFM2_NAMES = (
+    ("input_layernorm", "operator_norm"), ("post_attention_layernorm", "ffn_norm"),
+    ("mlp.gate_proj", "feed_forward.w1"), ("mlp.up_proj", "feed_forward.w3"), ("mlp.down_proj", "feed_forward.w2"),
+    ("mlp", "feed_forward"),
+    ("self_attn.o_proj", "self_attn.out_proj"), ("self_attn.q_norm", "self_attn.q_layernorm"),
+    ("self_attn.k_norm", "self_attn.k_layernorm"), ("model.norm", "model.embedding_norm"),
+)  # fmt: skip
 
 ARCHITECTURES = {
     arch.gguf: arch
@@ -99,6 +127,8 @@ ARCHITECTURES = {
             router="router",
         ),
         Architecture("phi3", "phi3", fused_projections=True),  # Phi-3, Phi-3.5 mini (LongRoPE from the file)
+        # LFM2 (350M-2.6B): short convolutions in 10 of 16 layers, attention with head norms in the others
+        Architecture("lfm2", "lfm2", qk_norm=True, short_conv=True, renamed=_LFM2_NAMES),
         # Gemma 3 (text): 5 local layers of 512-1024 positions for each global one
         Architecture(
             "gemma3",

@@ -27,6 +27,7 @@ from engine.runtime.block_tables import BlockTables
 from engine.runtime.kv_cache import BlockKVCache, StepBatch
 from engine.runtime.model_runner import LlamaRunner, make_runner
 from engine.runtime.quantized_weights import SUPPORTED, QuantizedWeight
+from engine.runtime.recurrent_state import ConvStates, Segment
 from engine.runtime.sampler import Row, token_logprobs
 from engine.runtime.speculative import accept
 
@@ -38,11 +39,28 @@ def kv_cache_blocks(model: PreTrainedModel, kv_cache_bytes: int, kv_cache_dtype:
 
 
 def _cache_shape(model: PreTrainedModel) -> tuple[int, int, int, torch.dtype]:
-    """The layers, KV heads, head size and dtype of ``model``'s KV cache."""
+    """The layers, KV heads, head size and dtype of ``model``'s KV cache (its attention layers only)."""
     config = model.config
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     num_kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-    return config.num_hidden_layers, num_kv_heads, head_dim, model.dtype
+    return config.num_hidden_layers - len(_conv_layers(model)), num_kv_heads, head_dim, model.dtype
+
+
+def _conv_layers(model: PreTrainedModel) -> list[int]:
+    """The short convolution layers of a hybrid model (LFM2's), none in any other."""
+    arch = by_model_type(model.config.model_type)
+    if arch is None or not arch.short_conv:
+        return []
+    return [i for i, kind in enumerate(model.config.layer_types) if kind == "conv"]
+
+
+def _conv_states(model: PreTrainedModel, capacity: int) -> ConvStates | None:
+    """The recurrent states of a hybrid model's sequences, a slot for each of ``capacity`` (None: no such layers)."""
+    layers = _conv_layers(model)
+    if not layers:
+        return None
+    config = model.config
+    return ConvStates(len(layers), capacity, config.hidden_size, config.conv_L_cache, model.dtype, model.device)
 
 
 class HFEngine(InferenceEngine):
@@ -87,6 +105,11 @@ class HFEngine(InferenceEngine):
                 f"too few for one sequence of max_model_len={max_model_len}"
             )
         self.cache = BlockKVCache(*shape, self._device, num_blocks, block_size, kv_cache_dtype)
+        self.states = _conv_states(model, capacity)
+        #: What a hybrid model turns off, and why (its recurrent states are not kept per block, nor rolled back).
+        self.hybrid_limits: dict[str, str] = {}
+        if self.states is not None:
+            prefix_caching, draft_rows = self._hybrid(prefix_caching, draft_rows)
         self.tables = BlockTables(
             BlockPool(num_blocks, block_size), capacity, max_model_len, self._device, prefix_caching
         )
@@ -102,6 +125,16 @@ class HFEngine(InferenceEngine):
         )
         self._plan_now: Plan | None = None  # the step being run, for describe_step
         self._facts = self._describe(quantized, model)
+
+    def _hybrid(self, prefix_caching: bool, draft_rows: DraftBudget | None) -> tuple[bool, None]:
+        """A hybrid model's sequences are computed from their first position: its recurrent state at a cached
+        prefix's end is not kept (a prefix-cache hit would skip the layers that build it), nor the state before a
+        draft's rejected tokens (speculation would have to roll it back)."""
+        if prefix_caching:
+            self.hybrid_limits["prefix_caching"] = "off: the recurrent layers' state is not kept with cached blocks"
+        if draft_rows is not None:
+            self.hybrid_limits["speculative"] = "off: the recurrent layers' state is not rolled back past a draft"
+        return False, None
 
     @property
     def pool(self) -> BlockPool:
@@ -218,6 +251,21 @@ class HFEngine(InferenceEngine):
             },
             "max_batch_size": self.capacity, "max_num_batched_tokens": self.max_num_batched_tokens,
             "max_model_len": self.max_model_len, "prefix_caching": self.tables.caching,
+            **self._describe_states(),
+        }  # fmt: skip
+
+    def _describe_states(self) -> dict[str, Any]:
+        """A hybrid model's recurrent states: what a sequence's costs beside its KV blocks, and what is off."""
+        states = self.states
+        if states is None:
+            return {}
+        per_sequence = ConvStates.bytes_per_sequence(states.layers, states.channels, states.span, states.dtype)
+        return {
+            "recurrent_state": {
+                "layers": states.layers, "kind": "short convolution", "bytes_per_sequence": per_sequence,
+                "bytes": per_sequence * states.slots,
+            },
+            "hybrid_limits": dict(self.hybrid_limits),
         }  # fmt: skip
 
     def release_idle_memory(self) -> None:
@@ -251,6 +299,8 @@ class HFEngine(InferenceEngine):
             position_tensor + 1,
             [chunk for _, chunk in plan.all_chunks],
         )
+        if self.states is not None:
+            batch.states = self.states.step(_segments(plan), len(token_ids))
         rows = None
         if plan.chunks:
             rows = list(range(len(plan.decoding)))
@@ -293,3 +343,9 @@ class HFEngine(InferenceEngine):
             banned = request.stop_token_ids | (frozenset() if request.ignore_eos else self.eos_token_ids)
         sampling = request.sampling
         return Row(sampling, sampling.seed, request.prompt_ids, output, banned, request.logprobs, request.constraint)
+
+
+def _segments(plan: Plan) -> list[Segment]:
+    """Each sequence's rows of a step, for its recurrent state: a decoding row, or a prompt chunk."""
+    segments = [Segment(seq.blocks.row, seq.num_computed, row, 1) for row, seq in enumerate(plan.decoding)]
+    return segments + [Segment(seq.blocks.row, chunk.start, chunk.row, chunk.length) for seq, chunk in plan.all_chunks]

@@ -76,6 +76,8 @@ def config_of(reader: GGUFFile) -> PretrainedConfig:
         values.update(_gemma3(reader, rope, values))
     if arch == "phi3":
         values.update(_phi3(reader, rope, values))
+    if row.short_conv:
+        values.update(_lfm2(reader, values))
     if row.multipliers:
         values.update({field: float(keys[f"{arch}.{k}"]) for k, field in _MULTIPLIERS.items() if f"{arch}.{k}" in keys})
     if row.experts and not row.top_k_softmax:  # the chosen weights as llama.cpp's graph of the family takes them
@@ -93,6 +95,20 @@ _MULTIPLIERS = {
     "embedding_scale": "embedding_multiplier", "attention.scale": "attention_multiplier",
     "residual_scale": "residual_multiplier", "logit_scale": "logits_scaling",
 }  # fmt: skip
+
+
+def _lfm2(reader: GGUFFile, values: dict) -> dict:
+    """LFM2's layers as its converter writes them: a KV head count per layer, 0 in a convolution layer; the
+    convolution's span (``shortconv.l_cache``); its norms' epsilon under its own name; the MLP's size as the file
+    gives it (already adjusted)."""
+    keys = reader.keys
+    heads = values.pop("num_key_value_heads")
+    heads = [int(h) for h in heads] if isinstance(heads, list) else [int(heads)] * values["num_hidden_layers"]
+    return {
+        "num_key_value_heads": max(heads), "norm_eps": values.pop("rms_norm_eps"),
+        "layer_types": ["full_attention" if h else "conv" for h in heads],
+        "conv_L_cache": int(keys["lfm2.shortconv.l_cache"]), "block_auto_adjust_ff_dim": False,
+    }  # fmt: skip
 
 
 def _rope(reader: GGUFFile) -> dict:

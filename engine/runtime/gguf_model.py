@@ -75,7 +75,10 @@ def build(
         name, _, part = name.partition(":")  # an expert tensor: its part of transformers' 3-D parameter
         if name not in parameters:  # a tensor the family's transformers model has no place for (a shared expert)
             raise NotServedNatively(f"this {arch.gguf} file's {name} has no place in transformers' {config.model_type}")
-        _place(parameters[name].data, part, arch).copy_(values.to(dtype))
+        target = _place(parameters[name].data, part, arch)
+        if values.dim() != target.dim():  # LFM2's convolution: [channels, L] in the file, [channels, 1, L] here
+            values = values.reshape(target.shape)
+        target.copy_(values.to(dtype))
         written.add(name)
     if config.tie_word_embeddings and "model.embed_tokens.weight" in written:
         written.add("lm_head.weight")
@@ -194,8 +197,8 @@ _DENSE_EXPERTS = {"ffn_gate_exps": "gate_up_proj:0", "ffn_up_exps": "gate_up_pro
 
 
 def _name(gguf_name: str, arch: Architecture) -> str | None:
-    if gguf_name == "output_norm.weight":
-        return "model.norm.weight"
+    if gguf_name in ("output_norm.weight", "token_embd_norm.weight"):  # LFM2's converter names its final norm so
+        return arch.name("model.norm") + ".weight"
     parts = gguf_name.split(".")
     if len(parts) == 4 and parts[2] in _DENSE_EXPERTS:  # gpt-oss's experts' biases too
         place = _DENSE_EXPERTS[parts[2]]
@@ -203,5 +206,5 @@ def _name(gguf_name: str, arch: Architecture) -> str | None:
         return f"model.layers.{parts[1]}.{arch.mlp}.experts.{place}"
     norms = _OUTPUT_NORMS if arch.output_norms else _NORMS
     if len(parts) == 4 and parts[0] == "blk" and parts[2] in norms:
-        return f"model.layers.{parts[1]}.{norms[parts[2]]}.weight"
+        return f"model.layers.{parts[1]}.{arch.name(norms[parts[2]])}.weight"
     return hf_name(gguf_name, arch)

@@ -127,13 +127,15 @@ def hf_name(name: str, arch: Architecture) -> str | None:
     if name == "output.weight":
         return "lm_head.weight"
     parts = name.split(".")
+    if len(parts) == 5 and parts[0] == "blk" and parts[2] == "shortconv":  # LFM2's short convolution
+        return f"model.layers.{parts[1]}.conv.{parts[3]}.{parts[4]}"
     names = _FUSED_NAMES if arch.fused_projections else _OAI_NAMES if arch.oai_experts else _LAYER_NAMES
     if len(parts) == 4 and parts[0] == "blk" and parts[2] in names and parts[3] in ("weight", "bias"):
         suffix = "" if parts[2] == "attn_sinks" else f".{parts[3]}"  # a parameter of its own, not a layer's weight
         module, _, rest = names[parts[2]].partition(".")
         if module == "mlp":  # the family's MLP module, and its router's name (``Architecture.mlp``, ``router``)
             module, rest = arch.mlp, arch.router if parts[2] == "ffn_gate_inp" else rest
-        return f"model.layers.{parts[1]}.{module}.{rest}{suffix}"
+        return f"model.layers.{parts[1]}.{arch.name(f'{module}.{rest}')}{suffix}"
     return None
 
 

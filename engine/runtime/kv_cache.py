@@ -34,6 +34,7 @@ from engine.core.config import BLOCK_SIZE
 from engine.core.planner import PrefillChunk
 from engine.runtime import kernels
 from engine.runtime.os_memory import forget_pages, lazy_zeros
+from engine.runtime.recurrent_state import StepStates
 
 # Positions per tile of keys in the native kernel's layout; a block is a whole number of tiles.
 KEY_TILE = 16
@@ -51,6 +52,8 @@ class StepBatch:
     block_tables: torch.Tensor  # [rows, width] int32: each row's sequence's blocks
     lengths: torch.Tensor  # [rows] int64: positions each row attends, its position + 1
     chunks: list[PrefillChunk] = field(default_factory=list)
+    #: A hybrid model's recurrent layers' states, as this step reads and moves them (None: no such layers).
+    states: StepStates | None = None
 
 
 class BlockKVCache:

@@ -182,6 +182,11 @@ class _LlamaLayer:
     o_bias: torch.Tensor | None = None  # the attention output's bias (gpt-oss)
     sinks: torch.Tensor | None = None  # each query head's attention sink (gpt-oss)
     residual_scale: float = 1.0  # each block's output multiplied by it before the residual add (granite)
+    #: A short convolution layer (LFM2) in the attention's place: its depthwise weights ``[channels, span]``; ``qkv``
+    #: is then its input projection (``B``, ``C``, ``x`` stacked) and ``o`` its output projection.
+    conv: torch.Tensor | None = None
+    #: The layer's index among the layers of its kind: in the KV cache (attention), or in the states (convolution).
+    cache_index: int = 0
 
     def extras(self) -> dict[str, torch.Tensor | int | bool | None]:
         """What an architecture adds to a llama layer, as ``llama_layer``'s keyword arguments."""
@@ -195,7 +200,7 @@ class _LlamaLayer:
         """The arguments ``llama_layer`` takes for this layer's weights, up to its post-attention norm; None unless
         every projection is one matrix of packed quantized blocks."""
         projections = (self.qkv, self.o, self.gate_up, self.down)
-        if self.qk_norm_whole or self.o_bias is not None or self.sinks is not None:
+        if self.qk_norm_whole or self.o_bias is not None or self.sinks is not None or self.conv is not None:
             return None
         if not all(isinstance(p, PackedWeight) for p in projections):
             return None  # (the native layer normalizes each head)
@@ -245,21 +250,27 @@ class LlamaRunner:
         self.scale = getattr(config, "attention_multiplier", None) or (
             getattr(config, "query_pre_attn_scalar", None) or self.head_dim
         ) ** -0.5
-        self.eps = config.rms_norm_eps
+        self.eps = getattr(config, "rms_norm_eps", None) or config.norm_eps  # (LFM2's name)
         self.softcap = getattr(config, "final_logit_softcapping", None)
         self.logits_scaling = float(getattr(config, "logits_scaling", 1.0) or 1.0)  # granite divides by it
         inner = model.model
+        arch = by_model_type(config.model_type)
+        assert arch is not None  # supports() holds
         self._embeddings(model, quantized, max_positions)
         # torch.compile of the element-wise work between the matmuls was tried and dropped: with the matmuls
         # outside (oneDNN's prepacked weights are opaque to it), each compiled call cost 50-120 us against
         # 10-70 us eager, and whole steps came out no faster for ~30 s more start-up.
-        self.layers = [self._fuse(layer, f"model.layers.{i}.", quantized) for i, layer in enumerate(inner.layers)]
+        self.layers = [self._fuse(layer, f"model.layers.{i}.", quantized, arch) for i, layer in enumerate(inner.layers)]
+        _number_by_kind(self.layers)
         # The dense twin of quantized layers, for steps of many rows (``dense_from_rows``).
         self._dense_from_rows = dense_from_rows if quantized and not invariant else None
         self._dense_layers: list[_LlamaLayer] = []
         self._dense_head: torch.Tensor | None = None
         if self._dense_from_rows is not None:
-            self._dense_layers = [self._fuse(layer, f"model.layers.{i}.", {}) for i, layer in enumerate(inner.layers)]
+            self._dense_layers = [
+                self._fuse(layer, f"model.layers.{i}.", {}, arch) for i, layer in enumerate(inner.layers)
+            ]
+            _number_by_kind(self._dense_layers)
             self._dense_head = prepack(model.lm_head.weight)
         # The norm after each layer: the following layer's input norm, then the final norm.
         self._next_norms = [layer.input_norm for layer in self.layers[1:]] + [self.norm]
@@ -283,7 +294,7 @@ class LlamaRunner:
             scale = model.config.embedding_multiplier
         self.embed_scale = torch.tensor(scale).to(self.dtype) if scale is not None else None
         self.ropes = _rope_tables(model, max_positions)
-        self.norm = _norm_weight(model.model.norm.weight, arch.norm_offset)
+        self.norm = _norm_weight(model.get_submodule(arch.name("model.norm")).weight, arch.norm_offset)
         head = quantized.get("lm_head.weight")
         # A tied output layer reads the embedding's packed blocks: one copy of them.
         self.lm_head = (
@@ -307,56 +318,64 @@ class LlamaRunner:
         # Every projection quantized: each layer in one native call where the cache's native attention serves
         # the step (``csrc/llama_layer.cpp``: the same ops, without their Python dispatch between them).
         packed = [layer.packed() for layer in self.layers]
-        self._layer_op = ops.llama_layer if ops is not None and all(p is not None for p in packed) else None
+        attention = [p for p, layer in zip(packed, self.layers, strict=True) if layer.conv is None]
+        self._layer_op = ops.llama_layer if ops is not None and all(p is not None for p in attention) else None
         self._packed = packed
         self._extras = [layer.extras() for layer in self.layers]  # built once, not a dict a layer a step
 
     @staticmethod
-    def _fuse(layer: torch.nn.Module, prefix: str, quantized: dict[str, QuantizedWeight]) -> _LlamaLayer:
-        """One decoder layer's weights as the lean forward takes them: projections fused, norms as they multiply."""
-        attn = layer.self_attn
+    def _fuse(
+        layer: torch.nn.Module, prefix: str, quantized: dict[str, QuantizedWeight], arch: Architecture
+    ) -> _LlamaLayer:
+        """One decoder layer's weights as the lean forward takes them (``arch``: what its architecture adds to a
+        llama layer): projections fused, norms as they multiply."""
 
-        def fused(names: list[str], linears: list[torch.nn.Linear]) -> torch.Tensor | PackedWeight | PackedParts:
-            parts = [part for name in names if (part := quantized.get(f"{prefix}{name}.weight")) is not None]
+        def fused(names: list[str], linears: list[torch.nn.Module]) -> Weight:
+            own = [arch.name(name) for name in names]  # the family's names of llama's modules
+            parts = [part for name in own if (part := quantized.get(f"{prefix}{name}.weight")) is not None]
             if len(parts) != len(names):
-                return prepack(_stack_into_views(linears) if len(linears) > 1 else linears[0].weight)
+                return prepack(_stack_into_views(linears) if len(linears) > 1 else linears[0].weight)  # type: ignore[arg-type]
             stacked = QuantizedWeight.stack(parts)
             return stacked.pack() if stacked is not None else PackedParts(tuple(part.pack() for part in parts))
 
-        arch = by_model_type(attn.config.model_type)  # what this architecture adds to a llama layer
-        assert arch is not None
-        mlp = getattr(layer, arch.mlp)
-
-        def norm(module: torch.nn.Module | None) -> torch.Tensor | None:
-            return None if module is None else _norm_weight(module.weight, arch.norm_offset)
+        def norm(name: str) -> torch.Tensor:
+            return _norm_weight(layer.get_submodule(arch.name(name)).weight, arch.norm_offset)
 
         sandwich = arch.output_norms  # Gemma 3 names the norm of the attention's output "post attention"
+        mlp = layer.get_submodule(arch.name(arch.mlp))
+        experts, gate_up, down = None, None, None
+        if arch.experts:
+            experts = _experts(mlp, prefix, quantized, fused, arch)
+        else:
+            names = ["mlp.gate_up_proj"] if arch.fused_projections else ["mlp.gate_proj", "mlp.up_proj"]
+            gate_up = fused(names, [layer.get_submodule(arch.name(name)) for name in names])
+            down = fused(["mlp.down_proj"], [layer.get_submodule(arch.name("mlp.down_proj"))])
+        post_norm = norm("pre_feedforward_layernorm" if sandwich else "post_attention_layernorm")
+        if getattr(layer, "conv", None) is not None:  # LFM2's short convolution in the attention's place
+            conv = layer.conv
+            mixer = fused(["conv.in_proj"], [conv.in_proj]), fused(["conv.out_proj"], [conv.out_proj])
+            weights = conv.conv.weight.detach()[:, 0]  # [channels, span]
+            return _LlamaLayer(norm("input_layernorm"), *mixer, post_norm, gate_up, down, experts=experts, conv=weights)
+        attn = layer.self_attn
         if arch.fused_projections:  # the model holds them fused already (Phi-3)
             qkv = fused(["self_attn.qkv_proj"], [attn.qkv_proj])
         else:
             qkv = fused(
                 ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"], [attn.q_proj, attn.k_proj, attn.v_proj]
             )
-        experts, gate_up, down = None, None, None
-        if arch.experts:
-            experts = _experts(mlp, prefix, quantized, fused, arch)
-        else:
-            gate_up = (fused(["mlp.gate_up_proj"], [mlp.gate_up_proj]) if arch.fused_projections
-                       else fused(["mlp.gate_proj", "mlp.up_proj"], [mlp.gate_proj, mlp.up_proj]))  # fmt: skip
-            down = fused(["mlp.down_proj"], [mlp.down_proj])
         return _LlamaLayer(
-            norm(layer.input_layernorm),  # type: ignore[arg-type]
+            norm("input_layernorm"),
             qkv,
-            fused(["self_attn.o_proj"], [attn.o_proj]),
-            norm(layer.pre_feedforward_layernorm if sandwich else layer.post_attention_layernorm),  # type: ignore[arg-type]
+            fused(["self_attn.o_proj"], [layer.get_submodule(arch.name("self_attn.o_proj"))]),  # type: ignore[arg-type]
+            post_norm,
             gate_up,
             down,
             torch.cat([attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias]).detach() if arch.qkv_bias else None,
-            norm(attn.q_norm) if arch.qk_norm else None,
-            norm(attn.k_norm) if arch.qk_norm else None,
+            norm("self_attn.q_norm") if arch.qk_norm else None,
+            norm("self_attn.k_norm") if arch.qk_norm else None,
             arch.qk_norm_whole,
-            norm(layer.post_attention_layernorm) if sandwich else None,
-            norm(layer.post_feedforward_layernorm) if sandwich else None,
+            norm("post_attention_layernorm") if sandwich else None,
+            norm("post_feedforward_layernorm") if sandwich else None,
             arch.activation != "silu",
             _window(attn.config, attn.layer_idx),
             _rope_kind(attn.config, attn.layer_idx),
@@ -380,7 +399,8 @@ class LlamaRunner:
         dense = self.runs_dense(token_ids.shape[0])
         layers = self._dense_layers if dense else self.layers
         for index, (layer, next_norm) in enumerate(zip(layers, self._next_norms, strict=True)):
-            kv = batch.cache.native_kv(index) if self._layer_op is not None and not dense else None
+            native = self._layer_op is not None and not dense and layer.conv is None
+            kv = batch.cache.native_kv(layer.cache_index) if native else None
             cos, sin = ropes[layer.rope]  # shared by every head
             if kv is not None:
                 hidden, normed = self._layer_op(
@@ -413,25 +433,10 @@ class LlamaRunner:
     ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
         """One decoder layer op by op: the residual stream after it, and its normalization by ``next_norm``."""
         tile = self.tile
-        projected = linear(normed, layer.qkv, tile)
-        if layer.qkv_bias is not None:
-            projected = projected + layer.qkv_bias
-        heads = projected.view(hidden.shape[0], self.num_heads + 2 * self.num_kv_heads, -1)
-        qk = heads[:, : self.num_heads + self.num_kv_heads]
-        if layer.q_norm is not None and layer.k_norm is not None:  # each head normalized before its rotation
-            q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
-            if layer.qk_norm_whole:  # all heads as one vector
-                q = _rms_norm(q.reshape(q.shape[0], -1), layer.q_norm, self.eps).view(q.shape)
-                k = _rms_norm(k.reshape(k.shape[0], -1), layer.k_norm, self.eps).view(k.shape)
-                qk = torch.cat([q, k], dim=1)
-            else:
-                qk = torch.cat([_rms_norm(q, layer.q_norm, self.eps), _rms_norm(k, layer.k_norm, self.eps)], dim=1)
-        qk = self._rope(qk, cos, sin)  # q and k in one pass
-        q, k, v = qk[:, : self.num_heads], qk[:, self.num_heads :], heads[:, self.num_heads + self.num_kv_heads :]
-        attended = attend(batch, index, q, k, v, self.scale, layer.window, layer.sinks)
-        output = linear(attended.reshape(hidden.shape[0], -1), layer.o, tile)
-        if layer.o_bias is not None:
-            output = output + layer.o_bias
+        if layer.conv is not None:
+            output = self._short_conv(layer, normed, batch)
+        else:
+            output = self._attention(layer, normed, cos, sin, batch)
         if layer.residual_scale != 1.0:
             output = output * layer.residual_scale
         hidden, normed = self._add_norm(hidden, output, layer.post_norm, self.eps, layer.attn_out_norm)
@@ -444,6 +449,36 @@ class LlamaRunner:
         if layer.residual_scale != 1.0:
             output = output * layer.residual_scale
         return self._add_norm(hidden, output, next_norm, self.eps, layer.ffn_out_norm)
+
+    def _attention(
+        self, layer: _LlamaLayer, normed: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: StepBatch
+    ) -> torch.Tensor:
+        """A layer's attention over the normalized rows, projected out."""
+        rows = normed.shape[0]
+        projected = linear(normed, layer.qkv, self.tile)
+        if layer.qkv_bias is not None:
+            projected = projected + layer.qkv_bias
+        heads = projected.view(rows, self.num_heads + 2 * self.num_kv_heads, -1)
+        qk = heads[:, : self.num_heads + self.num_kv_heads]
+        if layer.q_norm is not None and layer.k_norm is not None:  # each head normalized before its rotation
+            q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
+            if layer.qk_norm_whole:  # all heads as one vector
+                q = _rms_norm(q.reshape(q.shape[0], -1), layer.q_norm, self.eps).view(q.shape)
+                k = _rms_norm(k.reshape(k.shape[0], -1), layer.k_norm, self.eps).view(k.shape)
+                qk = torch.cat([q, k], dim=1)
+            else:
+                qk = torch.cat([_rms_norm(q, layer.q_norm, self.eps), _rms_norm(k, layer.k_norm, self.eps)], dim=1)
+        qk = self._rope(qk, cos, sin)  # q and k in one pass
+        q, k, v = qk[:, : self.num_heads], qk[:, self.num_heads :], heads[:, self.num_heads + self.num_kv_heads :]
+        attended = attend(batch, layer.cache_index, q, k, v, self.scale, layer.window, layer.sinks)
+        output = linear(attended.reshape(rows, -1), layer.o, self.tile)
+        return output if layer.o_bias is None else output + layer.o_bias
+
+    def _short_conv(self, layer: _LlamaLayer, normed: torch.Tensor, batch: StepBatch) -> torch.Tensor:
+        """LFM2's short convolution: ``C * conv(B * x)`` over each sequence's last positions, projected out."""
+        assert layer.conv is not None and batch.states is not None
+        b, c, x = linear(normed, layer.qkv, self.tile).chunk(3, dim=-1)
+        return linear(c * batch.states.convolve(layer.cache_index, b * x, layer.conv), layer.o, self.tile)
 
     def _mixture(self, x: torch.Tensor, experts: _Experts) -> torch.Tensor:
         """Each row through its top-k experts, their outputs weighted and summed as transformers sums them: expert
@@ -531,6 +566,15 @@ def _oai_experts(
         router_bias=router.bias.detach(), gate_up_bias=torch.cat([bias[:, 0::2], bias[:, 1::2]], dim=1),
         down_bias=experts.down_proj_bias.detach(), clamp=(float(experts.alpha), float(experts.limit)),
     )  # fmt: skip
+
+
+def _number_by_kind(layers: list[_LlamaLayer]) -> None:
+    """Each layer's index among its kind's (``_LlamaLayer.cache_index``): the KV cache holds the attention layers
+    only, the states the convolution layers only."""
+    counts = {True: 0, False: 0}
+    for layer in layers:
+        kind = layer.conv is not None
+        layer.cache_index, counts[kind] = counts[kind], counts[kind] + 1
 
 
 def _clamped_swiglu(gate_up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:

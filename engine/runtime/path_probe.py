@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 from transformers import PreTrainedModel
 
+from engine.core.architectures import by_model_type
 from engine.core.batch_mode import PathTimes
 from engine.runtime.model_runner import DENSE_TILE, LlamaRunner, _LlamaLayer, linear, prepack
 from engine.runtime.quantized_weights import PackedParts, PackedWeight, QuantizedWeight
@@ -20,22 +21,29 @@ Weight = torch.Tensor | PackedWeight | PackedParts
 
 #: Row counts timed: few rows closely, for speculative decoding's row budget (``engine/core/speculation.py``).
 ROWS = (1, 2, 4, 6, 8, 16, 32, 64, 128, 256)
-#: The weights the probe multiplies, by the start of their names: their dense values must be there.
-PROBED = ("model.layers.0.", "lm_head.")
+def probed(model: PreTrainedModel) -> tuple[str, str]:
+    """The weights the probe multiplies, by the start of their names (their dense values must be there): the first
+    attention layer's (a hybrid's first layers may be convolutions) and the output layer's."""
+    return f"model.layers.{_attention_layer(model)}.", "lm_head."
+
+
+def _attention_layer(model: PreTrainedModel) -> int:
+    return next(i for i, layer in enumerate(model.model.layers) if hasattr(layer, "self_attn"))
 
 
 def probe(
     model: PreTrainedModel, quantized: dict[str, QuantizedWeight] | None, max_rows: int, repeats: int = 3
 ) -> PathTimes:
     """Both paths' matmul seconds per step at each of ``ROWS`` up to ``max_rows`` (and ``max_rows`` itself)."""
-    layer = model.model.layers[0]
+    index = _attention_layer(model)
+    layer, prefix = model.model.layers[index], f"model.layers.{index}."
+    arch = by_model_type(model.config.model_type)
+    assert arch is not None
     rows = tuple(sorted({r for r in ROWS if r < max_rows} | {max_rows}))
-    dense = Path(LlamaRunner._fuse(layer, "model.layers.0.", {}), prepack(model.lm_head.weight), None)
+    dense = Path(LlamaRunner._fuse(layer, prefix, {}, arch), prepack(model.lm_head.weight), None)
     if quantized:
         head = quantized.get("lm_head.weight")
-        invariant = Path(
-            LlamaRunner._fuse(layer, "model.layers.0.", quantized), head.pack() if head else dense.head, None
-        )
+        invariant = Path(LlamaRunner._fuse(layer, prefix, quantized, arch), head.pack() if head else dense.head, None)
     else:
         invariant = Path(dense.layer, dense.head, DENSE_TILE)
     times = [_seconds((invariant, dense), r, repeats, model) for r in rows]
@@ -55,7 +63,10 @@ def _seconds(paths: tuple[Path, ...], rows: int, repeats: int, model: PreTrained
     config = model.config
     hidden = torch.randn(rows, config.hidden_size).to(model.dtype)
     # The output projection's input is the heads side by side: wider than the hidden size where heads are (qwen3).
-    attended = torch.randn(rows, model.model.layers[0].self_attn.o_proj.in_features).to(model.dtype)
+    arch = by_model_type(config.model_type)
+    assert arch is not None
+    output = model.model.layers[_attention_layer(model)].get_submodule(arch.name("self_attn.o_proj"))
+    attended = torch.randn(rows, output.in_features).to(model.dtype)
     wide = torch.randn(rows, config.intermediate_size).to(model.dtype)
     layers = len(model.model.layers)
 

@@ -1,0 +1,92 @@
+"""What a hybrid model keeps per sequence beside its KV blocks: the state of its recurrent layers (LFM2's short
+convolutions: each layer's last ``span - 1`` inputs ``B * x``).
+
+Memory. One tensor per model, ``[conv layers, sequence slots, span - 1, channels]`` in the model's dtype: a slot per
+sequence the engine holds at once (its block table's row, ``engine/core/blocks.py``), so admission, which already
+takes a row, takes its state too, and a finished sequence's row (and state) is free again. A sequence's state is
+never read at its first position: a sequence starting at position 0 (admitted, or preempted or parked and
+recomputing) starts from zeros, whatever its slot held before.
+
+Exactness. A row's convolution is the same few products and sums, in the same order, whatever else its step holds and
+however its prompt was cut into chunks: a chunk's first rows read the inputs before it from the state, later rows
+read them from the chunk itself, and both are the same values. A preempted or parked sequence recomputes its state
+from its tokens, to the same bits.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.runtime.os_memory import lazy_zeros
+
+
+@dataclass(frozen=True, slots=True)
+class Segment:
+    """One sequence's rows in a step: ``length`` rows from the step's row ``row``, at positions from ``start``."""
+
+    slot: int  # the sequence's state slot (its block table's row)
+    start: int
+    row: int
+    length: int
+
+
+class ConvStates:
+    """Every sequence slot's short-convolution state, for every convolution layer."""
+
+    def __init__(
+        self, layers: int, slots: int, channels: int, span: int, dtype: torch.dtype, device: torch.device
+    ) -> None:
+        self.layers, self.slots, self.channels, self.span = layers, slots, channels, span
+        self.dtype = dtype
+        self.state = lazy_zeros((layers, slots, span - 1, channels), dtype, device)
+
+    @staticmethod
+    def bytes_per_sequence(layers: int, channels: int, span: int, dtype: torch.dtype) -> int:
+        return layers * (span - 1) * channels * dtype.itemsize
+
+    def step(self, segments: list[Segment], rows: int) -> StepStates:
+        """The indexes a step's convolutions read and write through (one set for every layer)."""
+        return StepStates(self, segments, rows)
+
+
+class StepStates:
+    """One step's view of the states: each row's window of inputs, and where each sequence's new state lies."""
+
+    def __init__(self, states: ConvStates, segments: list[Segment], rows: int) -> None:
+        keep = states.span - 1
+        device = states.state.device
+        self._states = states
+        self._slots = torch.tensor([s.slot for s in segments], dtype=torch.long, device=device)
+        self._fresh = torch.tensor([s.start == 0 for s in segments], dtype=torch.bool, device=device)
+        # The inputs a step reads, one tensor: each sequence's ``keep`` past inputs (its state), then the step's rows.
+        # A row at offset t of its segment reads offsets t - keep .. t: a negative one is its state's, else a row's.
+        past = len(segments) * keep
+        window: list[list[int]] = []
+        new_state: list[list[int]] = []
+        for index, segment in enumerate(segments):
+
+            def place(offset: int, index: int = index, segment: Segment = segment) -> int:
+                return index * keep + keep + offset if offset < 0 else past + segment.row + offset
+
+            window += [[place(t - keep + k) for k in range(keep + 1)] for t in range(segment.length)]
+            new_state.append([place(segment.length - keep + j) for j in range(keep)])
+        assert len(window) == rows
+        self._window = torch.tensor(window, dtype=torch.long, device=device).reshape(rows, keep + 1)
+        self._new_state = torch.tensor(new_state, dtype=torch.long, device=device).reshape(len(segments), keep)
+
+    def convolve(self, layer: int, inputs: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """Layer ``layer``'s depthwise causal convolution of ``inputs`` ``[rows, channels]`` by ``weight``
+        ``[channels, span]`` (its last column multiplies the row itself), each row over its own sequence's inputs;
+        the sequences' states move on past the step's rows."""
+        state = self._states.state[layer]
+        past = state[self._slots]  # a copy: [segments, keep, channels]
+        past[self._fresh] = 0
+        pool = torch.cat([past.reshape(-1, inputs.shape[1]), inputs])
+        windows = pool[self._window]  # [rows, span, channels]
+        out = windows[:, 0] * weight[:, 0]
+        for k in range(1, weight.shape[1]):  # one order of sums for every row
+            out = out + windows[:, k] * weight[:, k]
+        state[self._slots] = pool[self._new_state]
+        return out

@@ -1,0 +1,183 @@
+"""A hybrid model's recurrent state per sequence (LFM2's short convolutions, ``engine/runtime/recurrent_state.py``),
+on a tiny LFM2 GGUF written as llama.cpp's converter writes it and served from its blocks (the native path, default
+flags): its streams are transformers' own, and the same whatever the load: alone or in a batch, its prompt cut into
+any chunks, preempted, parked and resumed, in a slot another sequence used before."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from engine_helpers import make_engine, reference, run_outputs, run_queued, run_staggered
+from gguf import GGMLQuantizationType as T
+from gguf_files import LFM2_LAYERS, tiny_model, write_gguf
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from engine.core.config import BLOCK_SIZE
+from engine.core.types import GenerationRequest
+from engine.runtime.batch_engine import _cache_shape
+from engine.runtime.kv_cache import BlockKVCache
+
+#: The mix of ``test_architectures``: the convolutions' projections in blocks of 5 and 8 bits.
+MIX = {"attn_q": T.Q5_0, "attn_k": T.Q5_0, "attn_v": T.Q8_0, "attn_output": T.Q5_1, "ffn_gate": T.Q4_0,
+       "ffn_up": T.Q4_0, "ffn_down": T.Q4_1, "token_embd": T.Q5_0, "output": T.Q8_0, "in_proj": T.Q5_0,
+       "out_proj": T.Q8_0}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def lfm2(tmp_path_factory: pytest.TempPathFactory):
+    """``lfm2(mix)``: the tiny LFM2 model (the file's reference) and the file as `make serve` loads it."""
+    from engine.runtime import loader
+
+    root = tmp_path_factory.mktemp("hybrid")
+    made: dict[str, tuple] = {}
+
+    def get(mix: str) -> tuple:
+        if mix not in made:
+            path = root / f"lfm2-{mix}.gguf"
+            model = write_gguf(tiny_model("lfm2", vocab=49152), "lfm2", path, loader._default_gguf(),
+                               MIX if mix == "mixed" else {})  # fmt: skip
+            with pytest.MonkeyPatch.context() as patch:
+                patch.setenv("SMOLSERVE_CACHE_DIR", str(root / "cache"))
+                made[mix] = model, loader.load(str(path), "float32", blocks=True)
+        return made[mix]
+
+    return get
+
+
+def prompt(seed: int, length: int) -> tuple[int, ...]:
+    return tuple((seed * 7919 + i * 104729) % 49000 + 100 for i in range(length))
+
+
+def blocks_bytes(model, blocks: int) -> int:
+    return BlockKVCache.bytes_per_token(*_cache_shape(model), "auto") * BLOCK_SIZE * blocks
+
+
+def test_greedy_tokens_are_transformers_generate_s(lfm2) -> None:
+    """The F32 file: each decoding step reads the state the step before left, as transformers' own cache does."""
+    model, loaded = lfm2("F32")
+    engine = make_engine(loaded.model, loaded.eos_token_ids, max_num_batched_tokens=16)
+    requests = [GenerationRequest(prompt(i, 5 + 23 * i), 12, ignore_eos=True) for i in range(3)]
+    got = run_staggered(engine, [(i, r) for i, r in enumerate(requests)])
+    for index, request in enumerate(requests):
+        assert got[index] == reference(model, request), index
+
+
+@pytest.mark.parametrize("budget", [1, 5, 16, 64])
+def test_a_prompt_cut_into_any_chunks_scores_to_the_same_bits(lfm2, budget: int) -> None:
+    """A chunk's first rows read the inputs before it from the state, later ones from the chunk: the same values, the
+    same sums. (Cut where the state's span straddles a chunk's start: budgets of 1 and 5 rows.)"""
+    _, loaded = lfm2("mixed")
+    request = GenerationRequest(prompt(3, 70), 6, ignore_eos=True, prompt_logprobs=1, logprobs=2)
+
+    def run(budget: int) -> tuple:
+        engine = make_engine(loaded.model, loaded.eos_token_ids, quantized=loaded.blocks, max_num_batched_tokens=budget)
+        engine.admit([request])
+        outputs = [out for _ in range(200) if engine.num_active() for out in engine.step()]
+        return outputs[0].prompt_logprobs, [entry for out in outputs for entry in out.logprobs]
+
+    assert run(budget) == run(512)
+
+
+def test_a_slot_another_sequence_used_starts_from_nothing(lfm2) -> None:
+    """One slot: the second request takes the state slot the first left; its stream is its stream alone."""
+    _, loaded = lfm2("mixed")
+    first, second = (GenerationRequest(prompt(s, 30), 8, ignore_eos=True, logprobs=1) for s in (5, 6))
+    shared = make_engine(loaded.model, loaded.eos_token_ids, quantized=loaded.blocks, capacity=1)
+    after = run_outputs(shared, [(0, first)])[0], run_outputs(shared, [(0, second)])[0]
+    alone = make_engine(loaded.model, loaded.eos_token_ids, quantized=loaded.blocks, capacity=1)
+    assert after[1] == run_outputs(alone, [(0, second)])[0]
+
+
+def test_a_preempted_sequence_recomputes_its_state_exactly(lfm2) -> None:
+    """A pool too small for three: the newest are preempted, free their blocks and recompute prompt and output."""
+    _, loaded = lfm2("mixed")
+    requests = [(0, GenerationRequest(prompt(10 + i, 40), 50, ignore_eos=True, logprobs=1)) for i in range(3)]
+    tight = make_engine(loaded.model, loaded.eos_token_ids, quantized=loaded.blocks, max_model_len=128,
+                        kv_cache_bytes=blocks_bytes(loaded.model, 14), max_num_batched_tokens=32)  # fmt: skip
+    roomy = make_engine(loaded.model, loaded.eos_token_ids, quantized=loaded.blocks, max_model_len=128)
+    got = run_outputs(tight, requests)
+    assert tight.num_preemptions > 0
+    assert got == run_outputs(roomy, requests)
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    st.lists(
+        st.tuples(st.integers(0, 5), st.integers(1, 60), st.integers(1, 16), st.integers(0, 6), st.integers(0, 2)),
+        min_size=1,
+        max_size=7,
+    )
+)
+def test_priorities_parking_preemption_and_chunks_never_change_a_stream(lfm2, requests: list[tuple]) -> None:
+    """Requests of random prompts, lengths and priorities, queued and admitted as the scheduler does into three
+    slots and a small pool, prompts cut into chunks of 13: more urgent ones park less urgent ones, the pool preempts;
+    every stream equals a roomy run's, each alone in its steps' budget."""
+    _, loaded = lfm2("mixed")
+    arrivals = [(at, GenerationRequest(prompt(stem, 4 + length), new, ignore_eos=True, priority=priority))
+                for stem, length, new, at, priority in requests]  # fmt: skip
+    tight = make_engine(loaded.model, loaded.eos_token_ids, quantized=loaded.blocks, capacity=3, max_model_len=128,
+                        kv_cache_bytes=blocks_bytes(loaded.model, 12), max_num_batched_tokens=13)  # fmt: skip
+    roomy = make_engine(loaded.model, loaded.eos_token_ids, quantized=loaded.blocks, max_model_len=128)
+    assert run_queued(tight, arrivals) == run_staggered(roomy, arrivals)
+    assert tight.num_active() == 0
+
+
+def test_the_engine_says_what_a_sequence_s_state_costs_and_what_is_off(lfm2) -> None:
+    """Prefix caching and speculation asked for are off, each with its reason; the state's bytes a sequence (its
+    convolution layers' last two inputs, float32) and the KV cache's attention layers alone."""
+    from engine.core.speculation import DraftBudget
+
+    _, loaded = lfm2("mixed")
+    engine = make_engine(loaded.model, loaded.eos_token_ids, quantized=loaded.blocks, prefix_caching=True,
+                         draft_rows=DraftBudget("ngram", 256))  # fmt: skip
+    info = engine.runtime_info()
+    convolutions = LFM2_LAYERS.count("conv")
+    assert info["recurrent_state"]["bytes_per_sequence"] == convolutions * 2 * 128 * 4
+    assert info["recurrent_state"]["bytes"] == 8 * convolutions * 2 * 128 * 4
+    assert info["prefix_caching"] is False and "state" in info["hybrid_limits"]["prefix_caching"]
+    assert info["speculative"] == "none" and "rolled back" in info["hybrid_limits"]["speculative"]
+    assert engine.cache.num_layers == len(LFM2_LAYERS) - convolutions
+
+
+def test_served_with_default_flags_it_answers_and_says_what_a_sequence_costs(lfm2, tmp_path: Path) -> None:
+    """As `make serve` builds it from the file (default flags: prefix caching and batch invariance asked for): the
+    summary says the state's memory and what is off; a chat completion and a streamed one say the same."""
+    from starlette.testclient import TestClient
+
+    from app.server import create_app
+    from app.state import ServerConfig, server_state
+    from app.summary import startup_summary
+    from engine import chooser
+    from engine.core.config import EngineConfig
+    from tests.app_helpers import LOCAL
+
+    path = lfm2("mixed")[1].gguf
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("SMOLSERVE_CACHE_DIR", str(tmp_path))
+        served = chooser.build(EngineConfig(model=str(path), max_batch_size=4))
+    app = create_app(served, ServerConfig(served_model_name="lfm2"))
+    summary = startup_summary(server_state(app), served.engine.runtime_info(), "http://127.0.0.1:9")
+    assert "recurrent state (short convolution, 3 layers): 3 KiB a sequence, 0.0 MiB for 4" in summary
+    assert "prefix caching off: the recurrent layers' state is not kept with cached blocks" in summary
+    body = {"model": "lfm2", "prompt": "The quick brown fox", "max_tokens": 8, "temperature": 0}
+    with TestClient(app, base_url=LOCAL) as client:
+        whole = client.post("/v1/completions", json=body).json()
+        streamed = client.post("/v1/completions", json={**body, "stream": True}).text
+    assert whole["usage"]["completion_tokens"] == 8
+    pieces = [json.loads(line[6:])["choices"][0]["text"] for line in streamed.splitlines()
+              if line.startswith("data: {")]  # fmt: skip
+    assert "".join(pieces) == whole["choices"][0]["text"]
+
+
+def test_a_fresh_sequence_never_reads_what_its_slot_held(lfm2) -> None:
+    """A slot's state is never read at a sequence's first position: filled with NaN beforehand, the stream is the
+    same, to the bits of its logprobs."""
+    _, loaded = lfm2("mixed")
+    request = GenerationRequest(prompt(1, 20), 4, ignore_eos=True, logprobs=1)
+    engine = make_engine(loaded.model, loaded.eos_token_ids, quantized=loaded.blocks)
+    engine.states.state.fill_(float("nan"))
+    clean = make_engine(loaded.model, loaded.eos_token_ids, quantized=loaded.blocks)
+    assert run_outputs(engine, [(0, request)]) == run_outputs(clean, [(0, request)])
