@@ -47,9 +47,11 @@ def startup_summary(state: ServerState, engine: dict[str, Any], address: str) ->
                      f"{kv['bytes'] / 2**30:.2f} GiB, {kv['dtype']}; prefix caching "
                      f"{'on' if engine['prefix_caching'] else 'off'}")  # fmt: skip
         if state := engine.get("recurrent_state"):
+            kept = (f"; kept at up to {state['kept_at_block_ends']} cached blocks' ends for the prefix cache, "
+                    f"{state['kept_bytes'] / 2**20:.1f} MiB at most") if state["kept_at_block_ends"] else ""
             lines.append(f"  recurrent state ({state['kind']}, {state['layers']} layers): "
                          f"{state['bytes_per_sequence'] / 2**10:.0f} KiB a sequence, {state['bytes'] / 2**20:.1f} MiB "
-                         f"for {engine['max_batch_size']}")  # fmt: skip
+                         f"for {engine['max_batch_size']}{kept}")  # fmt: skip
         for what, why in engine.get("hybrid_limits", {}).items():
             lines.append(f"  {what.replace('_', ' ')} {why}")
         lines.append(f"  batches: up to {engine['max_batch_size']} sequences and "

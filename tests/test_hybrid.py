@@ -126,25 +126,61 @@ def test_priorities_parking_preemption_and_chunks_never_change_a_stream(lfm2, re
 
 
 def test_the_engine_says_what_a_sequence_s_state_costs_and_what_is_off(lfm2) -> None:
-    """Prefix caching and speculation asked for are off, each with its reason; the state's bytes a sequence (its
-    convolution layers' last two inputs, float32) and the KV cache's attention layers alone."""
+    """Speculation asked for is off, with its reason; the state's bytes a sequence (its convolution layers' last two
+    inputs, float32), the states kept for the prefix cache (an eighth of the KV cache's bytes), the KV cache's
+    attention layers alone."""
     from engine.core.speculation import DraftBudget
 
     _, loaded = lfm2("mixed")
-    engine = make_engine(loaded.model, loaded.eos_token_ids, quantized=loaded.blocks, prefix_caching=True,
-                         draft_rows=DraftBudget("ngram", 256))  # fmt: skip
+    drafts = DraftBudget("ngram", 256)
+    engine = make_engine(loaded.model, loaded.eos_token_ids, quantized=loaded.blocks, draft_rows=drafts)
     info = engine.runtime_info()
     convolutions = LFM2_LAYERS.count("conv")
-    assert info["recurrent_state"]["bytes_per_sequence"] == convolutions * 2 * 128 * 4
-    assert info["recurrent_state"]["bytes"] == 8 * convolutions * 2 * 128 * 4
-    assert info["prefix_caching"] is False and "state" in info["hybrid_limits"]["prefix_caching"]
+    per_sequence = convolutions * 2 * 128 * 4
+    assert info["recurrent_state"]["bytes_per_sequence"] == per_sequence
+    assert info["recurrent_state"]["bytes"] == 8 * per_sequence
+    assert info["recurrent_state"]["kept_at_block_ends"] == (1 << 28) // 8 // per_sequence
+    assert info["prefix_caching"] is True
     assert info["speculative"] == "none" and "rolled back" in info["hybrid_limits"]["speculative"]
     assert engine.cache.num_layers == len(LFM2_LAYERS) - convolutions
+    without = make_engine(loaded.model, loaded.eos_token_ids, quantized=loaded.blocks, prefix_caching=False)
+    assert without.runtime_info()["recurrent_state"]["kept_at_block_ends"] == 0
+
+
+def test_a_shared_prefix_resumes_from_the_state_kept_at_its_last_block(lfm2) -> None:
+    """An agent's second turn: the first's prompt and answer, then more. Its prefix comes from the cache (whole
+    blocks), its state from the one kept at the last of them; its stream is the one computed from nothing."""
+    _, loaded = lfm2("mixed")
+    first = GenerationRequest(prompt(8, 75), 10, ignore_eos=True)
+    engine = make_engine(loaded.model, loaded.eos_token_ids, quantized=loaded.blocks, max_num_batched_tokens=24)
+    answer = run_outputs(engine, [(0, first)])[0]
+    second = GenerationRequest(first.prompt_ids + tuple(e.token_id for e in answer) + prompt(9, 30), 12,
+                               ignore_eos=True, logprobs=2)  # fmt: skip
+    engine.admit([second])
+    outputs = [out for _ in range(100) if engine.num_active() for out in engine.step()]
+    assert outputs[0].cached_tokens == 80  # five whole blocks of the first's 85 positions
+    fresh = make_engine(loaded.model, loaded.eos_token_ids, quantized=loaded.blocks, prefix_caching=False)
+    assert [entry for out in outputs for entry in out.logprobs] == run_outputs(fresh, [(0, second)])[0]
+
+
+def test_a_prefix_whose_last_states_were_dropped_ends_at_the_last_kept_one(lfm2) -> None:
+    """Room for two kept states: only the last two block ends of the first prompt are kept; a shorter prompt
+    sharing its start finds blocks but no state at their ends, and computes from the start, exactly."""
+    _, loaded = lfm2("mixed")
+    engine = make_engine(loaded.model, loaded.eos_token_ids, quantized=loaded.blocks)
+    engine.states.max_checkpoints = 2
+    run_outputs(engine, [(0, GenerationRequest(prompt(4, 90), 1))])  # block ends 16 .. 80: 64 and 80 kept
+    again = GenerationRequest(prompt(4, 90)[:40] + prompt(5, 8), 6, ignore_eos=True, logprobs=1)
+    engine.admit([again])
+    outputs = [out for _ in range(50) if engine.num_active() for out in engine.step()]
+    assert outputs[0].cached_tokens == 0
+    fresh = make_engine(loaded.model, loaded.eos_token_ids, quantized=loaded.blocks, prefix_caching=False)
+    assert [entry for out in outputs for entry in out.logprobs] == run_outputs(fresh, [(0, again)])[0]
 
 
 def test_served_with_default_flags_it_answers_and_says_what_a_sequence_costs(lfm2, tmp_path: Path) -> None:
-    """As `make serve` builds it from the file (default flags: prefix caching and batch invariance asked for): the
-    summary says the state's memory and what is off; a chat completion and a streamed one say the same."""
+    """As `make serve` builds it from the file (default flags: prefix caching, batch invariance and speculation
+    asked for): the summary says the state's memory and what is off; a completion and a streamed one say the same."""
     from starlette.testclient import TestClient
 
     from app.server import create_app
@@ -160,8 +196,8 @@ def test_served_with_default_flags_it_answers_and_says_what_a_sequence_costs(lfm
         served = chooser.build(EngineConfig(model=str(path), max_batch_size=4))
     app = create_app(served, ServerConfig(served_model_name="lfm2"))
     summary = startup_summary(server_state(app), served.engine.runtime_info(), "http://127.0.0.1:9")
-    assert "recurrent state (short convolution, 3 layers): 3 KiB a sequence, 0.0 MiB for 4" in summary
-    assert "prefix caching off: the recurrent layers' state is not kept with cached blocks" in summary
+    assert "recurrent state (short convolution, 3 layers): 3 KiB a sequence, 0.0 MiB for 4; kept at up to" in summary
+    assert "speculative off: the recurrent layers' state is not rolled back past a draft" in summary
     body = {"model": "lfm2", "prompt": "The quick brown fox", "max_tokens": 8, "temperature": 0}
     with TestClient(app, base_url=LOCAL) as client:
         whole = client.post("/v1/completions", json=body).json()

@@ -79,19 +79,29 @@ class BlockLedger:
             self.pool.release(seq.blocks[keep:])
             del seq.blocks[keep:]
 
-    def take_prefix(self, seq: SeqBlocks, tokens: Sequence[int], limit: int, copy: Callable[[int, int], None]) -> int:
+    def take_prefix(
+        self, seq: SeqBlocks, tokens: Sequence[int], limit: int, copy: Callable[[int, int], None],
+        resume: Callable[[int, bytes], bool] | None = None,
+    ) -> int:  # fmt: skip
         """Start the (empty) table with the longest cached prefix of ``tokens[:limit]``: whole cached blocks,
         then, where the next cached block shares only its first tokens, a copy of it (``copy(src, dst)``
-        copies K/V between blocks). Returns the positions it holds. Counts ``len(tokens)`` tokens as queried."""
+        copies K/V between blocks). Returns the positions it holds. Counts ``len(tokens)`` tokens as queried.
+        ``resume(row, hash)`` (a hybrid model's): puts the recurrent state at the end of the block of that hash into
+        the sequence's row, if it was kept; the prefix then ends at the last block whose state was, whole blocks
+        only."""
         assert not seq.blocks
         if not self.caching:
             return 0
         found = self.pool.match(tokens[:limit], queried=len(tokens))
+        if resume is not None:
+            found = self._resumable(seq.row, found, resume)
         for block in found:
             self._assign(seq.row, len(seq.blocks), block)
             seq.blocks.append(block)
         seq.hashes.extend(self.pool.hash_of(block) or b"" for block in found)
         held = len(found) * self.block_size
+        if resume is not None:  # no state in the middle of a block
+            return held
         partial = self.pool.match_partial(seq.hashes[-1] if seq.hashes else ROOT_HASH, tokens[held:limit])
         if partial is not None:
             source, shared = partial
@@ -101,6 +111,15 @@ class BlockLedger:
                 self.pool.hit_tokens += shared
             self.pool.release([source])
         return held
+
+    def _resumable(self, row: int, found: list[int], resume: Callable[[int, bytes], bool]) -> list[int]:
+        """The longest start of ``found`` whose last block's state ``resume`` puts into ``row``; the rest let go."""
+        keep = len(found)
+        while keep and not resume(row, self.pool.hash_of(found[keep - 1]) or b""):
+            keep -= 1
+        self.pool.release(found[keep:])
+        self.pool.hit_tokens -= (len(found) - keep) * self.block_size
+        return found[:keep]
 
     def commit_full(self, seq: SeqBlocks, computed: int, token_at: Callable[[int], int]) -> None:
         """Hash the blocks that the first ``computed`` positions fill, into the prefix cache."""

@@ -181,8 +181,11 @@ class Planner:
         copy_block: Callable[[int, int], None] = lambda src, dst: None,
         draft_rows: DraftBudget | None = None,
         vocab_size: int | None = None,
+        resume_state: Callable[[int, bytes], bool] | None = None,
     ) -> None:
         """``copy_block(src, dst)`` copies one block's K/V, for a cached prefix shared only in part.
+        ``resume_state(row, hash)``: a hybrid model's recurrent state at a cached block's end into a sequence's row,
+        if kept (``BlockLedger.take_prefix``).
         ``draft_rows``: how many tokens each decoding sequence drafts (speculative decoding,
         ``engine/core/speculation.py``; None: none). ``vocab_size``: the model's embedding rows, which every
         prompt token id must be below."""
@@ -193,6 +196,7 @@ class Planner:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.eos_token_ids = eos_token_ids
         self._copy_block = copy_block
+        self._resume_state = resume_state
         self.draft_rows = draft_rows
         #: Every sequence's drafts, recent ones weighing most: a new sequence's prior acceptance rates.
         self.drafts_record = DraftRecord(POPULATION_DECAY)
@@ -385,7 +389,9 @@ class Planner:
         chunk and the blocks for them; as many as the pool has room for."""
         if not seq.matched:
             seq.matched = True
-            held = self.ledger.take_prefix(seq.blocks, seq.tokens(seq.target), seq.target - 1, self._copy_block)
+            held = self.ledger.take_prefix(
+                seq.blocks, seq.tokens(seq.target), seq.target - 1, self._copy_block, self._resume_state
+            )
             seq.num_computed = held
             if not seq.output_ids:
                 seq.cached_tokens = held

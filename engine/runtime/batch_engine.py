@@ -27,7 +27,7 @@ from engine.runtime.block_tables import BlockTables
 from engine.runtime.kv_cache import BlockKVCache, StepBatch
 from engine.runtime.model_runner import LlamaRunner, make_runner
 from engine.runtime.quantized_weights import SUPPORTED, QuantizedWeight
-from engine.runtime.recurrent_state import ConvStates, Segment
+from engine.runtime.recurrent_state import ConvStates, Segment, StepStates
 from engine.runtime.sampler import Row, token_logprobs
 from engine.runtime.speculative import accept
 
@@ -54,13 +54,20 @@ def _conv_layers(model: PreTrainedModel) -> list[int]:
     return [i for i, kind in enumerate(model.config.layer_types) if kind == "conv"]
 
 
-def _conv_states(model: PreTrainedModel, capacity: int) -> ConvStates | None:
-    """The recurrent states of a hybrid model's sequences, a slot for each of ``capacity`` (None: no such layers)."""
+def _conv_states(model: PreTrainedModel, capacity: int, block_size: int, kept_bytes: int) -> ConvStates | None:
+    """The recurrent states of a hybrid model's sequences, a slot for each of ``capacity``, and as many kept at
+    cached blocks' ends as ``kept_bytes`` hold (None: no such layers)."""
     layers = _conv_layers(model)
     if not layers:
         return None
     config = model.config
-    return ConvStates(len(layers), capacity, config.hidden_size, config.conv_L_cache, model.dtype, model.device)
+    per_state = ConvStates.bytes_per_sequence(len(layers), config.hidden_size, config.conv_L_cache, model.dtype)
+    return ConvStates(len(layers), capacity, config.hidden_size, config.conv_L_cache, model.dtype, model.device,
+                      block_size, kept_bytes // per_state)  # fmt: skip
+
+
+#: The share of the KV cache's bytes that a hybrid's states kept at cached blocks' ends may take besides.
+KEPT_STATES_SHARE = 8
 
 
 class HFEngine(InferenceEngine):
@@ -105,11 +112,7 @@ class HFEngine(InferenceEngine):
                 f"too few for one sequence of max_model_len={max_model_len}"
             )
         self.cache = BlockKVCache(*shape, self._device, num_blocks, block_size, kv_cache_dtype)
-        self.states = _conv_states(model, capacity)
-        #: What a hybrid model turns off, and why (its recurrent states are not kept per block, nor rolled back).
-        self.hybrid_limits: dict[str, str] = {}
-        if self.states is not None:
-            prefix_caching, draft_rows = self._hybrid(prefix_caching, draft_rows)
+        draft_rows = self._recurrent(model, block_size, kv_cache_bytes if prefix_caching else 0, draft_rows)
         self.tables = BlockTables(
             BlockPool(num_blocks, block_size), capacity, max_model_len, self._device, prefix_caching
         )
@@ -122,19 +125,25 @@ class HFEngine(InferenceEngine):
             copy_block=self.cache.copy_block,
             draft_rows=draft_rows,
             vocab_size=config.vocab_size,
+            resume_state=self.states.resume if self.states is not None and prefix_caching else None,
         )
         self._plan_now: Plan | None = None  # the step being run, for describe_step
         self._facts = self._describe(quantized, model)
 
-    def _hybrid(self, prefix_caching: bool, draft_rows: DraftBudget | None) -> tuple[bool, None]:
-        """A hybrid model's sequences are computed from their first position: its recurrent state at a cached
-        prefix's end is not kept (a prefix-cache hit would skip the layers that build it), nor the state before a
-        draft's rejected tokens (speculation would have to roll it back)."""
-        if prefix_caching:
-            self.hybrid_limits["prefix_caching"] = "off: the recurrent layers' state is not kept with cached blocks"
-        if draft_rows is not None:
-            self.hybrid_limits["speculative"] = "off: the recurrent layers' state is not rolled back past a draft"
-        return False, None
+    def _recurrent(
+        self, model: PreTrainedModel, block_size: int, kv_cache_bytes: int, draft_rows: DraftBudget | None
+    ) -> DraftBudget | None:
+        """A hybrid model's recurrent states (``kv_cache_bytes``: 0 without a prefix cache, else a share of it holds
+        the states kept at cached blocks' ends), and the draft budget it allows: none (its state is not rolled
+        back past a draft's rejected tokens)."""
+        self.states = _conv_states(model, self.capacity, block_size, kv_cache_bytes // KEPT_STATES_SHARE)
+        #: What a hybrid model turns off, and why.
+        self.hybrid_limits: dict[str, str] = {}
+        self._step_states: StepStates | None = None
+        if self.states is None or draft_rows is None:
+            return draft_rows
+        self.hybrid_limits["speculative"] = "off: the recurrent layers' state is not rolled back past a draft"
+        return None
 
     @property
     def pool(self) -> BlockPool:
@@ -173,6 +182,7 @@ class HFEngine(InferenceEngine):
         next_tokens = self._select(plan, logits[:num_sampled])
         self._score_prompts(scored, logits[num_sampled:])
         outputs = self.planner.commit(plan, next_tokens)
+        self._keep_states(plan)
         if (drafts := self.planner.draft_rows) is not None and not plan.chunks:  # decoding rows only
             drafts.observe(plan.num_rows, time.perf_counter() - started)
         if self.governor is not None:
@@ -199,6 +209,20 @@ class HFEngine(InferenceEngine):
     def reset(self) -> None:
         """Drop every sequence and the prefix cache (a failed step may have left any block half-written)."""
         self.planner.reset()
+        if self.states is not None:
+            self.states.forget()
+
+    def _keep_states(self, plan: Plan) -> None:
+        """A hybrid's states at the block ends the step reached, kept by the hashes the commit gave those blocks."""
+        step, self._step_states = self._step_states, None
+        if step is None or self.states is None:
+            return
+        seqs = [*plan.decoding, *(seq for seq, _ in plan.all_chunks)]  # in the step's segments' order
+        size = self.states.block_size
+        for (index, end), state in zip(step.boundaries, step.states_at_boundaries(), strict=True):
+            hashes = seqs[index].blocks.hashes
+            if end // size <= len(hashes):
+                self.states.keep(hashes[end // size - 1], state.clone())
 
     def memory_stats(self) -> MemoryStats:
         pool = self.pool
@@ -263,7 +287,8 @@ class HFEngine(InferenceEngine):
         return {
             "recurrent_state": {
                 "layers": states.layers, "kind": "short convolution", "bytes_per_sequence": per_sequence,
-                "bytes": per_sequence * states.slots,
+                "bytes": per_sequence * states.slots, "kept_at_block_ends": states.max_checkpoints,
+                "kept_bytes": per_sequence * states.max_checkpoints,
             },
             "hybrid_limits": dict(self.hybrid_limits),
         }  # fmt: skip
@@ -300,7 +325,7 @@ class HFEngine(InferenceEngine):
             [chunk for _, chunk in plan.all_chunks],
         )
         if self.states is not None:
-            batch.states = self.states.step(_segments(plan), len(token_ids))
+            batch.states = self._step_states = self.states.step(_segments(plan), len(token_ids))
         rows = None
         if plan.chunks:
             rows = list(range(len(plan.decoding)))

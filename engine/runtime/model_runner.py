@@ -327,8 +327,7 @@ class LlamaRunner:
     def _fuse(
         layer: torch.nn.Module, prefix: str, quantized: dict[str, QuantizedWeight], arch: Architecture
     ) -> _LlamaLayer:
-        """One decoder layer's weights as the lean forward takes them (``arch``: what its architecture adds to a
-        llama layer): projections fused, norms as they multiply."""
+        """One decoder layer's weights as the lean forward takes them (``arch``: what its architecture adds)."""
 
         def fused(names: list[str], linears: list[torch.nn.Module]) -> Weight:
             own = [arch.name(name) for name in names]  # the family's names of llama's modules
@@ -352,10 +351,9 @@ class LlamaRunner:
             down = fused(["mlp.down_proj"], [layer.get_submodule(arch.name("mlp.down_proj"))])
         post_norm = norm("pre_feedforward_layernorm" if sandwich else "post_attention_layernorm")
         if getattr(layer, "conv", None) is not None:  # LFM2's short convolution in the attention's place
-            conv = layer.conv
-            mixer = fused(["conv.in_proj"], [conv.in_proj]), fused(["conv.out_proj"], [conv.out_proj])
-            weights = conv.conv.weight.detach()[:, 0]  # [channels, span]
-            return _LlamaLayer(norm("input_layernorm"), *mixer, post_norm, gate_up, down, experts=experts, conv=weights)
+            mixer = fused(["conv.in_proj"], [layer.conv.in_proj]), fused(["conv.out_proj"], [layer.conv.out_proj])
+            conv = layer.conv.conv.weight.detach()[:, 0]  # [channels, span]
+            return _LlamaLayer(norm("input_layernorm"), *mixer, post_norm, gate_up, down, experts=experts, conv=conv)
         attn = layer.self_attn
         if arch.fused_projections:  # the model holds them fused already (Phi-3)
             qkv = fused(["self_attn.qkv_proj"], [attn.qkv_proj])

@@ -15,6 +15,7 @@ from its tokens, to the same bits.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
@@ -36,11 +37,17 @@ class ConvStates:
     """Every sequence slot's short-convolution state, for every convolution layer."""
 
     def __init__(
-        self, layers: int, slots: int, channels: int, span: int, dtype: torch.dtype, device: torch.device
-    ) -> None:
+        self, layers: int, slots: int, channels: int, span: int, dtype: torch.dtype, device: torch.device,
+        block_size: int, max_checkpoints: int = 0,
+    ) -> None:  # fmt: skip
+        """``max_checkpoints``: states kept at cached blocks' ends, by the block's hash (the prefix cache's; the
+        least recently used dropped first), so that a cached prefix resumes without recomputing; 0: none."""
         self.layers, self.slots, self.channels, self.span = layers, slots, channels, span
         self.dtype = dtype
+        self.block_size = block_size
         self.state = lazy_zeros((layers, slots, span - 1, channels), dtype, device)
+        self.max_checkpoints = max_checkpoints
+        self._checkpoints: OrderedDict[bytes, torch.Tensor] = OrderedDict()
 
     @staticmethod
     def bytes_per_sequence(layers: int, channels: int, span: int, dtype: torch.dtype) -> int:
@@ -49,6 +56,32 @@ class ConvStates:
     def step(self, segments: list[Segment], rows: int) -> StepStates:
         """The indexes a step's convolutions read and write through (one set for every layer)."""
         return StepStates(self, segments, rows)
+
+    def keep(self, digest: bytes, state: torch.Tensor) -> None:
+        """The state ``[layers, span - 1, channels]`` at the end of the cached block of hash ``digest``."""
+        if not self.max_checkpoints:
+            return
+        self._checkpoints[digest] = state
+        self._checkpoints.move_to_end(digest)
+        while len(self._checkpoints) > self.max_checkpoints:
+            self._checkpoints.popitem(last=False)
+
+    def resume(self, slot: int, digest: bytes) -> bool:
+        """Put the state kept at the end of the block of hash ``digest`` into ``slot``; False if none was kept."""
+        state = self._checkpoints.get(digest)
+        if state is None:
+            return False
+        self._checkpoints.move_to_end(digest)
+        self.state[:, slot] = state
+        return True
+
+    def forget(self) -> None:
+        """Drop every kept state (the prefix cache was dropped)."""
+        self._checkpoints.clear()
+
+    @property
+    def num_checkpoints(self) -> int:
+        return len(self._checkpoints)
 
 
 class StepStates:
@@ -65,6 +98,10 @@ class StepStates:
         past = len(segments) * keep
         window: list[list[int]] = []
         new_state: list[list[int]] = []
+        at_end: list[list[int]] = []
+        #: Each block end a segment's rows reach (its index, the position), and every layer's state there.
+        self.boundaries: list[tuple[int, int]] = []
+        self.at_boundaries: list[torch.Tensor] = []
         for index, segment in enumerate(segments):
 
             def place(offset: int, index: int = index, segment: Segment = segment) -> int:
@@ -72,9 +109,14 @@ class StepStates:
 
             window += [[place(t - keep + k) for k in range(keep + 1)] for t in range(segment.length)]
             new_state.append([place(segment.length - keep + j) for j in range(keep)])
+            ends = _block_ends(segment, states.block_size) if states.max_checkpoints else range(0)
+            for end in ends:  # the state there, kept for the prefix cache
+                self.boundaries.append((index, end))
+                at_end.append([place(end - segment.start - keep + j) for j in range(keep)])
         assert len(window) == rows
         self._window = torch.tensor(window, dtype=torch.long, device=device).reshape(rows, keep + 1)
         self._new_state = torch.tensor(new_state, dtype=torch.long, device=device).reshape(len(segments), keep)
+        self._at_end = torch.tensor(at_end, dtype=torch.long, device=device).reshape(len(at_end), keep)
 
     def convolve(self, layer: int, inputs: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """Layer ``layer``'s depthwise causal convolution of ``inputs`` ``[rows, channels]`` by ``weight``
@@ -89,4 +131,18 @@ class StepStates:
         for k in range(1, weight.shape[1]):  # one order of sums for every row
             out = out + windows[:, k] * weight[:, k]
         state[self._slots] = pool[self._new_state]
+        if self.boundaries:
+            self.at_boundaries.append(pool[self._at_end])  # [boundaries, keep, channels]
         return out
+
+    def states_at_boundaries(self) -> list[torch.Tensor]:
+        """Every layer's state at each of ``boundaries``, ``[layers, keep, channels]`` each."""
+        if not self.at_boundaries:
+            return []
+        return list(torch.stack(self.at_boundaries).transpose(0, 1).unbind(0))
+
+
+def _block_ends(segment: Segment, block_size: int) -> range:
+    """The positions past the segment's start, up to its end, where a block ends."""
+    first = (segment.start // block_size + 1) * block_size
+    return range(first, segment.start + segment.length + 1, block_size)
