@@ -40,6 +40,8 @@ from transformers import (
     Qwen3ForCausalLM,
     Qwen3MoeConfig,
     Qwen3MoeForCausalLM,
+    SmolLM3Config,
+    SmolLM3ForCausalLM,
 )  # fmt: skip
 
 _MODELS = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM),
@@ -47,7 +49,8 @@ _MODELS = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen
            "phi3": (Phi3Config, Phi3ForCausalLM), "qwen3moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM),
            "olmoe": (OlmoeConfig, OlmoeForCausalLM), "qwen2moe": (Qwen2MoeConfig, Qwen2MoeForCausalLM),
            "gpt-oss": (GptOssConfig, GptOssForCausalLM), "granite": (GraniteConfig, GraniteForCausalLM),
-           "granitemoe": (GraniteMoeConfig, GraniteMoeForCausalLM), "lfm2": (Lfm2Config, Lfm2ForCausalLM)}  # fmt: skip
+           "granitemoe": (GraniteMoeConfig, GraniteMoeForCausalLM), "lfm2": (Lfm2Config, Lfm2ForCausalLM),
+           "smollm3": (SmolLM3Config, SmolLM3ForCausalLM)}  # fmt: skip
 _LAYER = {
     "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
     "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
@@ -59,7 +62,7 @@ _LAYER = {
 #: The mixtures of experts among the tiny models.
 MIXTURES = ("qwen3moe", "olmoe", "qwen2moe", "gpt-oss", "granitemoe")
 #: The architectures whose converter permutes the query's and key's rows (llama.cpp's ``LlamaModel`` and its heirs).
-PERMUTED = ("llama", "granite", "granitemoe")
+PERMUTED = ("llama", "granite", "granitemoe", "smollm3")
 #: Granite's multipliers in the tiny models: far enough from 1 (and from 1/sqrt(head size)) that each counts.
 GRANITE_MULTIPLIERS = {"embedding_multiplier": 3.0, "attention_multiplier": 0.3, "residual_multiplier": 0.5,
                        "logits_scaling": 4.0}  # fmt: skip
@@ -133,6 +136,8 @@ def tiny_model(arch: str, vocab: int, seed: int = 0, long_rope: bool = False, po
             tie_word_embeddings=True,
             rope_parameters={kind: {"rope_type": "default", "rope_theta": base} for kind, base in bases.items()},
         )  # fmt: skip
+    if arch == "smollm3":  # four layers: the fourth without RoPE (its padding id is beyond the tiny vocabulary)
+        extra.update(num_hidden_layers=4, pad_token_id=None)
     if arch == "lfm2":  # the MLP's size as given (the file's is adjusted already); a span of 3, as released
         extra.update(layer_types=LFM2_LAYERS, num_hidden_layers=4, block_auto_adjust_ff_dim=False, conv_L_cache=3,
                      norm_eps=1e-6)  # fmt: skip
@@ -385,6 +390,8 @@ def save_checkpoint(
     kinds = getattr(config, "layer_types", None)
     if kinds:  # gemma3's period of 6 (its tiny model has 6 layers); the others' all alike
         config.layer_types = [kinds[i % len(kinds)] for i in range(layers)]
+    if getattr(config, "no_rope_layers", None):  # SmolLM3: every 4th layer without RoPE, however many layers
+        config.no_rope_layers = [int((i + 1) % 4 != 0) for i in range(layers)]
     if arch == "gemma3":
         config.sliding_window = 512
     if arch == "phi3":

@@ -170,7 +170,8 @@ def test_a_sentencepiece_file_s_token_ids_are_llama_cpp_s(tmp_path: Path) -> Non
 # does not recognize; the Qwen GGUF above is that converter's own qwen2 file.
 @pytest.mark.parametrize(
     "arch",
-    ["llama", "qwen3", "phi3", "gemma3", "qwen3moe", "olmoe", "qwen2moe", "gpt-oss", "granite", "granitemoe", "lfm2"],
+    ["llama", "qwen3", "phi3", "gemma3", "qwen3moe", "olmoe", "qwen2moe", "gpt-oss", "granite", "granitemoe", "lfm2",
+     "smollm3"],
 )
 def test_a_file_from_llama_cpp_s_own_converter_scores_text_as_transformers_does(arch: str, tmp_path: Path) -> None:
     """The tiny files of ``tests/gguf_files.py`` are written as the converter writes them; this runs the converter
@@ -195,14 +196,15 @@ def test_a_file_from_llama_cpp_s_own_converter_scores_text_as_transformers_does(
 
 
 @pytest.mark.parametrize(("arch", "outtype"), [
-    *((arch, outtype) for arch in ("qwen3moe", "olmoe", "qwen2moe", "gpt-oss", "granitemoe", "lfm2")
+    *((arch, outtype) for arch in ("qwen3moe", "olmoe", "qwen2moe", "gpt-oss", "granitemoe", "lfm2", "smollm3")
       for outtype in ("f32", "q8_0")),
     ("gpt-oss", "mxfp4"),
 ])  # fmt: skip
-def test_a_mixture_or_a_hybrid_answers_greedy_as_llama_cpp_s_server_does(
+def test_a_mixture_or_a_new_family_answers_greedy_as_llama_cpp_s_server_does(
     arch: str, outtype: str, tmp_path: Path
 ) -> None:
-    """A checkpoint of each mixture of experts (8 experts, 2 a row) and of LFM2 (short convolutions) converted by
+    """A checkpoint of each mixture of experts (8 experts, 2 a row), of LFM2 (short convolutions) and SmolLM3 (NoPE
+    layers) converted by
     llama.cpp's own converter (F32, and Q8_0 as it quantizes; gpt-oss's experts also in MXFP4 by ``llama-quantize``,
     as released): 24 greedy tokens from each of four prompts, from our server and from llama.cpp's on the same file,
     the same tokens (quantized: llama.cpp's tokens and logprobs, ours to rounding). Needs ``LLAMA_SERVER``."""

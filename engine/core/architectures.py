@@ -66,6 +66,9 @@ class Architecture:
     #: input projected to ``B``, ``C`` and ``x``, ``C * conv(B * x)`` over the last ``conv_L_cache`` positions (a
     #: depthwise causal convolution), projected out. Each sequence keeps its last positions' ``B * x`` as a state.
     short_conv: bool = False
+    #: Every n-th layer (the n-th, the 2n-th, ...) attends without RoPE (SmolLM3's NoPE layers: llama.cpp's graph of
+    #: the family fixes the period at 4, and its files carry no key for it).
+    nope_period: int = 0
     #: transformers' names of this family's modules where they are not llama's (``input_layernorm``,
     #: ``self_attn.o_proj``, ``mlp.gate_proj``, ``model.norm``, ...): pairs of llama's name and the family's.
     renamed: tuple[tuple[str, str], ...] = ()
@@ -115,6 +118,7 @@ ARCHITECTURES = {
             sliding_window_pattern=2,
         ),
         Architecture("granite", "granite", permuted_qk=True, multipliers=True),  # Granite 3.x dense
+        Architecture("smollm3", "smollm3", permuted_qk=True, nope_period=4),  # SmolLM3-3B: every 4th layer NoPE
         # Granite 3.x MoE (1B-A400M, 3B-A800M): the top k logits' softmax, JetMoE's fused experts split by the converter
         Architecture(
             "granitemoe",

@@ -78,6 +78,9 @@ def config_of(reader: GGUFFile) -> PretrainedConfig:
         values.update(_phi3(reader, rope, values))
     if row.short_conv:
         values.update(_lfm2(reader, values))
+    if row.nope_period:  # which layers rotate (1) and which do not (0), as llama.cpp's graph takes them
+        period = row.nope_period
+        values["no_rope_layers"] = [int((i + 1) % period != 0) for i in range(values["num_hidden_layers"])]
     if row.multipliers:
         values.update({field: float(keys[f"{arch}.{k}"]) for k, field in _MULTIPLIERS.items() if f"{arch}.{k}" in keys})
     if row.experts and not row.top_k_softmax:  # the chosen weights as llama.cpp's graph of the family takes them

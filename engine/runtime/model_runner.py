@@ -606,10 +606,16 @@ def _gelu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 def _rope_kind(config: object, index: int) -> str | None:
-    """The RoPE table layer ``index`` rotates by (``_rope_tables``): its kind where the kinds rotate differently
-    (the config's RoPE parameters are by kind: Gemma 3), else None."""
+    """The RoPE table layer ``index`` rotates by (``_rope_tables``): ``nope`` in a layer without RoPE (SmolLM3's),
+    its kind where the kinds rotate differently (the config's RoPE parameters are by kind: Gemma 3), else None."""
+    if not (getattr(config, "no_rope_layers", None) or [1] * (index + 1))[index]:
+        return NOPE
     kinds = getattr(config, "layer_types", None)
     return kinds[index] if kinds and _rope_by_kind(config) else None
+
+
+#: The table of the layers that attend without RoPE: cos 1, sin 0.
+NOPE = "nope"
 
 
 def _rope_by_kind(config: object) -> bool:
@@ -647,6 +653,9 @@ def _rope_tables(model: PreTrainedModel, max_positions: int) -> dict[str | None,
         if 2 * cos.shape[-1] == getattr(model.config, "head_dim", 0):  # gpt-oss's: one angle a pair of dims
             cos, sin = torch.cat([cos, cos], dim=-1), torch.cat([sin, sin], dim=-1)
         tables[kind] = (cos[0], sin[0])
+    if not all(getattr(model.config, "no_rope_layers", None) or [1]):  # a rotation by 0: x * 1 + rotated * 0 = x
+        cos, _ = next(iter(tables.values()))
+        tables[NOPE] = (torch.ones_like(cos), torch.zeros_like(cos))
     return tables
 
 
