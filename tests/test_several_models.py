@@ -317,7 +317,9 @@ def test_two_gguf_models_in_one_server(tmp_path) -> None:
     tiny = tmp_path / "tiny-llama.gguf"
     write_gguf(tiny_model("llama", vocab=49152, seed=3), "llama", tiny, loader._default_gguf(), {})
     # 0.5 GiB: a float32 KV cache (a CPU without BF16) holds a whole 8,192-token sequence of the default model.
-    proc, base = start_server("--model", str(tiny), "--model", DEFAULT_MODEL, "--keep-alive", "1",
+    # A keep-alive of 5 s: on a busy machine one model's load took 4.7 s, and the other, idle past a 1-s keep-alive
+    # meanwhile, was unloaded before the resident memory of both was read.
+    proc, base = start_server("--model", str(tiny), "--model", DEFAULT_MODEL, "--keep-alive", "5",
                               "--embedding-model", "none", "--kv-cache-gib", "0.5",
                               env={"SMOLSERVE_CACHE_DIR": str(tmp_path / "cache")})  # fmt: skip
     ask = {"messages": [{"role": "user", "content": "Name a colour."}], "max_tokens": 8, "temperature": 0}
