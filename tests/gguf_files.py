@@ -36,6 +36,8 @@ from transformers import (
     Qwen2ForCausalLM,
     Qwen2MoeConfig,
     Qwen2MoeForCausalLM,
+    Qwen3_5ForCausalLM,
+    Qwen3_5TextConfig,
     Qwen3Config,
     Qwen3ForCausalLM,
     Qwen3MoeConfig,
@@ -50,7 +52,8 @@ _MODELS = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen
            "olmoe": (OlmoeConfig, OlmoeForCausalLM), "qwen2moe": (Qwen2MoeConfig, Qwen2MoeForCausalLM),
            "gpt-oss": (GptOssConfig, GptOssForCausalLM), "granite": (GraniteConfig, GraniteForCausalLM),
            "granitemoe": (GraniteMoeConfig, GraniteMoeForCausalLM), "lfm2": (Lfm2Config, Lfm2ForCausalLM),
-           "smollm3": (SmolLM3Config, SmolLM3ForCausalLM)}  # fmt: skip
+           "smollm3": (SmolLM3Config, SmolLM3ForCausalLM),
+           "qwen35": (Qwen3_5TextConfig, Qwen3_5ForCausalLM)}  # fmt: skip
 _LAYER = {
     "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
     "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
@@ -83,6 +86,15 @@ _LFM2_LAYER = {**_LAYER, "operator_norm": "attn_norm", "ffn_norm": "ffn_norm", "
                "self_attn.q_layernorm": "attn_q_norm", "self_attn.k_layernorm": "attn_k_norm",
                "conv.in_proj": "shortconv.in_proj", "conv.out_proj": "shortconv.out_proj",
                "conv.conv": "shortconv.conv"}  # fmt: skip
+#: Qwen3.5's modules, as its converter names them (the MLP's input norm is ``post_attention_norm``).
+_QWEN35_LAYER = {**_LAYER, "post_attention_layernorm": "post_attention_norm", "linear_attn.in_proj_qkv": "attn_qkv",
+                 "linear_attn.in_proj_z": "attn_gate", "linear_attn.in_proj_b": "ssm_beta",
+                 "linear_attn.in_proj_a": "ssm_alpha", "linear_attn.out_proj": "ssm_out",
+                 "linear_attn.conv1d": "ssm_conv1d", "linear_attn.norm": "ssm_norm"}  # fmt: skip
+#: Qwen3.5's linear attention in the tiny model: 2 key heads, 4 value heads (the converter tiles them), keys and
+#: values of one size (llama.cpp's graph reads them so); a quarter of each attention head rotated.
+QWEN35_LINEAR = {"linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 32,
+                 "linear_value_head_dim": 32, "linear_conv_kernel_dim": 4}  # fmt: skip
 #: LFM2's layers in the tiny model: convolutions first and last, as LFM2-1.2B's (10 of its 16 layers).
 LFM2_LAYERS = ["conv", "conv", "full_attention", "conv"]
 #: gpt-oss's window in the tiny model (every other layer, from the first): short, so that a prompt slides past it.
@@ -136,6 +148,9 @@ def tiny_model(arch: str, vocab: int, seed: int = 0, long_rope: bool = False, po
             tie_word_embeddings=True,
             rope_parameters={kind: {"rope_type": "default", "rope_theta": base} for kind, base in bases.items()},
         )  # fmt: skip
+    if arch == "qwen35":  # three linear-attention layers, then a full one
+        rope = {"rope_type": "default", "rope_theta": 1e6, "partial_rotary_factor": 0.25}
+        extra.update(QWEN35_LINEAR, num_hidden_layers=4, head_dim=32, pad_token_id=None, rope_parameters=rope)
     if arch == "smollm3":  # four layers: the fourth without RoPE (its padding id is beyond the tiny vocabulary)
         extra.update(num_hidden_layers=4, pad_token_id=None)
     if arch == "lfm2":  # the MLP's size as given (the file's is adjusted already); a span of 3, as released
@@ -190,6 +205,8 @@ def write_gguf(
         writer.add_rope_freq_base_swa(config.rope_parameters["sliding_attention"]["rope_theta"])
     if arch == "phi3":
         _phi3_keys(model, writer)
+    if arch == "qwen35":
+        _qwen35_keys(config, writer)
     if arch in ("granite", "granitemoe"):
         writer.add_embedding_scale(config.embedding_multiplier)
         writer.add_attention_scale(config.attention_multiplier)
@@ -226,7 +243,8 @@ def write_gguf(
     with torch.no_grad():
         for name, parameter in model.named_parameters():
             for gguf_name, values, target in _tensors(name, parameter, arch):
-                if arch == "gemma3" and gguf_name.endswith("norm.weight"):  # Gemma multiplies by 1 + w: the file too
+                plus_one = arch == "gemma3" or (arch == "qwen35" and ".ssm_norm." not in gguf_name)
+                if plus_one and gguf_name.endswith("norm.weight"):  # the model multiplies by 1 + w: the file too
                     values = values + np.float32(1.0)
                 kind = gguf_name.split(".")[-2] if gguf_name.startswith("blk.") else gguf_name.split(".")[0]
                 matrix = values.ndim >= 2 and gguf_name.endswith(".weight")  # (gpt-oss's experts' biases are 2-D)
@@ -242,6 +260,8 @@ def write_gguf(
                 restored = dequantize(raw, qtype)
                 if arch in PERMUTED and kind in ("attn_q", "attn_k"):
                     restored = _unpermute(restored, heads)
+                if arch == "qwen35":
+                    restored = _qwen35_order(kind, restored, config, untile=True)
                 target.copy_(torch.from_numpy(np.ascontiguousarray(restored)))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
@@ -256,6 +276,8 @@ def _tensors(name: str, parameter: torch.Tensor, arch: str) -> list[tuple[str, n
     layer = name.split(".")[2] if name.startswith("model.layers.") else ""
     if arch == "gpt-oss" and ".mlp.experts." in name:
         return _oai_experts(name, parameter, layer)
+    if arch == "qwen35" and ".linear_attn." in name:
+        return _qwen35_tensors(name, parameter, layer)
     if name.endswith("conv.conv.weight"):  # LFM2's depthwise convolution: [channels, span], as the converter has it
         return [(f"blk.{layer}.shortconv.conv.weight", parameter.detach()[:, 0].float().numpy(), parameter.data)]
     if name.endswith("self_attn.sinks"):
@@ -297,8 +319,69 @@ def _gguf_name(name: str, arch: str) -> str:
     _, _, index, rest = name.split(".", 3)
     module, kind = rest.rsplit(".", 1)
     names = {"gemma3": _GEMMA_LAYER, "phi3": _PHI3_LAYER, "gpt-oss": _OAI_LAYER, "granitemoe": _GRANITE_MOE_LAYER,
-             "lfm2": _LFM2_LAYER}.get(arch, _LAYER)  # fmt: skip
+             "lfm2": _LFM2_LAYER, "qwen35": _QWEN35_LAYER}.get(arch, _LAYER)  # fmt: skip
     return f"blk.{index}.{names[module]}.{kind}"
+
+
+def _qwen35_keys(config: Any, writer: GGUFWriter) -> None:
+    """What llama.cpp's converter adds for Qwen3.5: the linear attention's shapes, its layers, the rotated dims."""
+    arch = "qwen35"
+    writer.add_uint32(f"{arch}.ssm.conv_kernel", config.linear_conv_kernel_dim)
+    writer.add_uint32(f"{arch}.ssm.state_size", config.linear_key_head_dim)
+    writer.add_uint32(f"{arch}.ssm.group_count", config.linear_num_key_heads)
+    writer.add_uint32(f"{arch}.ssm.time_step_rank", config.linear_num_value_heads)
+    writer.add_uint32(f"{arch}.ssm.inner_size", config.linear_value_head_dim * config.linear_num_value_heads)
+    writer.add_array(f"{arch}.attention.recurrent_layers", [kind == "linear_attention" for kind in config.layer_types])
+    writer.add_uint32(f"{arch}.full_attention_interval", 4)
+    writer.add_rope_dimension_count(int(config.head_dim * config.rope_parameters["partial_rotary_factor"]))
+    writer.add_array(f"{arch}.rope.dimension_sections", [11, 11, 10, 0])
+
+
+def _qwen35_tensors(name: str, parameter: torch.Tensor, layer: str) -> list[tuple[str, np.ndarray, torch.Tensor]]:
+    """A Qwen3.5 linear attention's tensor as its converter writes it: the value heads tiled (``_qwen35_order``),
+    ``A_log`` as ``-exp(A_log)``, ``dt_bias`` as ``ssm_dt.bias``, the convolution squeezed."""
+    config = _QWEN35_CONFIG
+    part = name.split(".linear_attn.")[1]
+    values = parameter.detach().float().numpy().copy()
+    if part == "A_log":
+        return [(f"blk.{layer}.ssm_a", _tile(-np.exp(values), 0, config, 1), parameter.data)]
+    if part == "dt_bias":
+        return [(f"blk.{layer}.ssm_dt.bias", _tile(values, 0, config, 1), parameter.data)]
+    if part == "conv1d.weight":
+        return [(f"blk.{layer}.ssm_conv1d.weight", _qwen35_order("attn_qkv", values[:, 0], config), parameter.data)]
+    module, kind = part.rsplit(".", 1)
+    gguf = _QWEN35_LAYER[f"linear_attn.{module}"]
+    return [(f"blk.{layer}.{gguf}.{kind}", _qwen35_order(gguf, values, config), parameter.data)]
+
+
+#: The tiny Qwen3.5's linear attention's shapes, as ``_qwen35_order`` reads them.
+_QWEN35_CONFIG = QWEN35_LINEAR
+
+
+def _qwen35_order(kind: str, values: np.ndarray, config: Any, untile: bool = False) -> np.ndarray:
+    """A linear attention's tensor with its value heads in the converter's tiled order (or back, ``untile``)."""
+    shapes = config if isinstance(config, dict) else config.to_dict()
+    keys = shapes["linear_num_key_heads"] * shapes["linear_key_head_dim"]
+    head = shapes["linear_value_head_dim"]
+    if kind == "attn_qkv":  # the value rows (or channels) only
+        return np.concatenate([values[: 2 * keys], _tile(values[2 * keys :], 0, shapes, head, untile)])
+    if kind == "attn_gate":
+        return _tile(values, 0, shapes, head, untile)
+    if kind in ("ssm_beta", "ssm_alpha"):
+        return _tile(values, 0, shapes, 1, untile)
+    if kind == "ssm_out":
+        return _tile(values, 1, shapes, head, untile)
+    return values
+
+
+def _tile(values: np.ndarray, dim: int, shapes: dict, head: int, untile: bool = False) -> np.ndarray:
+    """llama.cpp's converter's ``_reorder_v_heads``: value heads grouped by key head ``[K0: v0 v1, K1: v0 v1]`` to
+    tiled ``[K0 v0, K1 v0, K0 v1, K1 v1]`` along ``dim`` (``untile``: back)."""
+    keys, per_key = shapes["linear_num_key_heads"], shapes["linear_num_value_heads"] // shapes["linear_num_key_heads"]
+    outer = [per_key, keys] if untile else [keys, per_key]
+    shape = list(values.shape)
+    split = values.reshape(*shape[:dim], *outer, head, *shape[dim + 1 :])
+    return np.ascontiguousarray(np.swapaxes(split, dim, dim + 1)).reshape(shape)
 
 
 def _phi3_keys(model: PreTrainedModel, writer: GGUFWriter) -> None:
@@ -422,6 +505,8 @@ def convert(checkpoint: Path, out: Path, llama_cpp: Path, outtype: str = "f32") 
 
     env = {**os.environ, "PYTHONPATH": str(llama_cpp / "gguf-py")}
     command = [sys.executable, str(llama_cpp / "convert_hf_to_gguf.py"), str(checkpoint), "--outfile", str(out)]
+    if '"qwen3_5_text"' in (checkpoint / "config.json").read_text():  # no multi-token prediction layers to write
+        command.append("--no-mtp")
     done = subprocess.run([*command, "--outtype", outtype], env=env, capture_output=True, text=True)
     if done.returncode:
         raise RuntimeError(f"convert_hf_to_gguf.py failed: {done.stderr[-2000:]}")

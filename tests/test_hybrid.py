@@ -23,28 +23,41 @@ from engine.runtime.kv_cache import BlockKVCache
 #: The mix of ``test_architectures``: the convolutions' projections in blocks of 5 and 8 bits.
 MIX = {"attn_q": T.Q5_0, "attn_k": T.Q5_0, "attn_v": T.Q8_0, "attn_output": T.Q5_1, "ffn_gate": T.Q4_0,
        "ffn_up": T.Q4_0, "ffn_down": T.Q4_1, "token_embd": T.Q5_0, "output": T.Q8_0, "in_proj": T.Q5_0,
-       "out_proj": T.Q8_0}  # fmt: skip
+       "out_proj": T.Q8_0, "attn_qkv": T.Q5_0, "attn_gate": T.Q8_0, "ssm_out": T.Q5_0}  # fmt: skip
 
 
 @pytest.fixture(scope="module")
-def lfm2(tmp_path_factory: pytest.TempPathFactory):
-    """``lfm2(mix)``: the tiny LFM2 model (the file's reference) and the file as `make serve` loads it."""
+def files(tmp_path_factory: pytest.TempPathFactory):
+    """``files(arch, mix)``: the tiny model of ``arch`` (the file's reference) and the file as `make serve` loads it,
+    made once each."""
     from engine.runtime import loader
 
     root = tmp_path_factory.mktemp("hybrid")
-    made: dict[str, tuple] = {}
+    made: dict[tuple[str, str], tuple] = {}
 
-    def get(mix: str) -> tuple:
-        if mix not in made:
-            path = root / f"lfm2-{mix}.gguf"
-            model = write_gguf(tiny_model("lfm2", vocab=49152), "lfm2", path, loader._default_gguf(),
+    def get(arch: str, mix: str) -> tuple:
+        if (arch, mix) not in made:
+            path = root / f"{arch}-{mix}.gguf"
+            model = write_gguf(tiny_model(arch, vocab=49152), arch, path, loader._default_gguf(),
                                MIX if mix == "mixed" else {})  # fmt: skip
             with pytest.MonkeyPatch.context() as patch:
                 patch.setenv("SMOLSERVE_CACHE_DIR", str(root / "cache"))
-                made[mix] = model, loader.load(str(path), "float32", blocks=True)
-        return made[mix]
+                made[arch, mix] = model, loader.load(str(path), "float32", blocks=True)
+        return made[arch, mix]
 
     return get
+
+
+@pytest.fixture(params=["lfm2", "qwen35"])
+def hybrid(request: pytest.FixtureRequest, files):
+    """``hybrid(mix)``: each hybrid family's tiny model and file (LFM2's short convolutions; Qwen3.5's linear
+    attention: a convolution and a gated delta rule)."""
+    return lambda mix: files(request.param, mix)
+
+
+@pytest.fixture
+def lfm2(files):
+    return lambda mix: files("lfm2", mix)
 
 
 def prompt(seed: int, length: int) -> tuple[int, ...]:
@@ -55,9 +68,9 @@ def blocks_bytes(model, blocks: int) -> int:
     return BlockKVCache.bytes_per_token(*_cache_shape(model), "auto") * BLOCK_SIZE * blocks
 
 
-def test_greedy_tokens_are_transformers_generate_s(lfm2) -> None:
+def test_greedy_tokens_are_transformers_generate_s(hybrid) -> None:
     """The F32 file: each decoding step reads the state the step before left, as transformers' own cache does."""
-    model, loaded = lfm2("F32")
+    model, loaded = hybrid("F32")
     engine = make_engine(loaded.model, loaded.eos_token_ids, max_num_batched_tokens=16)
     requests = [GenerationRequest(prompt(i, 5 + 23 * i), 12, ignore_eos=True) for i in range(3)]
     got = run_staggered(engine, [(i, r) for i, r in enumerate(requests)])
@@ -66,10 +79,10 @@ def test_greedy_tokens_are_transformers_generate_s(lfm2) -> None:
 
 
 @pytest.mark.parametrize("budget", [1, 5, 16, 64])
-def test_a_prompt_cut_into_any_chunks_scores_to_the_same_bits(lfm2, budget: int) -> None:
+def test_a_prompt_cut_into_any_chunks_scores_to_the_same_bits(hybrid, budget: int) -> None:
     """A chunk's first rows read the inputs before it from the state, later ones from the chunk: the same values, the
     same sums. (Cut where the state's span straddles a chunk's start: budgets of 1 and 5 rows.)"""
-    _, loaded = lfm2("mixed")
+    _, loaded = hybrid("mixed")
     request = GenerationRequest(prompt(3, 70), 6, ignore_eos=True, prompt_logprobs=1, logprobs=2)
 
     def run(budget: int) -> tuple:
@@ -81,9 +94,9 @@ def test_a_prompt_cut_into_any_chunks_scores_to_the_same_bits(lfm2, budget: int)
     assert run(budget) == run(512)
 
 
-def test_a_slot_another_sequence_used_starts_from_nothing(lfm2) -> None:
+def test_a_slot_another_sequence_used_starts_from_nothing(hybrid) -> None:
     """One slot: the second request takes the state slot the first left; its stream is its stream alone."""
-    _, loaded = lfm2("mixed")
+    _, loaded = hybrid("mixed")
     first, second = (GenerationRequest(prompt(s, 30), 8, ignore_eos=True, logprobs=1) for s in (5, 6))
     shared = make_engine(loaded.model, loaded.eos_token_ids, quantized=loaded.blocks, capacity=1)
     after = run_outputs(shared, [(0, first)])[0], run_outputs(shared, [(0, second)])[0]
@@ -91,9 +104,9 @@ def test_a_slot_another_sequence_used_starts_from_nothing(lfm2) -> None:
     assert after[1] == run_outputs(alone, [(0, second)])[0]
 
 
-def test_a_preempted_sequence_recomputes_its_state_exactly(lfm2) -> None:
+def test_a_preempted_sequence_recomputes_its_state_exactly(hybrid) -> None:
     """A pool too small for three: the newest are preempted, free their blocks and recompute prompt and output."""
-    _, loaded = lfm2("mixed")
+    _, loaded = hybrid("mixed")
     requests = [(0, GenerationRequest(prompt(10 + i, 40), 50, ignore_eos=True, logprobs=1)) for i in range(3)]
     tight = make_engine(loaded.model, loaded.eos_token_ids, quantized=loaded.blocks, max_model_len=128,
                         kv_cache_bytes=blocks_bytes(loaded.model, 14), max_num_batched_tokens=32)  # fmt: skip
@@ -111,11 +124,11 @@ def test_a_preempted_sequence_recomputes_its_state_exactly(lfm2) -> None:
         max_size=7,
     )
 )
-def test_priorities_parking_preemption_and_chunks_never_change_a_stream(lfm2, requests: list[tuple]) -> None:
+def test_priorities_parking_preemption_and_chunks_never_change_a_stream(hybrid, requests: list[tuple]) -> None:
     """Requests of random prompts, lengths and priorities, queued and admitted as the scheduler does into three
     slots and a small pool, prompts cut into chunks of 13: more urgent ones park less urgent ones, the pool preempts;
     every stream equals a roomy run's, each alone in its steps' budget."""
-    _, loaded = lfm2("mixed")
+    _, loaded = hybrid("mixed")
     arrivals = [(at, GenerationRequest(prompt(stem, 4 + length), new, ignore_eos=True, priority=priority))
                 for stem, length, new, at, priority in requests]  # fmt: skip
     tight = make_engine(loaded.model, loaded.eos_token_ids, quantized=loaded.blocks, capacity=3, max_model_len=128,
@@ -147,10 +160,26 @@ def test_the_engine_says_what_a_sequence_s_state_costs_and_what_is_off(lfm2) -> 
     assert without.runtime_info()["recurrent_state"]["kept_at_block_ends"] == 0
 
 
-def test_a_shared_prefix_resumes_from_the_state_kept_at_its_last_block(lfm2) -> None:
+def test_a_qwen35_sequence_s_state_is_its_convolutions_and_its_matrices(files) -> None:
+    """Qwen3.5: per linear-attention layer, the convolution's last three inputs (query, key and value channels) and
+    each value head's key-by-value matrix in float32; the KV cache holds its one attention layer."""
+    from gguf_files import QWEN35_LINEAR
+
+    _, loaded = files("qwen35", "mixed")
+    engine = make_engine(loaded.model, loaded.eos_token_ids, quantized=loaded.blocks)
+    state = engine.runtime_info()["recurrent_state"]
+    heads, key, value = (QWEN35_LINEAR[f"linear_{name}"] for name in ("num_value_heads", "key_head_dim",
+                                                                      "value_head_dim"))  # fmt: skip
+    channels = 2 * QWEN35_LINEAR["linear_num_key_heads"] * key + heads * value
+    assert state["kind"] == "gated delta rule" and state["layers"] == 3
+    assert state["bytes_per_sequence"] == 3 * (3 * channels * 4 + heads * key * value * 4)
+    assert engine.cache.num_layers == 1
+
+
+def test_a_shared_prefix_resumes_from_the_state_kept_at_its_last_block(hybrid) -> None:
     """An agent's second turn: the first's prompt and answer, then more. Its prefix comes from the cache (whole
     blocks), its state from the one kept at the last of them; its stream is the one computed from nothing."""
-    _, loaded = lfm2("mixed")
+    _, loaded = hybrid("mixed")
     first = GenerationRequest(prompt(8, 75), 10, ignore_eos=True)
     engine = make_engine(loaded.model, loaded.eos_token_ids, quantized=loaded.blocks, max_num_batched_tokens=24)
     answer = run_outputs(engine, [(0, first)])[0]
@@ -163,19 +192,23 @@ def test_a_shared_prefix_resumes_from_the_state_kept_at_its_last_block(lfm2) -> 
     assert [entry for out in outputs for entry in out.logprobs] == run_outputs(fresh, [(0, second)])[0]
 
 
-def test_a_prefix_whose_last_states_were_dropped_ends_at_the_last_kept_one(lfm2) -> None:
-    """Room for two kept states: only the last two block ends of the first prompt are kept; a shorter prompt
-    sharing its start finds blocks but no state at their ends, and computes from the start, exactly."""
-    _, loaded = lfm2("mixed")
-    engine = make_engine(loaded.model, loaded.eos_token_ids, quantized=loaded.blocks)
-    engine.states.max_checkpoints = 2
-    run_outputs(engine, [(0, GenerationRequest(prompt(4, 90), 1))])  # block ends 16 .. 80: 64 and 80 kept
-    again = GenerationRequest(prompt(4, 90)[:40] + prompt(5, 8), 6, ignore_eos=True, logprobs=1)
-    engine.admit([again])
-    outputs = [out for _ in range(50) if engine.num_active() for out in engine.step()]
-    assert outputs[0].cached_tokens == 0
+def test_a_prefix_whose_last_states_were_dropped_ends_at_the_last_kept_one(hybrid) -> None:
+    """A prompt in chunks of 24 keeps the state at each chunk's last block end (16, 48, 64; not 80: the sequence ends
+    in that step and its blocks' hashes with it); with room for one, 16 and 48 are dropped. A prompt sharing its
+    first 50 tokens finds three cached blocks: with their states kept it resumes at 48, else it computes from the
+    start; both exactly."""
+    _, loaded = hybrid("mixed")
+    again = GenerationRequest(prompt(4, 90)[:50] + prompt(5, 8), 6, ignore_eos=True, logprobs=1)
     fresh = make_engine(loaded.model, loaded.eos_token_ids, quantized=loaded.blocks, prefix_caching=False)
-    assert [entry for out in outputs for entry in out.logprobs] == run_outputs(fresh, [(0, again)])[0]
+    expected = run_outputs(fresh, [(0, again)])[0]
+    for room, cached in ((1, 0), (8, 48)):
+        engine = make_engine(loaded.model, loaded.eos_token_ids, quantized=loaded.blocks, max_num_batched_tokens=24)
+        engine.states.max_checkpoints = room
+        run_outputs(engine, [(0, GenerationRequest(prompt(4, 90), 1))])
+        engine.admit([again])
+        outputs = [out for _ in range(50) if engine.num_active() for out in engine.step()]
+        assert outputs[0].cached_tokens == cached
+        assert [entry for out in outputs for entry in out.logprobs] == expected
 
 
 def test_served_with_default_flags_it_answers_and_says_what_a_sequence_costs(lfm2, tmp_path: Path) -> None:
@@ -208,10 +241,10 @@ def test_served_with_default_flags_it_answers_and_says_what_a_sequence_costs(lfm
     assert "".join(pieces) == whole["choices"][0]["text"]
 
 
-def test_a_fresh_sequence_never_reads_what_its_slot_held(lfm2) -> None:
+def test_a_fresh_sequence_never_reads_what_its_slot_held(hybrid) -> None:
     """A slot's state is never read at a sequence's first position: filled with NaN beforehand, the stream is the
     same, to the bits of its logprobs."""
-    _, loaded = lfm2("mixed")
+    _, loaded = hybrid("mixed")
     request = GenerationRequest(prompt(1, 20), 4, ignore_eos=True, logprobs=1)
     engine = make_engine(loaded.model, loaded.eos_token_ids, quantized=loaded.blocks)
     engine.states.state.fill_(float("nan"))

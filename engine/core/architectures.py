@@ -66,6 +66,14 @@ class Architecture:
     #: input projected to ``B``, ``C`` and ``x``, ``C * conv(B * x)`` over the last ``conv_L_cache`` positions (a
     #: depthwise causal convolution), projected out. Each sequence keeps its last positions' ``B * x`` as a state.
     short_conv: bool = False
+    #: Linear-attention layers (Qwen3.5's Gated DeltaNet) among the attention ones, by the config's ``layer_types``
+    #: ("linear_attention"): query, key and value through a short convolution (SiLU), a gated delta rule over each
+    #: value head's matrix, a gated RMSNorm by ``z``, projected out. Each sequence keeps the convolution's last
+    #: inputs and the matrices as its state.
+    delta_net: bool = False
+    #: The query projection holds a gate per head beside it (``[query, gate]`` a head): the attention's output is
+    #: multiplied by the gate's sigmoid before the output projection (Qwen3.5).
+    gated_attention: bool = False
     #: Every n-th layer (the n-th, the 2n-th, ...) attends without RoPE (SmolLM3's NoPE layers: llama.cpp's graph of
     #: the family fixes the period at 4, and its files carry no key for it).
     nope_period: int = 0
@@ -83,7 +91,7 @@ class Architecture:
     @property
     def recurrent(self) -> bool:
         """Some layers keep a state per sequence beside (or instead of) its KV blocks."""
-        return self.short_conv
+        return self.short_conv or self.delta_net
 
 
 #: LFM2's names of llama's modules.
@@ -131,6 +139,9 @@ ARCHITECTURES = {
             router="router",
         ),
         Architecture("phi3", "phi3", fused_projections=True),  # Phi-3, Phi-3.5 mini (LongRoPE from the file)
+        # Qwen3.5 (dense): three Gated DeltaNet layers for each gated attention one; norms scale by 1 + w; a quarter of
+        # each head rotated
+        Architecture("qwen35", "qwen3_5_text", qk_norm=True, norm_offset=1.0, delta_net=True, gated_attention=True),
         # LFM2 (350M-2.6B): short convolutions in 10 of 16 layers, attention with head norms in the others
         Architecture("lfm2", "lfm2", qk_norm=True, short_conv=True, renamed=_LFM2_NAMES),
         # Gemma 3 (text): 5 local layers of 512-1024 positions for each global one

@@ -27,7 +27,7 @@ from engine.runtime.block_tables import BlockTables
 from engine.runtime.kv_cache import BlockKVCache, StepBatch
 from engine.runtime.model_runner import LlamaRunner, make_runner
 from engine.runtime.quantized_weights import SUPPORTED, QuantizedWeight
-from engine.runtime.recurrent_state import ConvStates, Segment, StepStates
+from engine.runtime.recurrent_state import RecurrentStates, Segment, StepStates
 from engine.runtime.sampler import Row, token_logprobs
 from engine.runtime.speculative import accept
 
@@ -43,27 +43,41 @@ def _cache_shape(model: PreTrainedModel) -> tuple[int, int, int, torch.dtype]:
     config = model.config
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     num_kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-    return config.num_hidden_layers - len(_conv_layers(model)), num_kv_heads, head_dim, model.dtype
+    return config.num_hidden_layers - len(_recurrent_layers(model)), num_kv_heads, head_dim, model.dtype
 
 
-def _conv_layers(model: PreTrainedModel) -> list[int]:
-    """The short convolution layers of a hybrid model (LFM2's), none in any other."""
+def _recurrent_layers(model: PreTrainedModel) -> list[int]:
+    """The recurrent layers of a hybrid model (LFM2's short convolutions, Qwen3.5's linear attention), none in any
+    other."""
     arch = by_model_type(model.config.model_type)
-    if arch is None or not arch.short_conv:
+    if arch is None or not arch.recurrent:
         return []
-    return [i for i, kind in enumerate(model.config.layer_types) if kind == "conv"]
+    return [i for i, kind in enumerate(model.config.layer_types) if kind in ("conv", "linear_attention")]
 
 
-def _conv_states(model: PreTrainedModel, capacity: int, block_size: int, kept_bytes: int) -> ConvStates | None:
+def _state_shape(config: Any) -> tuple[int, int, tuple[int, int, int] | None]:
+    """A hybrid's state per recurrent layer: its convolution's channels and span, and the delta rule's matrices
+    (heads, key and value dims; None: no delta rule)."""
+    if config.model_type == "lfm2":
+        return config.hidden_size, config.conv_L_cache, None
+    keys, values = config.linear_num_key_heads * config.linear_key_head_dim, config.linear_num_value_heads
+    channels = 2 * keys + values * config.linear_value_head_dim
+    matrix = (values, config.linear_key_head_dim, config.linear_value_head_dim)
+    return channels, config.linear_conv_kernel_dim, matrix
+
+
+def _recurrent_states(
+    model: PreTrainedModel, capacity: int, block_size: int, kept_bytes: int
+) -> RecurrentStates | None:
     """The recurrent states of a hybrid model's sequences, a slot for each of ``capacity``, and as many kept at
     cached blocks' ends as ``kept_bytes`` hold (None: no such layers)."""
-    layers = _conv_layers(model)
+    layers = _recurrent_layers(model)
     if not layers:
         return None
-    config = model.config
-    per_state = ConvStates.bytes_per_sequence(len(layers), config.hidden_size, config.conv_L_cache, model.dtype)
-    return ConvStates(len(layers), capacity, config.hidden_size, config.conv_L_cache, model.dtype, model.device,
-                      block_size, kept_bytes // per_state)  # fmt: skip
+    channels, span, matrix = _state_shape(model.config)
+    per_state = RecurrentStates.bytes_per_sequence(len(layers), channels, span, model.dtype, matrix)
+    return RecurrentStates(len(layers), capacity, channels, span, model.dtype, model.device, block_size,
+                           kept_bytes // per_state, matrix)  # fmt: skip
 
 
 #: The share of the KV cache's bytes that a hybrid's states kept at cached blocks' ends may take besides.
@@ -136,7 +150,7 @@ class HFEngine(InferenceEngine):
         """A hybrid model's recurrent states (``kv_cache_bytes``: 0 without a prefix cache, else a share of it holds
         the states kept at cached blocks' ends), and the draft budget it allows: none (its state is not rolled
         back past a draft's rejected tokens)."""
-        self.states = _conv_states(model, self.capacity, block_size, kv_cache_bytes // KEPT_STATES_SHARE)
+        self.states = _recurrent_states(model, self.capacity, block_size, kv_cache_bytes // KEPT_STATES_SHARE)
         #: What a hybrid model turns off, and why.
         self.hybrid_limits: dict[str, str] = {}
         self._step_states: StepStates | None = None
@@ -219,10 +233,11 @@ class HFEngine(InferenceEngine):
             return
         seqs = [*plan.decoding, *(seq for seq, _ in plan.all_chunks)]  # in the step's segments' order
         size = self.states.block_size
-        for (index, end), state in zip(step.boundaries, step.states_at_boundaries(), strict=True):
+        kept = zip(step.boundaries, step.states_at_boundaries(), step.matrices_at(), strict=True)
+        for (index, end), state, matrix in kept:
             hashes = seqs[index].blocks.hashes
             if end // size <= len(hashes):
-                self.states.keep(hashes[end // size - 1], state.clone())
+                self.states.keep(hashes[end // size - 1], state.clone(), None if matrix is None else matrix.clone())
 
     def memory_stats(self) -> MemoryStats:
         pool = self.pool
@@ -283,10 +298,13 @@ class HFEngine(InferenceEngine):
         states = self.states
         if states is None:
             return {}
-        per_sequence = ConvStates.bytes_per_sequence(states.layers, states.channels, states.span, states.dtype)
+        per_sequence = RecurrentStates.bytes_per_sequence(
+            states.layers, states.channels, states.span, states.dtype, states.matrix
+        )
+        kind = "short convolution" if states.matrix is None else "gated delta rule"
         return {
             "recurrent_state": {
-                "layers": states.layers, "kind": "short convolution", "bytes_per_sequence": per_sequence,
+                "layers": states.layers, "kind": kind, "bytes_per_sequence": per_sequence,
                 "bytes": per_sequence * states.slots, "kept_at_block_ends": states.max_checkpoints,
                 "kept_bytes": per_sequence * states.max_checkpoints,
             },

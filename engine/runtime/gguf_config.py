@@ -78,6 +78,8 @@ def config_of(reader: GGUFFile) -> PretrainedConfig:
         values.update(_phi3(reader, rope, values))
     if row.short_conv:
         values.update(_lfm2(reader, values))
+    if row.delta_net:
+        values.update(_qwen35(reader, values, rope))
     if row.nope_period:  # which layers rotate (1) and which do not (0), as llama.cpp's graph takes them
         period = row.nope_period
         values["no_rope_layers"] = [int((i + 1) % period != 0) for i in range(values["num_hidden_layers"])]
@@ -111,6 +113,32 @@ def _lfm2(reader: GGUFFile, values: dict) -> dict:
         "num_key_value_heads": max(heads), "norm_eps": values.pop("rms_norm_eps"),
         "layer_types": ["full_attention" if h else "conv" for h in heads],
         "conv_L_cache": int(keys["lfm2.shortconv.l_cache"]), "block_auto_adjust_ff_dim": False,
+    }  # fmt: skip
+
+
+def _qwen35(reader: GGUFFile, values: dict, rope: dict) -> dict:
+    """Qwen3.5's linear-attention layers (``attention.recurrent_layers``, else every layer but each
+    ``full_attention_interval``-th), their shapes (``ssm.*``), the rotated part of each head (``rope.dimension_count``;
+    its text positions turn every section alike, as plain RoPE), and the value heads in the converter's tiled order."""
+    arch = architecture(reader)
+    keys = reader.keys
+    layers = values["num_hidden_layers"]
+    recurrent = keys.get(f"{arch}.attention.recurrent_layers")
+    if recurrent is None:
+        interval = int(keys.get(f"{arch}.full_attention_interval", 4))
+        recurrent = [(i + 1) % interval != 0 for i in range(layers)]
+    head_dim = values.get("head_dim") or values["hidden_size"] // values["num_attention_heads"]
+    value_heads = int(keys[f"{arch}.ssm.time_step_rank"])
+    return {
+        "layer_types": ["linear_attention" if flag else "full_attention" for flag in list(recurrent)[:layers]],
+        "linear_conv_kernel_dim": int(keys[f"{arch}.ssm.conv_kernel"]),
+        "linear_key_head_dim": int(keys[f"{arch}.ssm.state_size"]),
+        "linear_num_key_heads": int(keys[f"{arch}.ssm.group_count"]),
+        "linear_num_value_heads": value_heads,
+        "linear_value_head_dim": int(keys[f"{arch}.ssm.inner_size"]) // value_heads,
+        "rope_parameters": {**rope, "partial_rotary_factor": int(keys.get(f"{arch}.rope.dimension_count", head_dim))
+                            / head_dim},
+        "linear_v_tiled": True,
     }  # fmt: skip
 
 

@@ -184,14 +184,18 @@ def _dense_tensors(reader: GGUFFile, config: PretrainedConfig, skip: set[str]) -
             continue
         shape = tuple(int(d) for d in reversed(tensor.shape))  # GGUF lists dimensions innermost first
         values = np.asarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32).reshape(shape)
-        if tensor.name.endswith("norm.weight"):  # the file holds what the model multiplies by: offset + w
-            values = values - np.float32(arch.norm_offset)
+        if tensor.name.endswith("norm.weight") and ".ssm_norm." not in tensor.name:  # offset + w in the file
+            values = values - np.float32(arch.norm_offset)  # (Qwen3.5's gated norm multiplies by w: stored so)
+        if tensor.name.endswith(".ssm_a"):  # the converter writes Qwen3.5's -exp(A_log)
+            values = np.log(-values)
         if permuted and (".attn_q." in tensor.name or ".attn_k." in tensor.name):
             heads = config.num_attention_heads if ".attn_q." in tensor.name else config.num_key_value_heads
             values = unpermute_rows(values, heads)
         yield name, torch.from_numpy(np.array(values, copy=True, order="C"))
 
 
+#: Qwen3.5's linear attention's other tensors (``blk.N.<name>...``): transformers' parameter in ``linear_attn``.
+_DELTA_PARAMETERS = {"ssm_a": "A_log", "ssm_dt": "dt_bias", "ssm_conv1d": "conv1d.weight", "ssm_norm": "norm.weight"}
 #: A dense expert tensor's place in transformers' 3-D parameters: ``name:part`` (the gate's half, the up's).
 _DENSE_EXPERTS = {"ffn_gate_exps": "gate_up_proj:0", "ffn_up_exps": "gate_up_proj:1", "ffn_down_exps": "down_proj"}
 
@@ -204,6 +208,8 @@ def _name(gguf_name: str, arch: Architecture) -> str | None:
         place = _DENSE_EXPERTS[parts[2]]
         place = place.replace("_proj", "_proj_bias") if parts[3] == "bias" else place
         return f"model.layers.{parts[1]}.{arch.mlp}.experts.{place}"
+    if len(parts) >= 3 and parts[0] == "blk" and parts[2] in _DELTA_PARAMETERS:  # Qwen3.5's linear attention's
+        return f"model.layers.{parts[1]}.linear_attn.{_DELTA_PARAMETERS[parts[2]]}"
     norms = _OUTPUT_NORMS if arch.output_norms else _NORMS
     if len(parts) == 4 and parts[0] == "blk" and parts[2] in norms:
         return f"model.layers.{parts[1]}.{arch.name(norms[parts[2]])}.weight"

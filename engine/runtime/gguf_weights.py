@@ -40,6 +40,11 @@ _LAYER_NAMES = {
 _FUSED_NAMES = {**_LAYER_NAMES, "attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}
 #: ... in gpt-oss (``Architecture.oai_experts``): its router and its attention sinks.
 _OAI_NAMES = {**_LAYER_NAMES, "attn_sinks": "self_attn.sinks"}
+#: ... in Qwen3.5 (``Architecture.delta_net``): its linear attention's projections.
+_DELTA_NAMES = {
+    **_LAYER_NAMES, "attn_qkv": "linear_attn.in_proj_qkv", "attn_gate": "linear_attn.in_proj_z",
+    "ssm_beta": "linear_attn.in_proj_b", "ssm_alpha": "linear_attn.in_proj_a", "ssm_out": "linear_attn.out_proj",
+}  # fmt: skip
 #: A mixture of experts' matrices (3-D: one matrix an expert, ``expert_name``).
 EXPERT_PROJECTIONS = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
 
@@ -129,7 +134,8 @@ def hf_name(name: str, arch: Architecture) -> str | None:
     parts = name.split(".")
     if len(parts) == 5 and parts[0] == "blk" and parts[2] == "shortconv":  # LFM2's short convolution
         return f"model.layers.{parts[1]}.conv.{parts[3]}.{parts[4]}"
-    names = _FUSED_NAMES if arch.fused_projections else _OAI_NAMES if arch.oai_experts else _LAYER_NAMES
+    names = (_FUSED_NAMES if arch.fused_projections else _OAI_NAMES if arch.oai_experts
+             else _DELTA_NAMES if arch.delta_net else _LAYER_NAMES)  # fmt: skip
     if len(parts) == 4 and parts[0] == "blk" and parts[2] in names and parts[3] in ("weight", "bias"):
         suffix = "" if parts[2] == "attn_sinks" else f".{parts[3]}"  # a parameter of its own, not a layer's weight
         module, _, rest = names[parts[2]].partition(".")

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
@@ -21,6 +22,7 @@ import torch.nn.functional as F
 from transformers import AttentionInterface, PreTrainedModel
 
 from engine.core.architectures import Architecture, by_model_type
+from engine.runtime import delta_rule as rule
 from engine.runtime import kernels
 from engine.runtime.attention import ATTENTION_NAME, attend, block_attention
 from engine.runtime.kv_cache import StepBatch
@@ -162,6 +164,22 @@ class _Experts:
 
 
 @dataclass(slots=True)
+class _DeltaNet:
+    """Qwen3.5's linear attention's shapes, vectors and gates' projections (its other matrices are the layer's
+    ``qkv``: query, key and value, then z; ``conv``; ``o``)."""
+
+    key_heads: int
+    value_heads: int
+    key_dim: int
+    value_dim: int
+    decay: torch.Tensor  # -exp(A_log), float32 [value heads]
+    dt_bias: torch.Tensor  # [value heads]
+    norm: torch.Tensor  # the gated norm's weights [value dim]
+    gates: Weight  # b's and a's projections stacked (a row each value head: beta's and the decay's)
+    tiled: bool = False  # the value heads in llama.cpp's converter's order (``delta_rule.prepare``)
+
+
+@dataclass(slots=True)
 class _LlamaLayer:
     input_norm: torch.Tensor
     qkv: Weight  # q, k, v stacked: [(heads + 2 * kv_heads) * dim, hidden]
@@ -187,6 +205,11 @@ class _LlamaLayer:
     conv: torch.Tensor | None = None
     #: The layer's index among the layers of its kind: in the KV cache (attention), or in the states (convolution).
     cache_index: int = 0
+    #: Qwen3.5's linear attention in the attention's place (with ``conv``, ``qkv`` its input projections stacked:
+    #: query, key and value, then z; ``o`` its output projection).
+    delta: _DeltaNet | None = None
+    attn_gate: bool = False  # a gate beside each query head (Qwen3.5)
+    rotary: int = 0  # the dims of each head RoPE turns (0: all)
 
     def extras(self) -> dict[str, torch.Tensor | int | bool | None]:
         """What an architecture adds to a llama layer, as ``llama_layer``'s keyword arguments."""
@@ -200,7 +223,9 @@ class _LlamaLayer:
         """The arguments ``llama_layer`` takes for this layer's weights, up to its post-attention norm; None unless
         every projection is one matrix of packed quantized blocks."""
         projections = (self.qkv, self.o, self.gate_up, self.down)
-        if self.qk_norm_whole or self.o_bias is not None or self.sinks is not None or self.conv is not None:
+        if self.qk_norm_whole or self.o_bias is not None or self.sinks is not None or self.conv is not None or (
+            self.attn_gate or self.rotary
+        ):
             return None
         if not all(isinstance(p, PackedWeight) for p in projections):
             return None  # (the native layer normalizes each head)
@@ -261,7 +286,7 @@ class LlamaRunner:
         # outside (oneDNN's prepacked weights are opaque to it), each compiled call cost 50-120 us against
         # 10-70 us eager, and whole steps came out no faster for ~30 s more start-up.
         self.layers = [self._fuse(layer, f"model.layers.{i}.", quantized, arch) for i, layer in enumerate(inner.layers)]
-        _number_by_kind(self.layers)
+        _number_by_kind(self.layers, bool(getattr(config, "linear_v_tiled", False)))
         # The dense twin of quantized layers, for steps of many rows (``dense_from_rows``).
         self._dense_from_rows = dense_from_rows if quantized and not invariant else None
         self._dense_layers: list[_LlamaLayer] = []
@@ -270,7 +295,7 @@ class LlamaRunner:
             self._dense_layers = [
                 self._fuse(layer, f"model.layers.{i}.", {}, arch) for i, layer in enumerate(inner.layers)
             ]
-            _number_by_kind(self._dense_layers)
+            _number_by_kind(self._dense_layers, bool(getattr(config, "linear_v_tiled", False)))
             self._dense_head = prepack(model.lm_head.weight)
         # The norm after each layer: the following layer's input norm, then the final norm.
         self._next_norms = [layer.input_norm for layer in self.layers[1:]] + [self.norm]
@@ -350,6 +375,8 @@ class LlamaRunner:
             gate_up = fused(names, [layer.get_submodule(arch.name(name)) for name in names])
             down = fused(["mlp.down_proj"], [layer.get_submodule(arch.name("mlp.down_proj"))])
         post_norm = norm("pre_feedforward_layernorm" if sandwich else "post_attention_layernorm")
+        if getattr(layer, "linear_attn", None) is not None:  # Qwen3.5's linear attention in the attention's place
+            return _delta_layer(layer.linear_attn, fused, norm("input_layernorm"), post_norm, gate_up, down)
         if getattr(layer, "conv", None) is not None:  # LFM2's short convolution in the attention's place
             mixer = fused(["conv.in_proj"], [layer.conv.in_proj]), fused(["conv.out_proj"], [layer.conv.out_proj])
             conv = layer.conv.conv.weight.detach()[:, 0]  # [channels, span]
@@ -381,6 +408,8 @@ class LlamaRunner:
             attn.o_proj.bias.detach() if arch.output_bias else None,
             attn.sinks.detach().float() if arch.sinks else None,
             float(getattr(attn.config, "residual_multiplier", 1.0)) if arch.multipliers else 1.0,
+            attn_gate=arch.gated_attention,
+            rotary=_rotary(attn.config),
         )
 
     def forward(
@@ -431,7 +460,9 @@ class LlamaRunner:
     ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
         """One decoder layer op by op: the residual stream after it, and its normalization by ``next_norm``."""
         tile = self.tile
-        if layer.conv is not None:
+        if layer.delta is not None:
+            output = self._delta_net(layer, normed, batch)
+        elif layer.conv is not None:
             output = self._short_conv(layer, normed, batch)
         else:
             output = self._attention(layer, normed, cos, sin, batch)
@@ -456,21 +487,58 @@ class LlamaRunner:
         projected = linear(normed, layer.qkv, self.tile)
         if layer.qkv_bias is not None:
             projected = projected + layer.qkv_bias
-        heads = projected.view(rows, self.num_heads + 2 * self.num_kv_heads, -1)
-        qk = heads[:, : self.num_heads + self.num_kv_heads]
+        queries = self.num_heads * (2 if layer.attn_gate else 1)  # (a gate beside each query head: Qwen3.5)
+        heads = projected.view(rows, queries + 2 * self.num_kv_heads, -1)
+        gate = None
+        qk = heads[:, : queries + self.num_kv_heads]
+        if layer.attn_gate:
+            paired = heads[:, :queries].reshape(rows, self.num_heads, 2, -1)
+            gate = paired[:, :, 1].reshape(rows, -1)
+            qk = torch.cat([paired[:, :, 0], heads[:, queries : queries + self.num_kv_heads]], dim=1)
         if layer.q_norm is not None and layer.k_norm is not None:  # each head normalized before its rotation
             q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
-            if layer.qk_norm_whole:  # all heads as one vector
+            if layer.attn_gate:  # (a layer the one-call op does not run: its functions as ``_by_rows`` runs them)
+                q_norm, k_norm, eps = layer.q_norm, layer.k_norm, self.eps
+                q = _by_rows(lambda x: _rms_norm(x, q_norm, eps), q.contiguous())
+                qk = torch.cat([q, _by_rows(lambda x: _rms_norm(x, k_norm, eps), k.contiguous())], dim=1)
+            elif layer.qk_norm_whole:  # all heads as one vector
                 q = _rms_norm(q.reshape(q.shape[0], -1), layer.q_norm, self.eps).view(q.shape)
                 k = _rms_norm(k.reshape(k.shape[0], -1), layer.k_norm, self.eps).view(k.shape)
                 qk = torch.cat([q, k], dim=1)
             else:
                 qk = torch.cat([_rms_norm(q, layer.q_norm, self.eps), _rms_norm(k, layer.k_norm, self.eps)], dim=1)
-        qk = self._rope(qk, cos, sin)  # q and k in one pass
-        q, k, v = qk[:, : self.num_heads], qk[:, self.num_heads :], heads[:, self.num_heads + self.num_kv_heads :]
-        attended = attend(batch, layer.cache_index, q, k, v, self.scale, layer.window, layer.sinks)
-        output = linear(attended.reshape(rows, -1), layer.o, self.tile)
+        if layer.rotary:  # the first dims of each head turn, the rest pass (Qwen3.5: a quarter)
+            turned = self._rope(qk[..., : layer.rotary].contiguous(), cos, sin)
+            qk = torch.cat([turned, qk[..., layer.rotary :]], dim=-1)
+        else:
+            qk = self._rope(qk, cos, sin)  # q and k in one pass
+        q, k, v = qk[:, : self.num_heads], qk[:, self.num_heads :], heads[:, queries + self.num_kv_heads :]
+        attended = attend(batch, layer.cache_index, q, k, v, self.scale, layer.window, layer.sinks).reshape(rows, -1)
+        if gate is not None:
+            attended = attended * _by_rows(torch.sigmoid, gate.contiguous())
+        output = linear(attended, layer.o, self.tile)
         return output if layer.o_bias is None else output + layer.o_bias
+
+    def _delta_net(self, layer: _LlamaLayer, normed: torch.Tensor, batch: StepBatch) -> torch.Tensor:
+        """Qwen3.5's linear attention: query, key and value through the short convolution (SiLU), the gated delta
+        rule, the gated norm by ``z``, projected out. Its element-wise functions run as ``_by_rows`` runs them."""
+        net = layer.delta
+        assert net is not None and layer.conv is not None and batch.states is not None
+        rows, eps = normed.shape[0], self.eps
+        keys, values = net.key_heads * net.key_dim, net.value_heads * net.value_dim
+        mixed, z = linear(normed, layer.qkv, self.tile).split([2 * keys + values, values], dim=-1)
+        b, a = linear(normed, net.gates, self.tile).chunk(2, dim=-1)
+        mixed = _by_rows(F.silu, batch.states.convolve(layer.cache_index, mixed, layer.conv))
+        q, k, v = mixed.split([keys, keys, values], dim=-1)
+        q, k = (_by_rows(rule.l2norm, x.reshape(rows, net.key_heads, -1).float()) for x in (q, k))
+        q, k = rule.prepare(q, k, net.value_heads, net.tiled)
+        decay = net.decay * _by_rows(F.softplus, a.float() + net.dt_bias)
+        read = batch.states.delta_rule(
+            layer.cache_index, q, k, v.reshape(rows, net.value_heads, -1).float(), decay, _by_rows(torch.sigmoid, b)
+        ).to(normed.dtype)
+        z = z.reshape(rows, net.value_heads, -1).float()
+        gated = _by_rows(lambda x: _rms_norm(x, net.norm, eps), read) * _by_rows(F.silu, z)
+        return linear(gated.to(normed.dtype).reshape(rows, -1), layer.o, self.tile)
 
     def _short_conv(self, layer: _LlamaLayer, normed: torch.Tensor, batch: StepBatch) -> torch.Tensor:
         """LFM2's short convolution: ``C * conv(B * x)`` over each sequence's last positions, projected out."""
@@ -566,11 +634,63 @@ def _oai_experts(
     )  # fmt: skip
 
 
-def _number_by_kind(layers: list[_LlamaLayer]) -> None:
+def _delta_layer(
+    net: torch.nn.Module, fused: Callable[[list[str], list[torch.nn.Module]], Weight], input_norm: torch.Tensor,
+    post_norm: torch.Tensor, gate_up: Weight | None, down: Weight | None,
+) -> _LlamaLayer:  # fmt: skip
+    """A Qwen3.5 linear-attention layer's weights: its four input projections stacked, its convolution's weights
+    ``[channels, span]``, its decay, bias and gated norm."""
+    projections = fused(["linear_attn.in_proj_qkv", "linear_attn.in_proj_z"], [net.in_proj_qkv, net.in_proj_z])
+    delta = _DeltaNet(
+        net.num_k_heads, net.num_v_heads, net.head_k_dim, net.head_v_dim, -net.A_log.detach().float().exp(),
+        net.dt_bias.detach(), net.norm.weight.detach(),
+        fused(["linear_attn.in_proj_b", "linear_attn.in_proj_a"], [net.in_proj_b, net.in_proj_a]),
+    )  # fmt: skip
+    output = fused(["linear_attn.out_proj"], [net.out_proj])
+    conv = net.conv1d.weight.detach()[:, 0]
+    return _LlamaLayer(input_norm, projections, output, post_norm, gate_up, down, conv=conv, delta=delta)  # type: ignore[arg-type]
+
+
+def _rotary(config: object) -> int:
+    """The dims of each head RoPE turns where it turns only part of them (Qwen3.5's partial rotary factor), else 0."""
+    factor = (getattr(config, "rope_parameters", None) or {}).get("partial_rotary_factor", 1.0)
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads  # type: ignore[attr-defined]
+    return int(head_dim * factor) if factor < 1.0 else 0
+
+
+#: ``_by_rows``: a call's elements a multiple of this (torch's vector loops take 2 x 16 float32 at a time on
+#: AVX-512, leaving the rest to a scalar loop whose exp/sigmoid round differently), and at most ``_BY_ROWS_CALL``
+#: (below torch's grain of 32,768 elements: one thread computes a call, no split inside a vector).
+_BY_ROWS_LANES = 64
+_BY_ROWS_CALL = 16384
+
+
+def _by_rows(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    """``fn`` (element-wise, or over each row's last dimension) of ``x`` ``[rows, ...]``, each row's result the same
+    bits whatever the number of rows: the rows are padded with zeros to a number whose elements (and those of a sum
+    over the last dimension) fill whole vectors, in calls of at most a fixed number of rows. (torch's element-wise
+    exp, sigmoid and rsqrt gave a row's last bits by where it fell among the call's elements.)"""
+    x = x.contiguous()  # (a strided view takes another loop)
+    rows = x.shape[0]
+    inner = x[0].numel() if rows else 1
+    reduced = inner // x.shape[-1]  # a row's values after a sum over its last dimension (a norm's): the fewest
+    unit = _BY_ROWS_LANES // math.gcd(reduced, _BY_ROWS_LANES)  # rows whose (reduced) elements fill whole vectors
+    per_call = max(unit, _BY_ROWS_CALL // inner // unit * unit)
+    padded = -(-rows // unit) * unit
+    if padded != rows:
+        x = torch.cat([x, x.new_zeros(padded - rows, *x.shape[1:])])
+    out = torch.cat([fn(x[start : start + per_call]) for start in range(0, padded, per_call)])
+    return out[:rows]
+
+
+def _number_by_kind(layers: list[_LlamaLayer], tiled: bool) -> None:
     """Each layer's index among its kind's (``_LlamaLayer.cache_index``): the KV cache holds the attention layers
-    only, the states the convolution layers only."""
+    only, the states the recurrent layers only; ``tiled``: the linear attention's value heads are in the order of
+    llama.cpp's converter (a GGUF's), not transformers'."""
     counts = {True: 0, False: 0}
     for layer in layers:
+        if layer.delta is not None:
+            layer.delta.tiled = tiled
         kind = layer.conv is not None
         layer.cache_index, counts[kind] = counts[kind], counts[kind] + 1
 
@@ -650,7 +770,7 @@ def _rope_tables(model: PreTrainedModel, max_positions: int) -> dict[str | None,
     tables = {}
     for kind in kinds:
         cos, sin = rotary(dummy, positions) if kind is None else rotary(dummy, positions, kind)
-        if 2 * cos.shape[-1] == getattr(model.config, "head_dim", 0):  # gpt-oss's: one angle a pair of dims
+        if 2 * cos.shape[-1] == getattr(model.config, "head_dim", 0) and not _rotary(model.config):  # gpt-oss's
             cos, sin = torch.cat([cos, cos], dim=-1), torch.cat([sin, sin], dim=-1)
         tables[kind] = (cos[0], sin[0])
     if not all(getattr(model.config, "no_rope_layers", None) or [1]):  # a rotation by 0: x * 1 + rotated * 0 = x

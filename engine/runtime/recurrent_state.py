@@ -1,7 +1,9 @@
-"""What a hybrid model keeps per sequence beside its KV blocks: the state of its recurrent layers (LFM2's short
-convolutions: each layer's last ``span - 1`` inputs ``B * x``).
+"""What a hybrid model keeps per sequence beside its KV blocks: the state of its recurrent layers: each layer's
+last ``span - 1`` inputs of its short convolution (LFM2's ``B * x``; Qwen3.5's linear attention's query, key and
+value), and for Qwen3.5 each value head's matrix of its gated delta rule (``engine/runtime/delta_rule.py``).
 
-Memory. One tensor per model, ``[conv layers, sequence slots, span - 1, channels]`` in the model's dtype: a slot per
+Memory. One tensor per model, ``[layers, sequence slots, span - 1, channels]`` in the model's dtype (and the
+matrices' ``[layers, slots, heads, key dim, value dim]`` in float32): a slot per
 sequence the engine holds at once (its block table's row, ``engine/core/blocks.py``), so admission, which already
 takes a row, takes its state too, and a finished sequence's row (and state) is free again. A sequence's state is
 never read at its first position: a sequence starting at position 0 (admitted, or preempted or parked and
@@ -20,6 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.runtime import delta_rule as rule
 from engine.runtime.os_memory import lazy_zeros
 
 
@@ -33,46 +36,55 @@ class Segment:
     length: int
 
 
-class ConvStates:
-    """Every sequence slot's short-convolution state, for every convolution layer."""
+class RecurrentStates:
+    """Every sequence slot's recurrent state, for every recurrent layer."""
 
     def __init__(
         self, layers: int, slots: int, channels: int, span: int, dtype: torch.dtype, device: torch.device,
-        block_size: int, max_checkpoints: int = 0,
+        block_size: int, max_checkpoints: int = 0, matrix: tuple[int, int, int] | None = None,
     ) -> None:  # fmt: skip
         """``max_checkpoints``: states kept at cached blocks' ends, by the block's hash (the prefix cache's; the
-        least recently used dropped first), so that a cached prefix resumes without recomputing; 0: none."""
+        least recently used dropped first), so that a cached prefix resumes without recomputing; 0: none.
+        ``matrix``: the delta rule's heads, key and value dims (Qwen3.5); None: convolutions only (LFM2)."""
         self.layers, self.slots, self.channels, self.span = layers, slots, channels, span
         self.dtype = dtype
         self.block_size = block_size
+        self.matrix = matrix
         self.state = lazy_zeros((layers, slots, span - 1, channels), dtype, device)
+        self.matrices = lazy_zeros((layers, slots, *matrix), torch.float32, device) if matrix else None
         self.max_checkpoints = max_checkpoints
-        self._checkpoints: OrderedDict[bytes, torch.Tensor] = OrderedDict()
+        self._checkpoints: OrderedDict[bytes, tuple[torch.Tensor, torch.Tensor | None]] = OrderedDict()
 
     @staticmethod
-    def bytes_per_sequence(layers: int, channels: int, span: int, dtype: torch.dtype) -> int:
-        return layers * (span - 1) * channels * dtype.itemsize
+    def bytes_per_sequence(
+        layers: int, channels: int, span: int, dtype: torch.dtype, matrix: tuple[int, int, int] | None = None
+    ) -> int:
+        heads, keys, values = matrix or (0, 0, 0)
+        return layers * ((span - 1) * channels * dtype.itemsize + heads * keys * values * 4)
 
     def step(self, segments: list[Segment], rows: int) -> StepStates:
         """The indexes a step's convolutions read and write through (one set for every layer)."""
         return StepStates(self, segments, rows)
 
-    def keep(self, digest: bytes, state: torch.Tensor) -> None:
-        """The state ``[layers, span - 1, channels]`` at the end of the cached block of hash ``digest``."""
+    def keep(self, digest: bytes, state: torch.Tensor, matrix: torch.Tensor | None) -> None:
+        """The state ``[layers, span - 1, channels]`` (and the matrices ``[layers, heads, key dim, value dim]``) at
+        the end of the cached block of hash ``digest``."""
         if not self.max_checkpoints:
             return
-        self._checkpoints[digest] = state
+        self._checkpoints[digest] = (state, matrix)
         self._checkpoints.move_to_end(digest)
         while len(self._checkpoints) > self.max_checkpoints:
             self._checkpoints.popitem(last=False)
 
     def resume(self, slot: int, digest: bytes) -> bool:
         """Put the state kept at the end of the block of hash ``digest`` into ``slot``; False if none was kept."""
-        state = self._checkpoints.get(digest)
-        if state is None:
+        kept = self._checkpoints.get(digest)
+        if kept is None:
             return False
         self._checkpoints.move_to_end(digest)
-        self.state[:, slot] = state
+        self.state[:, slot] = kept[0]
+        if self.matrices is not None and kept[1] is not None:
+            self.matrices[:, slot] = kept[1]
         return True
 
     def forget(self) -> None:
@@ -87,10 +99,11 @@ class ConvStates:
 class StepStates:
     """One step's view of the states: each row's window of inputs, and where each sequence's new state lies."""
 
-    def __init__(self, states: ConvStates, segments: list[Segment], rows: int) -> None:
+    def __init__(self, states: RecurrentStates, segments: list[Segment], rows: int) -> None:
         keep = states.span - 1
         device = states.state.device
         self._states = states
+        self._segments = segments
         self._slots = torch.tensor([s.slot for s in segments], dtype=torch.long, device=device)
         self._fresh = torch.tensor([s.start == 0 for s in segments], dtype=torch.bool, device=device)
         # The inputs a step reads, one tensor: each sequence's ``keep`` past inputs (its state), then the step's rows.
@@ -102,6 +115,7 @@ class StepStates:
         #: Each block end a segment's rows reach (its index, the position), and every layer's state there.
         self.boundaries: list[tuple[int, int]] = []
         self.at_boundaries: list[torch.Tensor] = []
+        self.matrices_at_boundaries: list[dict[tuple[int, int], torch.Tensor]] = []
         for index, segment in enumerate(segments):
 
             def place(offset: int, index: int = index, segment: Segment = segment) -> int:
@@ -135,14 +149,50 @@ class StepStates:
             self.at_boundaries.append(pool[self._at_end])  # [boundaries, keep, channels]
         return out
 
+    def delta_rule(
+        self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, decay: torch.Tensor,
+        beta: torch.Tensor,
+    ) -> torch.Tensor:  # fmt: skip
+        """Layer ``layer``'s gated delta rule over the step's rows (``delta_rule.step``'s inputs, a row each), each
+        sequence from its matrices; what each row's query reads, ``[rows, heads, value dim]`` float32. Sequences of
+        one row each (decoding) and a chunk's rows alike: one sequence and one position at a time (a product over
+        several sequences summed in another order: a row's logprob moved by one ulp with its batchmates)."""
+        matrices = self._states.matrices
+        assert matrices is not None
+        matrices = matrices[layer]
+        out = torch.empty_like(value)
+        ends = {index: end for index, end in self.boundaries}
+        kept: dict[tuple[int, int], torch.Tensor] = {}
+        for index, segment in enumerate(self._segments):  # one at a time: every position's sums of one shape
+            matrix = matrices[segment.slot : segment.slot + 1].clone()
+            if not segment.start:
+                matrix.zero_()
+            for t in range(segment.row, segment.row + segment.length):
+                rows_of = slice(t, t + 1)
+                matrix, out[rows_of] = rule.step(
+                    matrix, query[rows_of], key[rows_of], value[rows_of], decay[rows_of], beta[rows_of]
+                )
+                if ends.get(index) == segment.start + t - segment.row + 1:
+                    kept[index, ends[index]] = matrix[0]
+            matrices[segment.slot] = matrix[0]
+        self.matrices_at_boundaries.append(kept)
+        return out
+
     def states_at_boundaries(self) -> list[torch.Tensor]:
         """Every layer's state at each of ``boundaries``, ``[layers, keep, channels]`` each."""
         if not self.at_boundaries:
             return []
         return list(torch.stack(self.at_boundaries).transpose(0, 1).unbind(0))
 
+    def matrices_at(self) -> list[torch.Tensor | None]:
+        """Every layer's matrices at each of ``boundaries`` (None: no delta rule)."""
+        if not self.matrices_at_boundaries:
+            return [None] * len(self.boundaries)
+        return [torch.stack([kept[boundary] for kept in self.matrices_at_boundaries]) for boundary in self.boundaries]
+
 
 def _block_ends(segment: Segment, block_size: int) -> range:
-    """The positions past the segment's start, up to its end, where a block ends."""
-    first = (segment.start // block_size + 1) * block_size
-    return range(first, segment.start + segment.length + 1, block_size)
+    """The last position past the segment's start, up to its end, where a block ends (none or one: a state kept at
+    each block end of a long prompt would cost a matrix state each, for the delta rule megabytes)."""
+    last = (segment.start + segment.length) // block_size * block_size
+    return range(last, last + 1) if last > segment.start else range(0)
