@@ -6,7 +6,10 @@ token list padded with unused tokens to the shape's vocabulary. Prints the file'
     .venv/bin/python bench/shaped_gguf.py gpt-oss-20b --out /tmp/gpt-oss-20b-shaped.gguf
 
 Shapes: ``gpt-oss-20b`` as released (experts MXFP4, the rest as ``llama-quantize MXFP4_MOE`` writes it: Q8_0
-matrices, F32 router, biases, norms and sinks).
+matrices, F32 router, biases, norms and sinks); ``lfm2-1.2b`` (LiquidAI/LFM2-1.2B: 10 short-convolution and 6
+attention layers) and ``qwen3.5-0.8b`` (Qwen3.5's layout at about 0.8B: 24 layers, 18 of them Gated DeltaNet,
+hidden 1,024; its vocabulary and RoPE base as Qwen3.5's, its linear attention's heads as Qwen3-Next's; the small
+size's own config was not at hand offline), their matrices Q8_0 (as ``llama-quantize Q8_0`` writes them), norms, convolutions and the delta rule's vectors F32.
 """
 
 from __future__ import annotations
@@ -32,8 +35,30 @@ GPT_OSS_20B = {
 }  # fmt: skip
 
 
+#: LiquidAI/LFM2-1.2B's config: 16 layers, attention at 2, 5, 8, 10, 12 and 14; the MLP's 12,288 adjusted to 8,192.
+#: Its vocabulary is the borrowed tokenizer's 151,936 (LFM2's own: 65,536): both servers pay the larger output layer.
+LFM2_1_2B = {
+    "arch": "lfm2", "layers": 16, "hidden": 2048, "heads": 32, "kv_heads": 8, "head_dim": 64, "ff": 8192,
+    "vocab": 151936, "context": 128000, "rope_theta": 1e6, "eps": 1e-5, "span": 3, "attention": (2, 5, 8, 10, 12, 14),
+}  # fmt: skip
+#: Qwen3.5's layout at about 0.8B: 24 layers, every 4th full attention (8 heads of 256, 2 KV heads, a quarter
+#: rotated), linear attention of 16 key and 16 value heads of 128; Qwen3.5's vocabulary and RoPE base.
+QWEN35_0_8B = {
+    "arch": "qwen35", "layers": 24, "hidden": 1024, "heads": 8, "kv_heads": 2, "head_dim": 256, "ff": 3584,
+    "vocab": 248320, "context": 262144, "rope_theta": 1e7, "eps": 1e-6, "span": 4, "key_heads": 16,
+    "value_heads": 16, "key_dim": 128, "value_dim": 128,
+}  # fmt: skip
+SHAPES = {"gpt-oss-20b": GPT_OSS_20B, "lfm2-1.2b": LFM2_1_2B, "qwen3.5-0.8b": QWEN35_0_8B}
+
+
 def tensors(shape: dict) -> Iterator[tuple[str, tuple[int, ...], GGMLQuantizationType]]:
     """Each tensor's name, its shape (outermost first, as numpy holds it) and type."""
+    if shape.get("arch") == "lfm2":
+        yield from _lfm2_tensors(shape)
+        return
+    if shape.get("arch") == "qwen35":
+        yield from _qwen35_tensors(shape)
+        return
     hidden, heads, kv, dim = shape["hidden"], shape["heads"], shape["kv_heads"], shape["head_dim"]
     experts, ff = shape["experts"], shape["expert_ff"]
     yield "token_embd.weight", (shape["vocab"], hidden), T.Q8_0
@@ -58,9 +83,68 @@ def tensors(shape: dict) -> Iterator[tuple[str, tuple[int, ...], GGMLQuantizatio
     yield "output.weight", (shape["vocab"], hidden), T.Q8_0
 
 
+def _dense_layer(blk: str, shape: dict, mlp_norm: str) -> Iterator[tuple[str, tuple[int, ...], GGMLQuantizationType]]:
+    """A layer's norms and gated MLP (Q8_0)."""
+    hidden, ff = shape["hidden"], shape["ff"]
+    yield f"{blk}.attn_norm.weight", (hidden,), T.F32
+    yield f"{blk}.{mlp_norm}.weight", (hidden,), T.F32
+    yield f"{blk}.ffn_gate.weight", (ff, hidden), T.Q8_0
+    yield f"{blk}.ffn_up.weight", (ff, hidden), T.Q8_0
+    yield f"{blk}.ffn_down.weight", (hidden, ff), T.Q8_0
+
+
+def _attention(blk: str, shape: dict, query_rows: int) -> Iterator[tuple[str, tuple[int, ...], GGMLQuantizationType]]:
+    hidden, heads, kv, dim = shape["hidden"], shape["heads"], shape["kv_heads"], shape["head_dim"]
+    for name, rows in (("attn_q", query_rows), ("attn_k", kv * dim), ("attn_v", kv * dim)):
+        yield f"{blk}.{name}.weight", (rows, hidden), T.Q8_0
+    yield f"{blk}.attn_output.weight", (hidden, heads * dim), T.Q8_0
+    yield f"{blk}.attn_q_norm.weight", (dim,), T.F32
+    yield f"{blk}.attn_k_norm.weight", (dim,), T.F32
+
+
+def _lfm2_tensors(shape: dict) -> Iterator[tuple[str, tuple[int, ...], GGMLQuantizationType]]:
+    hidden = shape["hidden"]
+    yield "token_embd.weight", (shape["vocab"], hidden), T.Q8_0  # tied: the output layer too
+    for i in range(shape["layers"]):
+        blk = f"blk.{i}"
+        yield from _dense_layer(blk, shape, "ffn_norm")
+        if i in shape["attention"]:
+            yield from _attention(blk, shape, shape["heads"] * shape["head_dim"])
+            continue
+        yield f"{blk}.shortconv.in_proj.weight", (3 * hidden, hidden), T.Q8_0
+        yield f"{blk}.shortconv.out_proj.weight", (hidden, hidden), T.Q8_0
+        yield f"{blk}.shortconv.conv.weight", (hidden, shape["span"]), T.F32
+    yield "token_embd_norm.weight", (hidden,), T.F32
+
+
+def _qwen35_tensors(shape: dict) -> Iterator[tuple[str, tuple[int, ...], GGMLQuantizationType]]:
+    hidden = shape["hidden"]
+    keys, values_ = shape["key_heads"] * shape["key_dim"], shape["value_heads"] * shape["value_dim"]
+    yield "token_embd.weight", (shape["vocab"], hidden), T.Q8_0
+    for i in range(shape["layers"]):
+        blk = f"blk.{i}"
+        yield from _dense_layer(blk, shape, "post_attention_norm")
+        if (i + 1) % 4 == 0:
+            yield from _attention(blk, shape, 2 * shape["heads"] * shape["head_dim"])  # a gate beside each head
+            continue
+        yield f"{blk}.attn_qkv.weight", (2 * keys + values_, hidden), T.Q8_0
+        yield f"{blk}.attn_gate.weight", (values_, hidden), T.Q8_0
+        yield f"{blk}.ssm_beta.weight", (shape["value_heads"], hidden), T.F32
+        yield f"{blk}.ssm_alpha.weight", (shape["value_heads"], hidden), T.F32
+        yield f"{blk}.ssm_conv1d.weight", (2 * keys + values_, shape["span"]), T.F32
+        yield f"{blk}.ssm_dt.bias", (shape["value_heads"],), T.F32
+        yield f"{blk}.ssm_a", (shape["value_heads"],), T.F32
+        yield f"{blk}.ssm_norm.weight", (shape["value_dim"],), T.F32
+        yield f"{blk}.ssm_out.weight", (hidden, values_), T.Q8_0
+    yield "output_norm.weight", (hidden,), T.F32
+    yield "output.weight", (shape["vocab"], hidden), T.Q8_0
+
+
 def values(name: str, dims: tuple[int, ...], kind: GGMLQuantizationType, rng: np.random.Generator) -> np.ndarray:
     """Random values of a plausible size: norms about 1, matrices' weights about 0.02, biases and sinks small; in
     blocks, valid scales (fp16 for Q8_0, an E8M0 exponent for MXFP4) over random quants."""
+    if name.endswith(".ssm_a"):  # -exp(A_log): a decay of each head's matrix, negative
+        return -np.exp(rng.uniform(-1.0, 1.0, dims)).astype(np.float32)
     if kind == T.F32:
         base = 1.0 if name.endswith("norm.weight") else 0.0
         return (base + rng.standard_normal(dims, dtype=np.float32) * 0.02).astype(np.float32)
@@ -74,8 +158,9 @@ def values(name: str, dims: tuple[int, ...], kind: GGMLQuantizationType, rng: np
 
 
 def write(shape: dict, out: Path, tokenizer_from: Path, seed: int = 0) -> None:
-    writer = GGUFWriter(out, "gpt-oss")
-    _keys(writer, shape)
+    arch = shape.get("arch", "gpt-oss")
+    writer = GGUFWriter(out, arch)
+    {"gpt-oss": _keys, "lfm2": _hybrid_keys, "qwen35": _hybrid_keys}[arch](writer, shape)
     _tokenizer(writer, GGUFReader(tokenizer_from), shape["vocab"])
     rng = np.random.default_rng(seed)
     listed = list(tensors(shape))
@@ -114,6 +199,36 @@ def _keys(writer: GGUFWriter, shape: dict) -> None:
     writer.add_file_type(38)  # MOSTLY_MXFP4_MOE
 
 
+def _hybrid_keys(writer: GGUFWriter, shape: dict) -> None:
+    """LFM2's and Qwen3.5's keys, as llama.cpp's converter writes them."""
+    arch, layers = shape["arch"], shape["layers"]
+    writer.add_block_count(layers)
+    writer.add_context_length(shape["context"])
+    writer.add_embedding_length(shape["hidden"])
+    writer.add_feed_forward_length(shape["ff"])
+    writer.add_head_count(shape["heads"])
+    writer.add_key_length(shape["head_dim"])
+    writer.add_value_length(shape["head_dim"])
+    writer.add_rope_freq_base(shape["rope_theta"])
+    writer.add_layer_norm_rms_eps(shape["eps"])
+    writer.add_vocab_size(shape["vocab"])
+    writer.add_file_type(7)  # MOSTLY_Q8_0
+    if arch == "lfm2":
+        writer.add_head_count_kv([shape["kv_heads"] if i in shape["attention"] else 0 for i in range(layers)])
+        writer.add_uint32("lfm2.shortconv.l_cache", shape["span"])
+        return
+    writer.add_head_count_kv(shape["kv_heads"])
+    writer.add_uint32(f"{arch}.ssm.conv_kernel", shape["span"])
+    writer.add_uint32(f"{arch}.ssm.state_size", shape["key_dim"])
+    writer.add_uint32(f"{arch}.ssm.group_count", shape["key_heads"])
+    writer.add_uint32(f"{arch}.ssm.time_step_rank", shape["value_heads"])
+    writer.add_uint32(f"{arch}.ssm.inner_size", shape["value_heads"] * shape["value_dim"])
+    writer.add_uint32(f"{arch}.full_attention_interval", 4)
+    writer.add_array(f"{arch}.attention.recurrent_layers", [(i + 1) % 4 != 0 for i in range(layers)])
+    writer.add_rope_dimension_count(shape["head_dim"] // 4)
+    writer.add_array(f"{arch}.rope.dimension_sections", [11, 11, 10, 0])
+
+
 def _tokenizer(writer: GGUFWriter, reader: GGUFReader, vocab: int) -> None:
     """The tokenizer's keys, its tokens padded with unused ones to ``vocab`` (the embedding's rows)."""
     for name, field in reader.fields.items():
@@ -132,12 +247,12 @@ def _tokenizer(writer: GGUFWriter, reader: GGUFReader, vocab: int) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("shape", choices=["gpt-oss-20b"])
+    parser.add_argument("shape", choices=list(SHAPES))
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--tokenizer-from", type=Path, default=None, help="a GGUF whose tokenizer to take")
     args = parser.parse_args()
     source = args.tokenizer_from or Path(subprocess.check_output(["bash", str(USER_MODELS)], text=True).strip())
-    write(GPT_OSS_20B, args.out, source)
+    write(SHAPES[args.shape], args.out, source)
     print(args.out)
 
 

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.runtime import delta_rule as rule
+from engine.runtime import kernels
 from engine.runtime.os_memory import lazy_zeros
 
 
@@ -155,8 +156,8 @@ class StepStates:
     ) -> torch.Tensor:  # fmt: skip
         """Layer ``layer``'s gated delta rule over the step's rows (``delta_rule.step``'s inputs, a row each), each
         sequence from its matrices; what each row's query reads, ``[rows, heads, value dim]`` float32. Sequences of
-        one row each (decoding) and a chunk's rows alike: one sequence and one position at a time (a product over
-        several sequences summed in another order: a row's logprob moved by one ulp with its batchmates)."""
+        one row each (decoding) and a chunk's rows alike: one sequence at a time (a product over several sequences
+        summed in another order: a row's logprob moved by one ulp with its batchmates)."""
         matrices = self._states.matrices
         assert matrices is not None
         matrices = matrices[layer]
@@ -164,19 +165,39 @@ class StepStates:
         ends = {index: end for index, end in self.boundaries}
         kept: dict[tuple[int, int], torch.Tensor] = {}
         for index, segment in enumerate(self._segments):  # one at a time: every position's sums of one shape
-            matrix = matrices[segment.slot : segment.slot + 1].clone()
+            matrix = matrices[segment.slot]  # [heads, keys, values], moved on in place
             if not segment.start:
                 matrix.zero_()
-            for t in range(segment.row, segment.row + segment.length):
-                rows_of = slice(t, t + 1)
-                matrix, out[rows_of] = rule.step(
-                    matrix, query[rows_of], key[rows_of], value[rows_of], decay[rows_of], beta[rows_of]
-                )
-                if ends.get(index) == segment.start + t - segment.row + 1:
-                    kept[index, ends[index]] = matrix[0]
-            matrices[segment.slot] = matrix[0]
+            # Up to the block end whose state is kept, then the rest.
+            split = ends[index] - segment.start if index in ends else segment.length
+            for first, last in ((0, split), (split, segment.length)):
+                rows_of = slice(segment.row + first, segment.row + last)
+                if last > first:
+                    out[rows_of] = self._rule(matrix, query[rows_of], key[rows_of], value[rows_of], decay[rows_of],
+                                              beta[rows_of])  # fmt: skip
+                if first == 0 and index in ends:
+                    kept[index, ends[index]] = matrix.clone()
         self.matrices_at_boundaries.append(kept)
         return out
+
+    @staticmethod
+    def _rule(
+        matrix: torch.Tensor, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, decay: torch.Tensor,
+        beta: torch.Tensor,
+    ) -> torch.Tensor:  # fmt: skip
+        """One sequence's positions through the rule, ``matrix`` moved on in place: the native op
+        (``csrc/delta_rule.cpp``), else ``delta_rule.step`` a position at a time."""
+        ops = kernels.native_ops() if matrix.device.type == "cpu" else None
+        if ops is not None:
+            return ops.delta_rule(matrix, query.contiguous(), key.contiguous(), value.contiguous(),
+                                  decay.contiguous(), beta.contiguous())  # fmt: skip
+        state, reads = matrix[None], []
+        for t in range(query.shape[0]):
+            rows = slice(t, t + 1)
+            state, read = rule.step(state, query[rows], key[rows], value[rows], decay[rows], beta[rows])
+            reads.append(read)
+        matrix.copy_(state[0])
+        return torch.cat(reads)
 
     def states_at_boundaries(self) -> list[torch.Tensor]:
         """Every layer's state at each of ``boundaries``, ``[layers, keep, channels]`` each."""

@@ -54,4 +54,8 @@ std::tuple<at::Tensor, at::Tensor> llama_layer(
     const std::optional<at::Tensor>& k_norm, int64_t window, const std::optional<at::Tensor>& attn_out_norm,
     const std::optional<at::Tensor>& ffn_out_norm, bool gelu, double residual_scale);
 
+// delta_rule.cpp
+at::Tensor delta_rule(at::Tensor matrix, const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+                      const at::Tensor& decay, const at::Tensor& beta);
+
 }  // namespace smolserve

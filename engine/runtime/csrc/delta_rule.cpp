@@ -1,0 +1,100 @@
+// Qwen3.5's gated delta rule (Gated DeltaNet) over one sequence's positions, in float32 on the CPU: each value head
+// keeps a [key dim, value dim] matrix S; at each position S decays by exp(g), the key reads v' = S^T k from it, S
+// moves toward the value by beta (S += k (v - v')^T beta), and the query reads o = S^T q. The same arithmetic as
+// transformers' torch_recurrent_gated_delta_rule, in another order of sums: over the key dimension, one row of S
+// after another (ascending), every value column at once. A head's result is the same whatever else the step holds
+// or however the sequence's positions were cut into calls (each position reads the S the one before it left), and
+// every head is computed by one thread.
+//
+// Two passes over S a position: decay it and read the key's value; then move it and read the query's. S is 64 KiB
+// a head at 128 x 128: it stays in the core's cache between the passes.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include "ops.h"
+
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+namespace smolserve {
+
+namespace {
+
+void check(const at::Tensor& t, const char* name, int64_t dims) {
+  TORCH_CHECK(t.scalar_type() == at::kFloat, name, " must be float32");
+  TORCH_CHECK(t.dim() == dims && t.is_contiguous(), name, " must be a contiguous ", dims, "-D tensor");
+}
+
+// One head, one position: S [keys][values], the position's query and key [keys], value [values]; out [values].
+inline void head_step(float* S, const float* q, const float* k, const float* v, float decay, float beta,
+                      float* out, float* read, int64_t keys, int64_t values) {
+  const float g = std::exp(decay);
+  for (int64_t j = 0; j < values; ++j) read[j] = 0.0f;
+  for (int64_t i = 0; i < keys; ++i) {
+    float* row = S + i * values;
+    const float ki = k[i];
+    for (int64_t j = 0; j < values; ++j) {
+      row[j] *= g;
+      read[j] += row[j] * ki;
+    }
+  }
+  for (int64_t j = 0; j < values; ++j) read[j] = (v[j] - read[j]) * beta;  // the delta
+  for (int64_t j = 0; j < values; ++j) out[j] = 0.0f;
+  for (int64_t i = 0; i < keys; ++i) {
+    float* row = S + i * values;
+    const float ki = k[i], qi = q[i];
+    for (int64_t j = 0; j < values; ++j) {
+      row[j] += ki * read[j];
+      out[j] += row[j] * qi;
+    }
+  }
+}
+
+}  // namespace
+
+// matrix [heads, keys, values] (updated in place); query, key [positions, heads, keys]; value [positions, heads,
+// values]; decay, beta [positions, heads]. Returns what each position's query reads, [positions, heads, values].
+at::Tensor delta_rule(at::Tensor matrix, const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+                      const at::Tensor& decay, const at::Tensor& beta) {
+  check(matrix, "matrix", 3);
+  check(query, "query", 3);
+  check(key, "key", 3);
+  check(value, "value", 3);
+  check(decay, "decay", 2);
+  check(beta, "beta", 2);
+  const int64_t heads = matrix.size(0), keys = matrix.size(1), values = matrix.size(2);
+  const int64_t positions = query.size(0);
+  TORCH_CHECK(query.size(1) == heads && query.size(2) == keys && key.sizes() == query.sizes(),
+              "query and key must be [positions, heads, keys] of the matrix's heads and keys");
+  TORCH_CHECK(value.size(0) == positions && value.size(1) == heads && value.size(2) == values,
+              "value must be [positions, heads, values]");
+  TORCH_CHECK(decay.size(0) == positions && decay.size(1) == heads && beta.sizes() == decay.sizes(),
+              "decay and beta must be [positions, heads]");
+  at::Tensor out = at::empty({positions, heads, values}, value.options());
+  float* S = matrix.data_ptr<float>();
+  const float *q = query.data_ptr<float>(), *k = key.data_ptr<float>(), *v = value.data_ptr<float>();
+  const float *g = decay.data_ptr<float>(), *b = beta.data_ptr<float>();
+  float* o = out.data_ptr<float>();
+  at::parallel_for(0, heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> read(values);
+    for (int64_t h = begin; h < end; ++h) {
+      for (int64_t t = 0; t < positions; ++t) {
+        const int64_t row = t * heads + h;
+        head_step(S + h * keys * values, q + row * keys, k + row * keys, v + row * values, g[row], b[row],
+                  o + row * values, read.data(), keys, values);
+      }
+    }
+  });
+  return out;
+}
+
+}  // namespace smolserve
+
+TORCH_LIBRARY_FRAGMENT(smolserve, m) {
+  m.def("delta_rule(Tensor(a!) matrix, Tensor query, Tensor key, Tensor value, Tensor decay, Tensor beta) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(smolserve, CPU, m) { m.impl("delta_rule", &smolserve::delta_rule); }
