@@ -9,7 +9,8 @@ Shapes: ``gpt-oss-20b`` as released (experts MXFP4, the rest as ``llama-quantize
 matrices, F32 router, biases, norms and sinks); ``lfm2-1.2b`` (LiquidAI/LFM2-1.2B: 10 short-convolution and 6
 attention layers) and ``qwen3.5-0.8b`` (Qwen3.5's layout at about 0.8B: 24 layers, 18 of them Gated DeltaNet,
 hidden 1,024; its vocabulary and RoPE base as Qwen3.5's, its linear attention's heads as Qwen3-Next's; the small
-size's own config was not at hand offline), their matrices Q8_0 (as ``llama-quantize Q8_0`` writes them), norms, convolutions and the delta rule's vectors F32.
+size's own config was not at hand offline), their matrices Q8_0 (as ``llama-quantize Q8_0`` writes them), norms,
+convolutions and the delta rule's vectors F32.
 """
 
 from __future__ import annotations
