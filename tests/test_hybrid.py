@@ -282,3 +282,16 @@ def test_the_native_delta_rule_is_torch_s_to_rounding_and_the_same_bits_however_
     for first, last in ((0, 1), (1, 17), (17, positions)):
         pieces.append(ops.delta_rule(cut, *(x[first:last].contiguous() for x in (query, key, value, decay, beta))))
     assert torch.equal(torch.cat(pieces), native) and torch.equal(cut, whole)
+
+
+def test_a_hybrid_the_native_runner_does_not_serve_is_refused_not_run_without_its_state(files) -> None:
+    """transformers' forward (the runner of other models) keeps no recurrent state between steps: a hybrid whose
+    config the native runner leaves out (a RoPE scaling by length) is refused at start, naming the model type."""
+    import copy
+
+    from engine.runtime.model_runner import make_runner
+
+    model = copy.deepcopy(files("lfm2", "F32")[0])
+    model.config.rope_parameters = {**model.config.rope_parameters, "rope_type": "dynamic", "factor": 2.0}
+    with pytest.raises(ValueError, match="lfm2 model's configuration is not served by the native runner"):
+        make_runner(model, 64)

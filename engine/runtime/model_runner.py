@@ -56,6 +56,9 @@ def make_runner(
     model.eval()
     if LlamaRunner.supports(model):
         return LlamaRunner(model, max_positions, quantized or {}, invariant, dense_from_rows)
+    arch = by_model_type(model.config.model_type)
+    if arch is not None and arch.recurrent:  # transformers' forward keeps no state between steps here
+        raise ValueError(f"this {model.config.model_type} model's configuration is not served by the native runner")
     if quantized:
         raise ValueError(f"quantized weights are served for llama models only, not {model.config.model_type}")
     return HFRunner(model)
@@ -382,15 +385,11 @@ class LlamaRunner:
             conv = layer.conv.conv.weight.detach()[:, 0]  # [channels, span]
             return _LlamaLayer(norm("input_layernorm"), *mixer, post_norm, gate_up, down, experts=experts, conv=conv)
         attn = layer.self_attn
-        if arch.fused_projections:  # the model holds them fused already (Phi-3)
-            qkv = fused(["self_attn.qkv_proj"], [attn.qkv_proj])
-        else:
-            qkv = fused(
-                ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"], [attn.q_proj, attn.k_proj, attn.v_proj]
-            )
+        # (Phi-3 holds them fused already)
+        names = ["self_attn.qkv_proj"] if arch.fused_projections else [f"self_attn.{p}_proj" for p in "qkv"]
         return _LlamaLayer(
             norm("input_layernorm"),
-            qkv,
+            fused(names, [layer.get_submodule(name) for name in names]),
             fused(["self_attn.o_proj"], [layer.get_submodule(arch.name("self_attn.o_proj"))]),  # type: ignore[arg-type]
             post_norm,
             gate_up,
