@@ -237,7 +237,8 @@ class HFEngine(InferenceEngine):
         for (index, end), state, matrix in kept:
             hashes = seqs[index].blocks.hashes
             if end // size <= len(hashes):
-                self.states.keep(hashes[end // size - 1], state.clone(), None if matrix is None else matrix.clone())
+                # (the state: a view of the step's stacked states, copied; the matrices: stacked a boundary each)
+                self.states.keep(hashes[end // size - 1], state.clone(), matrix)
 
     def memory_stats(self) -> MemoryStats:
         pool = self.pool

@@ -3,9 +3,10 @@ transformers' ``torch_recurrent_gated_delta_rule`` computes it: each value head 
 matrix ``S``; at each position ``S`` decays by ``exp(g)``, takes the value the key reads from it, moves it toward
 the row's value by ``beta`` (``S += k (v - S^T k) beta``), and the query reads it.
 
-Every sequence's positions go through the same function, with the sequences of a step as its leading dimension:
-a position's sums run over the key dimension in one order whatever the step holds (batch invariant), and a prompt
-cut into chunks computes what it computes whole (each position reads the matrix the one before it left).
+Where the native op (``csrc/delta_rule.cpp``) does not build, ``StepStates`` takes a sequence's positions through
+``step`` one at a time, one sequence at a time: every call has one shape, so a position's sums run in one order
+whatever the step holds, and a prompt cut into chunks computes what it computes whole (each position reads the
+matrix the one before it left).
 """
 
 from __future__ import annotations

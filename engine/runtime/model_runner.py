@@ -498,8 +498,8 @@ class LlamaRunner:
             q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
             if layer.attn_gate:  # (a layer the one-call op does not run: its functions as ``_by_rows`` runs them)
                 q_norm, k_norm, eps = layer.q_norm, layer.k_norm, self.eps
-                q = _by_rows(lambda x: _rms_norm(x, q_norm, eps), q.contiguous())
-                qk = torch.cat([q, _by_rows(lambda x: _rms_norm(x, k_norm, eps), k.contiguous())], dim=1)
+                q = _by_rows(lambda x: _rms_norm(x, q_norm, eps), q)
+                qk = torch.cat([q, _by_rows(lambda x: _rms_norm(x, k_norm, eps), k)], dim=1)
             elif layer.qk_norm_whole:  # all heads as one vector
                 q = _rms_norm(q.reshape(q.shape[0], -1), layer.q_norm, self.eps).view(q.shape)
                 k = _rms_norm(k.reshape(k.shape[0], -1), layer.k_norm, self.eps).view(k.shape)
@@ -514,7 +514,7 @@ class LlamaRunner:
         q, k, v = qk[:, : self.num_heads], qk[:, self.num_heads :], heads[:, queries + self.num_kv_heads :]
         attended = attend(batch, layer.cache_index, q, k, v, self.scale, layer.window, layer.sinks).reshape(rows, -1)
         if gate is not None:
-            attended = attended * _by_rows(torch.sigmoid, gate.contiguous())
+            attended = attended * _by_rows(torch.sigmoid, gate)
         output = linear(attended, layer.o, self.tile)
         return output if layer.o_bias is None else output + layer.o_bias
 
@@ -637,8 +637,8 @@ def _delta_layer(
     net: torch.nn.Module, fused: Callable[[list[str], list[torch.nn.Module]], Weight], input_norm: torch.Tensor,
     post_norm: torch.Tensor, gate_up: Weight | None, down: Weight | None,
 ) -> _LlamaLayer:  # fmt: skip
-    """A Qwen3.5 linear-attention layer's weights: its four input projections stacked, its convolution's weights
-    ``[channels, span]``, its decay, bias and gated norm."""
+    """A Qwen3.5 linear-attention layer's weights: its query-key-value and z projections stacked, its b and a ones
+    stacked, its convolution's weights ``[channels, span]``, its decay, bias and gated norm."""
     projections = fused(["linear_attn.in_proj_qkv", "linear_attn.in_proj_z"], [net.in_proj_qkv, net.in_proj_z])
     delta = _DeltaNet(
         net.num_k_heads, net.num_v_heads, net.head_k_dim, net.head_v_dim, -net.A_log.detach().float().exp(),

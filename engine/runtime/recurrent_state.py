@@ -113,7 +113,7 @@ class StepStates:
         window: list[list[int]] = []
         new_state: list[list[int]] = []
         at_end: list[list[int]] = []
-        #: Each block end a segment's rows reach (its index, the position), and every layer's state there.
+        #: The last block end each segment's rows reach (its index, the position), and every layer's state there.
         self.boundaries: list[tuple[int, int]] = []
         self.at_boundaries: list[torch.Tensor] = []
         self.matrices_at_boundaries: list[dict[tuple[int, int], torch.Tensor]] = []
@@ -124,8 +124,8 @@ class StepStates:
 
             window += [[place(t - keep + k) for k in range(keep + 1)] for t in range(segment.length)]
             new_state.append([place(segment.length - keep + j) for j in range(keep)])
-            ends = _block_ends(segment, states.block_size) if states.max_checkpoints else range(0)
-            for end in ends:  # the state there, kept for the prefix cache
+            end = _block_end(segment, states.block_size) if states.max_checkpoints else None
+            if end is not None:  # the state there, kept for the prefix cache
                 self.boundaries.append((index, end))
                 at_end.append([place(end - segment.start - keep + j) for j in range(keep)])
         assert len(window) == rows
@@ -212,8 +212,8 @@ class StepStates:
         return [torch.stack([kept[boundary] for kept in self.matrices_at_boundaries]) for boundary in self.boundaries]
 
 
-def _block_ends(segment: Segment, block_size: int) -> range:
-    """The last position past the segment's start, up to its end, where a block ends (none or one: a state kept at
-    each block end of a long prompt would cost a matrix state each, for the delta rule megabytes)."""
+def _block_end(segment: Segment, block_size: int) -> int | None:
+    """The last position past the segment's start, up to its end, where a block ends; None if none (one a step: a
+    state kept at each block end of a long prompt would cost a matrix state each, for the delta rule megabytes)."""
     last = (segment.start + segment.length) // block_size * block_size
-    return range(last, last + 1) if last > segment.start else range(0)
+    return last if last > segment.start else None
