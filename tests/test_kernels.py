@@ -158,6 +158,48 @@ def test_attention_sinks_take_their_share_of_each_head_s_weight(
     torch.testing.assert_close(fallback[0], want[row], atol=1e-5, rtol=1e-5)  # fmt: skip
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("kv_heads", "groups", "dim"), [(2, 7, 64), (1, 3, 128), (1, 4, 24)])
+def test_a_prompt_chunk_s_rows_attend_as_each_would_alone(
+    dtype: torch.dtype, kv_heads: int, groups: int, dim: int
+) -> None:
+    """A prompt chunk's rows read one sequence's blocks (on AVX2 the float kernel takes up to eight of them at a
+    time, reading each tile once for all): every row's output is bitwise what it is alone, as a decoding row, and
+    whatever cut of the prompt into chunks put it beside other rows (batch-invariant greedy rests on it). A row
+    of another sequence between them, and one whose table differs in a block it reads, are not taken along."""
+    native = kernels.decode_attention()
+    assert native is not None
+    torch.manual_seed(dim)
+    positions, block_size = 1056, 32
+    keys, values = (torch.randn(2, kv_heads, positions, dim, dtype=dtype) for _ in range(2))
+    tables, physical = _blocks(2, positions, block_size, seed=dim)
+    pool = (2 * positions // block_size + 2) * block_size
+    key_pool, value_pool = _paged(tile_keys(keys), physical, pool), _paged(values, physical, pool)
+    lengths = list(range(1000, 1040))
+    query = torch.randn(len(lengths), kv_heads, groups, dim, dtype=dtype)
+
+    def attend(rows: list[int], table_rows: list[int], table: torch.Tensor = tables) -> torch.Tensor:
+        return native(query[rows], key_pool, value_pool, table[table_rows], torch.tensor([lengths[r] for r in rows]),
+                      block_size, dim**-0.5)  # fmt: skip
+
+    alone = torch.cat([attend([r], [0]) for r in range(len(lengths))])
+    for cut in (1, 3, 8, 13, 40):  # chunks of the prompt, each call holding one
+        chunks = [list(range(start, min(start + cut, len(lengths)))) for start in range(0, len(lengths), cut)]
+        assert torch.equal(torch.cat([attend(rows, [0] * len(rows)) for rows in chunks]), alone), cut
+    # Rows of another sequence interleaved, and a table differing in the last block only the longer row reads.
+    mixed = attend([0, 1, 2, 3], [0, 1, 0, 1])
+    assert torch.equal(mixed[0::2], alone[0:4:2])
+    torch.testing.assert_close(mixed[1], attend([1], [1])[0], atol=0, rtol=0)
+    torch.testing.assert_close(alone[:2].float(), _reference(query[:2], keys[:1].expand(2, -1, -1, -1),
+                                                     values[:1].expand(2, -1, -1, -1), lengths[:2]),
+                               atol=1e-5 if dtype == torch.float32 else 1e-2, rtol=1e-2)  # fmt: skip
+    forked = tables[[0, 0]].clone()
+    forked[1, 1000 // block_size] = tables[1, 0]  # the second row's block holding position 1000 is elsewhere
+    out = native(query[:2], key_pool, value_pool, forked, torch.tensor([1000, 1001]), block_size, dim**-0.5)
+    assert torch.equal(out[0], alone[0])
+    assert not torch.equal(out[1], alone[1])
+
+
 def test_kernel_rejects_lengths_and_blocks_beyond_the_cache() -> None:
     native = kernels.decode_attention()
     assert native is not None

@@ -65,6 +65,14 @@ class BlockTables {
   // Positions of that tile before the window, which get no weight.
   int64_t skip(int64_t row) const { return start(row) % kTilePositions; }
 
+  // Whether row `next` reads every position row `row` reads, at the same physical place, and no fewer (the rows
+  // of one prompt chunk, in order): a kernel may then read row `next`'s tiles for both.
+  bool continues(int64_t row, int64_t next) const {
+    if (window_ > 0 || length(next) < length(row)) return false;
+    const int32_t* first = table_ + row * row_stride_;
+    return std::equal(first, first + (length(row) + block_size_ - 1) / block_size_, table_ + next * row_stride_);
+  }
+
   // The physical position where each of row `row`'s tiles starts, in a per-thread buffer valid until the
   // thread's next call.
   const int64_t* tile_starts(int64_t row) const {

@@ -20,6 +20,7 @@
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
+#include <vector>
 
 #if defined(__AVX512BF16__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
@@ -51,60 +52,11 @@ inline void score_tile(const float* scaled_query, const T* tile, int64_t dynamic
   std::copy(sums, sums + kKeyTile, scores);
 }
 
-#if defined(__AVX2__) && defined(__FMA__)
-// float32 rows whose head size is known and a multiple of 32 take the AVX2 steps below.
-template <typename T, int64_t Dim>
-constexpr bool kAvx2 = std::is_same_v<T, float> && Dim > 0 && Dim % 32 == 0;
-
-// attend_one's two inner steps for float32 on AVX2, head size `Dim` a multiple of 32 (the same layout). Scores: row j of a key tile holds [position][dims 2j, 2j+1] for 16 positions, four vectors of 4 positions'
-// pairs; the query's pair of dims, broadcast as one 64-bit lane, multiplies all four, even and odd dims summing in
-// adjacent lanes until one horizontal add per pair of vectors. Values: up to 2 query rows x 32 dims of sums in
-// registers per pass over the positions. (The portable loops left a short context's attention ~3x slower.)
-template <int64_t Dim>
-inline void score_tile_avx2(const float* scaled_query, const float* tile, float* scores) {
-  __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
-  for (int64_t j = 0; j < Dim / 2; ++j) {
-    const __m256 pair = _mm256_castpd_ps(_mm256_broadcast_sd(reinterpret_cast<const double*>(scaled_query + 2 * j)));
-    const float* row = tile + j * 2 * kKeyTile;
-    for (int k = 0; k < 4; ++k) acc[k] = _mm256_fmadd_ps(_mm256_loadu_ps(row + 8 * k), pair, acc[k]);
-  }
-  // hadd of positions 0-3 and 4-7 gives [0, 1, 4, 5 | 2, 3, 6, 7]: 64-bit lanes 0, 2, 1, 3 put them in order.
-  for (int half = 0; half < 2; ++half) {
-    const __m256 sums = _mm256_hadd_ps(acc[2 * half], acc[2 * half + 1]);
-    _mm256_storeu_ps(scores + 8 * half, _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(sums), 0xD8)));
-  }
-}
-
-// acc[g][0..Dim) = sum over positions t of probabilities[g][t] * value[t], for `Rows` query rows.
-template <int64_t Dim, int Rows>
-inline void weigh_values_avx2(const float* const* probabilities, const float* values, int64_t length,
-                              const int64_t* tiles, float* const* acc) {
-  for (int64_t c = 0; c < Dim; c += 32) {
-    __m256 sums[Rows][4];
-    for (int r = 0; r < Rows; ++r) {
-      for (int k = 0; k < 4; ++k) sums[r][k] = _mm256_setzero_ps();
-    }
-    for (int64_t t = 0; t < length; ++t) {
-      const float* value = values + (tiles[t / kKeyTile] + t % kKeyTile) * Dim + c;
-      __m256 v[4];
-      for (int k = 0; k < 4; ++k) v[k] = _mm256_loadu_ps(value + 8 * k);
-      for (int r = 0; r < Rows; ++r) {
-        const __m256 p = _mm256_broadcast_ss(probabilities[r] + t);
-        for (int k = 0; k < 4; ++k) sums[r][k] = _mm256_fmadd_ps(p, v[k], sums[r][k]);
-      }
-    }
-    for (int r = 0; r < Rows; ++r) {
-      for (int k = 0; k < 4; ++k) _mm256_storeu_ps(acc[r] + c + 8 * k, sums[r][k]);
-    }
-  }
-}
-#endif
-
 // One (sequence, KV head): `groups` query rows against `length` cached positions, in float32, in three passes:
 // every score from one stream of keys, the softmax over whole rows, the weighted sum from one stream of values
 // (each value row loaded once for all query rows). `Dim` is the head size when known at compile time (the
-// loops over it then unroll and vectorize fully), or 0 for any size. float32 rows of a known head size that is
-// a multiple of 32 take the AVX2 steps above where the CPU has them (the portable loops were ~3x slower there).
+// loops over it then unroll and vectorize fully), or 0 for any size. The portable kernel: float32 rows of a known
+// head size that is a multiple of 32 take attend_rows_avx2 below where the CPU has AVX2.
 template <typename T, int64_t Dim>
 void attend_one(const T* query, const T* keys, const T* values, T* out, int64_t groups, int64_t dynamic_dim,
                 int64_t length, const int64_t* tiles, float scale, int64_t skip, const float* sinks) {
@@ -119,14 +71,7 @@ void attend_one(const T* query, const T* keys, const T* values, T* out, int64_t 
   }
   for (int64_t t = 0; t < length; t += kKeyTile) {
     for (int64_t g = 0; g < groups; ++g) {
-      const T* tile = keys + tiles[t / kKeyTile] * dim;
-#if defined(__AVX2__) && defined(__FMA__)
-      if constexpr (kAvx2<T, Dim>) {
-        score_tile_avx2<Dim>(&q[g * dim], tile, scores + g * width + t);
-        continue;
-      }
-#endif
-      score_tile<T, Dim>(&q[g * dim], tile, dim, scores + g * width + t);
+      score_tile<T, Dim>(&q[g * dim], keys + tiles[t / kKeyTile] * dim, dim, scores + g * width + t);
     }
   }
   float total[kMaxGroups];
@@ -137,25 +82,13 @@ void attend_one(const T* query, const T* keys, const T* values, T* out, int64_t 
     total[g] += smolserve::sink_term(sinks, g, row_max);
     smolserve::zero_leading(scores + g * width, skip);
   }
-#if defined(__AVX2__) && defined(__FMA__)
-  if constexpr (kAvx2<T, Dim>) {
-    for (int64_t g = 0; g < groups; g += 2) {
-      const float* rows[2] = {scores + g * width, scores + (g + 1) * width};
-      float* sums[2] = {&acc[g * Dim], &acc[(g + 1) * Dim]};
-      if (g + 1 < groups) weigh_values_avx2<Dim, 2>(rows, values, length, tiles, sums);
-      else weigh_values_avx2<Dim, 1>(rows, values, length, tiles, sums);
-    }
-  } else
-#endif
-  {
-    for (int64_t t = 0; t < length; ++t) {
-      const T* value = values + (tiles[t / kKeyTile] + t % kKeyTile) * dim;
-      for (int64_t g = 0; g < groups; ++g) {
-        const float p = scores[g * width + t];
-        float* a = &acc[g * dim];
+  for (int64_t t = 0; t < length; ++t) {
+    const T* value = values + (tiles[t / kKeyTile] + t % kKeyTile) * dim;
+    for (int64_t g = 0; g < groups; ++g) {
+      const float p = scores[g * width + t];
+      float* a = &acc[g * dim];
 #pragma omp simd
-        for (int64_t d = 0; d < dim; ++d) a[d] += p * widen(value[d]);
-      }
+      for (int64_t d = 0; d < dim; ++d) a[d] += p * widen(value[d]);
     }
   }
   for (int64_t g = 0; g < groups; ++g) {
@@ -164,6 +97,132 @@ void attend_one(const T* query, const T* keys, const T* values, T* out, int64_t 
   }
 }
 
+// Up to this many rows of one sequence (a prompt chunk's) attend together: each tile of keys and block of values is
+// read once for all of them, from L1, instead of once a row from L3 (at 16k positions a row's keys and values are
+// ~8 MB a KV head).
+constexpr int kRowsAtOnce = 8;
+// Positions of values weighed for every row before the next: 64 x 128 dims of float32 is 32 KB.
+constexpr int64_t kValueBlock = 64;
+
+// Rows of one sequence for attend_rows_avx2, their lengths ascending: each reads the tiles of the last (longest).
+struct RowGroup {
+  int count = 0;
+  const float* query[kRowsAtOnce];  // [groups][Dim] each
+  float* out[kRowsAtOnce];
+  int64_t length[kRowsAtOnce];
+};
+
+#if defined(__AVX2__) && defined(__FMA__)
+// The scores of `Heads` query heads (their scaled queries one after another; their rows of scores `width` apart) for
+// one tile. Row j of a key tile holds [position][dims 2j, 2j+1] for 16 positions, four vectors of 4 positions'
+// pairs; a query's pair of dims, broadcast as one 64-bit lane, multiplies all four, even and odd dims summing in
+// adjacent lanes until one horizontal add per pair of vectors. Two heads keep eight sums in flight, as the fused
+// multiply-add's latency needs. (The portable loops left a short context's attention ~3x slower.)
+template <int64_t Dim, int Heads>
+inline void score_tile_avx2(const float* scaled_query, const float* tile, float* scores, int64_t width) {
+  __m256 acc[Heads][4];
+  for (int h = 0; h < Heads; ++h) {
+    for (int k = 0; k < 4; ++k) acc[h][k] = _mm256_setzero_ps();
+  }
+  for (int64_t j = 0; j < Dim / 2; ++j) {
+    const float* row = tile + j * 2 * kKeyTile;
+    __m256 keys[4];
+    for (int k = 0; k < 4; ++k) keys[k] = _mm256_loadu_ps(row + 8 * k);
+    for (int h = 0; h < Heads; ++h) {
+      const float* pair_of_dims = scaled_query + h * Dim + 2 * j;
+      const __m256 pair = _mm256_castpd_ps(_mm256_broadcast_sd(reinterpret_cast<const double*>(pair_of_dims)));
+      for (int k = 0; k < 4; ++k) acc[h][k] = _mm256_fmadd_ps(keys[k], pair, acc[h][k]);
+    }
+  }
+  // hadd of positions 0-3 and 4-7 gives [0, 1, 4, 5 | 2, 3, 6, 7]: 64-bit lanes 0, 2, 1, 3 put them in order.
+  for (int h = 0; h < Heads; ++h) {
+    for (int half = 0; half < 2; ++half) {
+      const __m256 sums = _mm256_hadd_ps(acc[h][2 * half], acc[h][2 * half + 1]);
+      _mm256_storeu_ps(scores + h * width + 8 * half,
+                       _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(sums), 0xD8)));
+    }
+  }
+}
+
+// acc[r][0..Dim) += sum over positions t in [begin, end), in order, of probabilities[r][t] * value[t], for `Rows`
+// rows: up to 2 rows x 32 dims of sums in registers per pass over the positions. Each sum is one chain of fused
+// multiply-adds in position order, however the positions are split into calls.
+template <int64_t Dim, int Rows>
+inline void weigh_values_avx2(const float* const* probabilities, const float* values, int64_t begin, int64_t end,
+                              const int64_t* tiles, float* const* acc) {
+  for (int64_t c = 0; c < Dim; c += 32) {
+    __m256 sums[Rows][4];
+    for (int r = 0; r < Rows; ++r) {
+      for (int k = 0; k < 4; ++k) sums[r][k] = _mm256_loadu_ps(acc[r] + c + 8 * k);
+    }
+    for (int64_t t = begin; t < end; ++t) {
+      const float* value = values + (tiles[t / kKeyTile] + t % kKeyTile) * Dim + c;
+      __m256 v[4];
+      for (int k = 0; k < 4; ++k) v[k] = _mm256_loadu_ps(value + 8 * k);
+      for (int r = 0; r < Rows; ++r) {
+        const __m256 p = _mm256_broadcast_ss(probabilities[r] + t);
+        for (int k = 0; k < 4; ++k) sums[r][k] = _mm256_fmadd_ps(p, v[k], sums[r][k]);
+      }
+    }
+    for (int r = 0; r < Rows; ++r) {
+      for (int k = 0; k < 4; ++k) _mm256_storeu_ps(acc[r] + c + 8 * k, sums[r][k]);
+    }
+  }
+}
+
+// Every (row, query head) of `rows` against one KV head, float32 of head size `Dim` (a multiple of 32), in
+// attend_one's three passes: scores tile by tile for every row that reaches the tile, the softmax over each
+// row, values block by block for every row that reaches the block. Each row's arithmetic is the same whatever rows
+// share its call (a decoding row comes alone), so a prompt position's output does not depend on how its prompt
+// was cut into chunks or what else the step holds.
+template <int64_t Dim>
+void attend_rows_avx2(const RowGroup& rows, int64_t groups, const float* keys, const float* values,
+                      const int64_t* tiles, float scale, int64_t skip, const float* sinks) {
+  const int64_t longest = rows.length[rows.count - 1], heads = rows.count * groups;
+  int64_t width = (longest + kKeyTile - 1) / kKeyTile * kKeyTile;
+  if (width % 256 == 0) width += kKeyTile;  // rows of scores 1 KB apart or a multiple would share L1's sets
+  float* q = smolserve::score_rows(heads * (2 * Dim + width));
+  float* acc = q + heads * Dim;
+  float* scores = acc + heads * Dim;
+  for (int r = 0; r < rows.count; ++r) {
+    for (int64_t d = 0; d < groups * Dim; ++d) q[r * groups * Dim + d] = rows.query[r][d] * scale;
+  }
+  std::fill(acc, acc + heads * Dim, 0.0f);
+  for (int64_t t = 0; t < longest; t += kKeyTile) {
+    const float* tile = keys + tiles[t / kKeyTile] * Dim;
+    for (int r = 0; r < rows.count; ++r) {
+      for (int64_t i = r * groups; t < rows.length[r] && i < (r + 1) * groups; i += 2) {  // two query heads' sums at once
+        if (i + 1 < (r + 1) * groups) score_tile_avx2<Dim, 2>(q + i * Dim, tile, scores + i * width + t, width);
+        else score_tile_avx2<Dim, 1>(q + i * Dim, tile, scores + i * width + t, width);
+      }
+    }
+  }
+  float total[kRowsAtOnce * kMaxGroups];
+  for (int64_t i = 0; i < heads; ++i) {
+    smolserve::mask_leading(scores + i * width, skip);
+    float row_max;
+    total[i] = smolserve::softmax_row(scores + i * width, rows.length[i / groups], &row_max);
+    total[i] += smolserve::sink_term(sinks, i % groups, row_max);
+    smolserve::zero_leading(scores + i * width, skip);
+  }
+  for (int64_t begin = 0; begin < longest; begin += kValueBlock) {
+    for (int r = 0; r < rows.count; ++r) {
+      const int64_t end = std::min(begin + kValueBlock, rows.length[r]);
+      for (int64_t i = r * groups; end > begin && i < (r + 1) * groups; i += 2) {  // a row's query heads in pairs
+        const float* probabilities[2] = {scores + i * width, scores + (i + 1) * width};
+        float* sums[2] = {acc + i * Dim, acc + (i + 1) * Dim};
+        if (i + 1 < (r + 1) * groups) weigh_values_avx2<Dim, 2>(probabilities, values, begin, end, tiles, sums);
+        else weigh_values_avx2<Dim, 1>(probabilities, values, begin, end, tiles, sums);
+      }
+    }
+  }
+  for (int64_t i = 0; i < heads; ++i) {
+    const float inverse = 1.0f / total[i];
+    float* out = rows.out[i / groups] + (i % groups) * Dim;
+    for (int64_t d = 0; d < Dim; ++d) out[d] = acc[i * Dim + d] * inverse;
+  }
+}
+#endif
 #if defined(__AVX512BF16__)
 using bf16 = c10::BFloat16;
 
@@ -304,21 +363,65 @@ auto pick_kernel(int64_t dim) {
   return static_cast<Kernel>(dim == 64 ? attend_one<T, 64> : dim == 128 ? attend_one<T, 128> : attend_one<T, 0>);
 }
 
+// Under ~2,000 positions in all a second thread's start costs more than it saves (float32, AVX2: 3 heads x 200
+// positions took 15 us on one thread, 20 on two; 3 x 1,000 took 60 on one, 46 on two).
+inline int64_t grain(const smolserve::BlockTables& tables, int64_t rows, int64_t heads, int64_t items) {
+  int64_t positions = 0;
+  for (int64_t i = 0; i < rows; ++i) positions += tables.length(i) * heads;
+  return positions < 2048 ? items : 1;
+}
+
+#if defined(__AVX2__) && defined(__FMA__)
+// run for float32 of head size `Dim` on AVX2: consecutive rows that read the same blocks (a prompt chunk's) in
+// groups of up to kRowsAtOnce, a group and KV head an item.
+template <int64_t Dim>
+void run_rows(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values, at::Tensor& out,
+              const smolserve::BlockTables& tables, float scale, const float* sinks) {
+  const int64_t rows = q.size(0), heads = q.size(1), groups = q.size(2);
+  std::vector<int64_t> starts;  // each group's first row, then `rows`
+  for (int64_t i = 0; i < rows; ++i) {
+    if (starts.empty() || i - starts.back() == kRowsAtOnce || !tables.continues(i - 1, i)) starts.push_back(i);
+  }
+  starts.push_back(rows);
+  const int64_t items = static_cast<int64_t>(starts.size() - 1) * heads;
+  const float* qp = q.const_data_ptr<float>();
+  float* op = out.mutable_data_ptr<float>();
+  at::parallel_for(0, items, grain(tables, rows, heads, items), [&](int64_t begin, int64_t end) {
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t first_row = starts[item / heads], last_row = starts[item / heads + 1] - 1, h = item % heads;
+      const int64_t first = tables.first_tile(last_row);  // 0 unless the group is one row of a sliding window
+      RowGroup group;
+      for (int64_t i = first_row; i <= last_row; ++i) {
+        group.query[group.count] = qp + (i * heads + h) * groups * Dim;
+        group.out[group.count] = op + (i * heads + h) * groups * Dim;
+        group.length[group.count++] = tables.length(i) - first * kKeyTile;
+      }
+      attend_rows_avx2<Dim>(group, groups, keys.const_data_ptr<float>() + h * keys.stride(0),
+                            values.const_data_ptr<float>() + h * values.stride(0),
+                            tables.tile_starts(last_row) + first, scale, tables.skip(last_row),
+                            sinks == nullptr ? nullptr : sinks + h * groups);
+    }
+  });
+}
+#endif
+
 template <typename T>
 void run(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values, at::Tensor& out,
          const smolserve::BlockTables& tables, float scale, const float* sinks) {
   const int64_t heads = q.size(1), groups = q.size(2), dim = q.size(3);
+#if defined(__AVX2__) && defined(__FMA__)
+  if constexpr (std::is_same_v<T, float>) {
+    if (dim == 64) return run_rows<64>(q, keys, values, out, tables, scale, sinks);
+    if (dim == 128) return run_rows<128>(q, keys, values, out, tables, scale, sinks);
+  }
+#endif
   const T* qp = q.const_data_ptr<T>();
   const T* kp = keys.const_data_ptr<T>();
   const T* vp = values.const_data_ptr<T>();
   T* op = out.mutable_data_ptr<T>();
   const auto attend = pick_kernel<T>(dim);
-  // Under ~2,000 positions in all a second thread's start costs more than it saves (float32, AVX2: 3 heads x 200
-  // positions took 15 us on one thread, 20 on two; 3 x 1,000 took 60 on one, 46 on two).
-  int64_t positions = 0;
-  for (int64_t i = 0; i < q.size(0); ++i) positions += tables.length(i) * heads;
   const int64_t items = q.size(0) * heads;
-  at::parallel_for(0, items, positions < 2048 ? items : 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, items, grain(tables, q.size(0), heads, items), [&](int64_t begin, int64_t end) {
     for (int64_t item = begin; item < end; ++item) {
       const int64_t i = item / heads, h = item % heads, first = tables.first_tile(i);
       attend(qp + item * groups * dim, kp + h * keys.stride(0), vp + h * values.stride(0), op + item * groups * dim,
