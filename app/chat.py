@@ -31,6 +31,6 @@ async def chat_completions(request: Request) -> Response:
     raw = await request.body()
     model, req, prompt = await state.prepare(lambda: prepare(state, raw), len(raw))
     options = model.up_to_context(req.options, prompt)
-    fmt = ChatFormat(model.tokenizer, reading=model.reading(req.tools, prompt))
+    fmt = ChatFormat(model.tokenizer, reading=model.reading(req.tools, prompt), custom=req.custom)
     generation = await model.generation(fmt, options, [prompt], None, arrived, req.tools, prompt_param="messages")
     return await state.respond(request, generation)

@@ -1,5 +1,5 @@
-"""Custom (freeform) tools: a grammar's texts held inside a call's JSON string (``app/tools/freeform.py``), and the
-Responses API's ``custom`` tools and ``custom_tool_call`` items around them."""
+"""Custom (freeform) tools: a grammar's texts held inside a call's JSON string (``app/tools/freeform.py``), the
+Responses API's ``custom`` tools and ``custom_tool_call`` items around them, and chat completions' ``custom`` tools."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from app_helpers import fake_client, named_events
+from app_helpers import fake_client, named_events, sse_chunks
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -169,4 +169,88 @@ def test_a_custom_tool_the_server_cannot_hold_is_a_400(tools: list[Any], choice:
     with fake_client() as client:
         body: dict[str, Any] = {"input": "go", "tools": tools} | ({"tool_choice": choice} if choice else {})
         response = client.post("/v1/responses", json=body)
+    assert response.status_code == 400 and response.json()["error"]["param"] == param, response.text
+
+
+# -- chat completions ---------------------------------------------------------------------------------------------
+
+CHAT_TOOLS = [
+    {"type": "custom", "custom": {"name": "apply_patch", "description": "Edit files.", "format": {
+        "type": "grammar", "grammar": {"syntax": "lark", "definition": APPLY_PATCH}}}},
+    {"type": "custom", "custom": {"name": "code", "format": {"type": "grammar", "grammar": {
+        "syntax": "regex", "definition": TOOLS[1]["format"]["definition"]}}}},
+    {"type": "custom", "custom": {"name": "note", "description": "Free text.", "format": {"type": "text"}}},
+    {"type": "function", "function": {"name": "now", "parameters": {"type": "object", "properties": {}}}},
+]  # fmt: skip
+ASK_CHAT = [{"role": "user", "content": "go"}]
+
+
+def chat(client: Any, **fields: Any) -> dict[str, Any]:
+    response = client.post("/v1/chat/completions", json={"messages": ASK_CHAT, "tools": CHAT_TOOLS, **fields})
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_chat_custom_call_is_a_custom_tool_call_whose_input_follows_the_grammar(seed: int) -> None:
+    """OpenAI's chat spelling: ``{"type": "custom", "custom": {"name", "input"}}``, the input decoded."""
+    with fake_client(FakeEngine(max_model_len=4096)) as client:
+        body = chat(client, tool_choice={"type": "custom", "custom": {"name": "code"}}, temperature=1, seed=seed,
+                    max_tokens=300)  # fmt: skip
+    choice = body["choices"][0]
+    [call] = choice["message"]["tool_calls"]
+    assert call["type"] == "custom" and call["custom"]["name"] == "code" and "function" not in call
+    assert re.fullmatch(TOOLS[1]["format"]["definition"], call["custom"]["input"])
+    assert choice["finish_reason"] == "tool_calls"
+
+
+def test_a_streamed_chat_custom_call_comes_whole_and_goes_back_into_the_conversation() -> None:
+    with fake_client(FakeEngine(max_model_len=4096)) as client:
+        forced = {"tool_choice": {"type": "custom", "custom": {"name": "code"}}, "max_tokens": 300, "seed": 3}
+        whole = chat(client, **forced)["choices"][0]["message"]["tool_calls"][0]
+        chunks = sse_chunks(client, {"messages": ASK_CHAT, "tools": CHAT_TOOLS, "stream": True, **forced},
+                            "/v1/chat/completions")  # fmt: skip
+        deltas = [call for chunk in chunks for call in chunk["choices"][0]["delta"].get("tool_calls", [])]
+        assert len(deltas) == 1 and deltas[0]["index"] == 0 and deltas[0]["type"] == "custom"
+        assert deltas[0]["custom"] == whole["custom"] and chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
+        # The call and its result sent back, as the SDK returned them: the conversation goes on.
+        messages = [*ASK_CHAT, {"role": "assistant", "content": None, "tool_calls": [whole]},
+                    {"role": "tool", "tool_call_id": whole["id"], "content": "ok"}]  # fmt: skip
+        assert chat(client, messages=messages, max_tokens=5)["choices"][0]["finish_reason"] in ("stop", "length")
+        # A function tool beside the custom ones still streams its arguments as ever.
+        chunks = sse_chunks(client, {"messages": ASK_CHAT, "tools": CHAT_TOOLS, "stream": True, "max_tokens": 60,
+                                     "tool_choice": {"type": "function", "function": {"name": "now"}}},
+                            "/v1/chat/completions")  # fmt: skip
+        calls = [call for chunk in chunks for call in chunk["choices"][0]["delta"].get("tool_calls", [])]
+        assert calls[0]["type"] == "function" and calls[0]["function"]["name"] == "now"
+
+
+def test_a_chat_custom_call_cut_short_keeps_the_input_written() -> None:
+    with fake_client(FakeEngine(max_model_len=4096)) as client:
+        body = chat(client, tool_choice={"type": "custom", "custom": {"name": "apply_patch"}}, max_tokens=90)
+    choice = body["choices"][0]
+    assert choice["finish_reason"] == "length"
+    assert choice["message"]["tool_calls"][0]["custom"]["input"].startswith("*** Begin Patch\n*** ")
+
+
+@pytest.mark.parametrize(
+    ("tools", "choice", "param"),
+    [
+        ([{"type": "custom", "custom": {"name": "x", "format": {"type": "grammar"}}}], None, "tools[0].custom.format"),
+        ([{"type": "custom", "custom": {"name": "x", "format": {"type": "grammar", "grammar": {
+            "syntax": "regex", "definition": "(a"}}}}], None, "tools[0].custom.format.grammar.definition"),
+        ([{"type": "custom", "custom": {"name": "x", "format": {"type": "grammar", "grammar": {
+            "syntax": "ebnf", "definition": "a"}}}}], None, "tools[0].custom.format.grammar.syntax"),
+        ([{"type": "custom", "custom": {"name": "bad name"}}], None, "tools[0].custom.name"),
+        ([{"type": "custom", "custom": {"name": "now"}}, CHAT_TOOLS[3]], None, "tools[1].function.name"),
+        ([{"type": "retrieval"}], None, "tools[0].type"),
+        (CHAT_TOOLS, {"type": "custom", "custom": {"name": "now"}}, "tool_choice"),
+        (CHAT_TOOLS, {"type": "function", "function": {"name": "code"}}, "tool_choice"),
+        (CHAT_TOOLS, {"type": "allowed_tools", "allowed_tools": {"mode": "auto", "tools": []}}, "tool_choice.type"),
+    ],
+)  # fmt: skip
+def test_a_chat_custom_tool_the_server_cannot_hold_is_a_400(tools: list[Any], choice: Any, param: str) -> None:
+    with fake_client() as client:
+        body: dict[str, Any] = {"messages": ASK_CHAT, "tools": tools} | ({"tool_choice": choice} if choice else {})
+        response = client.post("/v1/chat/completions", json=body)
     assert response.status_code == 400 and response.json()["error"]["param"] == param, response.text

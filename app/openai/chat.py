@@ -1,10 +1,12 @@
 """The wire format of ``/v1/chat/completions``: its body, its request (with tools), and how a choice, a stream
 delta and logprobs are shaped (``chat.completion``, ``chat.completion.chunk``). Tool calls in the reply become
-``tool_calls`` (``app/tools/parser.py``); chat's ``top_logprobs`` holds exactly the number asked for, and each
-token's ``bytes`` are its own bytes."""
+``tool_calls`` (``app/tools/parser.py``); a custom tool's call is ``{"type": "custom", "custom": {"name", "input"}}``,
+streamed whole once it is (the model writes its input JSON-escaped, ``app/tools/freeform.py``); chat's
+``top_logprobs`` holds exactly the number asked for, and each token's ``bytes`` are its own bytes."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal
 
@@ -12,7 +14,7 @@ from pydantic import Field
 
 from app.openai.choices import Choice, token_string
 from app.openai.errors import bad_request
-from app.openai.messages import Message, NamedToolChoice, Tool
+from app.openai.messages import AnyTool, CustomTool, Message, NamedCustomChoice, NamedToolChoice, Tool
 from app.openai.request import validated
 from app.openai.sampling import (
     MAX_LOGPROBS,
@@ -24,6 +26,7 @@ from app.openai.sampling import (
 )
 from app.reply import Piece, Reader, Reading
 from app.tools import ToolCalling, tool_calling
+from app.tools.freeform import custom_input, offer_custom
 from engine.core.streams import Delta
 from engine.core.tokenizer import Tokenizer
 from engine.core.types import TokenLogprob
@@ -34,8 +37,8 @@ class ChatBody(SamplingBody):
     max_completion_tokens: int | None = None
     logprobs: bool | None = None
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
-    tools: list[Tool] | None = None
-    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    tools: list[AnyTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | NamedCustomChoice | None = None
     parallel_tool_calls: bool | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     reasoning_effort: Effort | None = None
@@ -59,6 +62,8 @@ class ChatRequest:
     tools: ToolCalling | None = None  # None: no tools offered
     #: vLLM's ``chat_template_kwargs``: more variables for the model's template (Qwen3's ``enable_thinking``).
     template_kwargs: dict[str, Any] = field(default_factory=dict)
+    #: The custom tools' names: their calls come back as ``custom`` calls.
+    custom: frozenset[str] = frozenset()
 
 
 def parse_chat_request(body: dict[str, Any]) -> ChatRequest:
@@ -83,7 +88,8 @@ def parse_chat_request(body: dict[str, Any]) -> ChatRequest:
     kwargs = template_kwargs(req.chat_template_kwargs)
     if req.reasoning_effort is not None:
         kwargs["reasoning_effort"] = req.reasoning_effort
-    return ChatRequest(req.model, list(req.messages), options, calling, kwargs)
+    custom = frozenset(tool.custom.name for tool in req.tools or () if isinstance(tool, CustomTool))
+    return ChatRequest(req.model, list(req.messages), options, calling, kwargs, custom)
 
 
 def template_kwargs(kwargs: dict[str, Any] | None) -> dict[str, Any]:
@@ -96,12 +102,34 @@ def template_kwargs(kwargs: dict[str, Any] | None) -> dict[str, Any]:
 
 
 def _tool_calling(req: ChatBody) -> ToolCalling | None:
-    """``tools``, ``tool_choice`` and ``parallel_tool_calls``; None when no tools are offered."""
+    """``tools``, ``tool_choice`` and ``parallel_tool_calls``; None when no tools are offered. A custom tool is
+    offered as a function of one string, its grammar holding that string (``app/tools/freeform.py``)."""
+    tools, grammars = [], {}
+    for index, tool in enumerate(req.tools or ()):
+        if isinstance(tool, CustomTool):
+            spec, grammar = tool.custom, (tool.custom.format.grammar if tool.custom.format else None)
+            offered, grammars[spec.name] = offer_custom(spec.name, spec.description, grammar and grammar.syntax,
+                                                        grammar and grammar.definition,
+                                                        f"tools[{index}].custom.format.grammar.definition")  # fmt: skip
+            tools.append(offered)
+        else:
+            tools.append(tool)
     choice = req.tool_choice
     named = choice.function.name if isinstance(choice, NamedToolChoice) else None
+    if isinstance(choice, NamedCustomChoice):
+        named = choice.custom.name
+    if named is not None and (named in grammars) != isinstance(choice, NamedCustomChoice):
+        raise bad_request(f"tool_choice names {named}, which is not a {choice.type} tool", "tool_choice")
     mode = "named" if named is not None else choice
     parallel = req.parallel_tool_calls is not False
-    return tool_calling(req.tools or [], mode, named, parallel, lambda index: f"tools[{index}].function.name")
+    calling = tool_calling(tools, mode, named, parallel, lambda index: _tool_param(req.tools or [], index, "name"))
+    if calling is None:
+        return None
+    return dataclasses.replace(calling, freeform={name: grammar for name, grammar in grammars.items() if grammar})
+
+
+def _tool_param(tools: list[Tool | CustomTool], index: int, name: str) -> str:
+    return f"tools[{index}].{'custom' if isinstance(tools[index], CustomTool) else 'function'}.{name}"
 
 
 def _with_calls(finish_reason: str | None) -> str | None:
@@ -118,7 +146,10 @@ class ChatFormat:
     object_name: str = "chat.completion"
     chunk_object_name: str = "chat.completion.chunk"
     id_prefix: str = "chatcmpl"
+    #: The custom tools' names: their calls are ``custom`` calls, each streamed whole once it is.
+    custom: frozenset[str] = frozenset()
     _readers: dict[int, Reader] = field(default_factory=dict)  # a stream's, by choice
+    _held: dict[int, dict[str, Any]] = field(default_factory=dict)  # a stream's custom call being written, by choice
 
     def choice(self, index: int, choice: Choice, want_logprobs: bool) -> dict[str, Any]:
         reader = self.reading.reader()
@@ -129,7 +160,7 @@ class ChatFormat:
             message["reasoning_content"] = message["reasoning"] = reader.reasoning
         finish_reason: str | None = choice.finish_reason
         if reader.calls:
-            message["tool_calls"] = [call.as_dict() for call in reader.calls]
+            message["tool_calls"] = [self._shaped(call.as_dict()) for call in reader.calls]
             finish_reason = _with_calls(finish_reason)
         return {
             "index": index,
@@ -148,6 +179,8 @@ class ChatFormat:
             rest = reader.finish()
             piece = Piece(piece.reasoning + rest.reasoning, piece.content + rest.content, piece.calls + rest.calls)
             finish_reason = _with_calls(finish_reason) if reader.calls else finish_reason
+        if self.custom and (piece.calls or finish_reason is not None):
+            piece.calls = self._hold_custom(index, piece.calls, finish_reason is not None)
         if not (piece.reasoning or piece.content or piece.calls or first or want_logprobs or finish_reason):
             return None  # the reader holds the text back: it may begin a call, or end the reasoning
         content: dict[str, Any] = {"role": "assistant"} if first else {}
@@ -163,6 +196,34 @@ class ChatFormat:
             "logprobs": {"content": token_logprobs(self.tokenizer, delta.logprobs or [])} if want_logprobs else None,
             "finish_reason": finish_reason,
         }
+
+    def _shaped(self, call: dict[str, Any]) -> dict[str, Any]:
+        """A whole call as chat returns it: a custom tool's with its ``input``."""
+        function = call.get("function", {})
+        if function.get("name") not in self.custom:
+            return call
+        shaped = {"id": call["id"], "type": "custom", "custom": {"name": function["name"]}}
+        shaped["custom"]["input"] = custom_input(function["arguments"])
+        return {"index": call["index"], **shaped} if "index" in call else shaped
+
+    def _hold_custom(self, index: int, deltas: list[dict[str, Any]], finished: bool) -> list[dict[str, Any]]:
+        """A stream's call deltas with each custom call's held back and sent whole, once the next call begins or
+        the reply ends (its input is JSON-escaped text until then)."""
+        out: list[dict[str, Any]] = []
+        for delta in deltas:
+            held = self._held.get(index)
+            if held is not None and "id" in delta:
+                out.append(self._shaped(self._held.pop(index)))
+                held = None
+            if "id" in delta and delta["function"]["name"] in self.custom:
+                self._held[index] = {**delta, "function": dict(delta["function"])}
+            elif held is not None:
+                held["function"]["arguments"] += delta["function"]["arguments"]
+            else:
+                out.append(delta)
+        if finished and index in self._held:
+            out.append(self._shaped(self._held.pop(index)))
+        return out
 
 
 def token_logprobs(tokenizer: Tokenizer, entries: list[TokenLogprob]) -> list[dict[str, Any]]:

@@ -110,6 +110,9 @@ def _path(error: Any, value: Any) -> str:
     missing = loc[-1] if error["type"] == "missing" else (loc[0] if loc and not path else None)
     if isinstance(missing, str):  # a field that is not there (required, or checked although absent)
         path = f"{path}.{missing}" if path else missing
+    if error["type"] in ("union_tag_invalid", "union_tag_not_found"):  # a tagged union's tag (a tool's ``type``)
+        tag = str(error.get("ctx", {}).get("discriminator", "")).strip("'")
+        path = f"{path}.{tag}" if path and tag else path
     return path
 
 

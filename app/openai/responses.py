@@ -22,7 +22,7 @@ from typing import Annotated, Any, Literal, TypeVar, get_args
 from pydantic import Field
 
 from app.openai.errors import APIError, bad_request
-from app.openai.messages import FunctionCall, FunctionDefinition, Message, Tool, ToolCall
+from app.openai.messages import FunctionCall, FunctionDefinition, Message, Tool, ToolCall, custom_arguments
 from app.openai.request import NonEmpty, WireModel, validated
 from app.openai.sampling import (
     MAX_LOGPROBS,
@@ -35,7 +35,7 @@ from app.openai.sampling import (
     reject_unsupported,
 )
 from app.tools import ToolCalling, flat_parameters, tool_calling
-from app.tools.freeform import escaped_lark, escaped_regex
+from app.tools.freeform import custom_input, offer_custom
 
 Model = TypeVar("Model", bound=WireModel)
 
@@ -53,8 +53,6 @@ HOSTED_TOOLS = ("web_search", "file_search", "code_interpreter", "computer_use",
                 "tool_search")  # fmt: skip
 #: The response header naming the hosted tools a request offered and the model was not offered.
 SKIPPED_HEADER = "x-smolserve-skipped-tools"
-#: A custom tool's grammar, in characters (Codex's ``apply_patch`` grammar: 790).
-MAX_GRAMMAR_CHARS = 65_536
 #: How a namespace's function is named to the model: unique among the request's tools, within OpenAI's pattern.
 NAMESPACE_JOINER = "__"
 #: Body fields of the API that change the answer and that this server does not implement: a 400 naming them.
@@ -380,51 +378,12 @@ def _custom(tool: dict[str, Any], param: str, offered: _Offered) -> None:
     """A custom tool, offered as a function of one string whose text its grammar holds (``app/tools/freeform.py``)."""
     spec = _validated_at(CustomTool, tool, param)
     form = spec.format or CustomFormat(type="text")
-    grammar, note = "", ""
-    if form.type == "grammar":
-        where = f"{param}.format.definition"
-        if form.syntax is None or not form.definition:
-            raise bad_request(f"{param}.format: a grammar needs its syntax and definition", f"{param}.format")
-        if len(form.definition) > MAX_GRAMMAR_CHARS:  # its rewriting runs on the event loop: bounded
-            raise bad_request(f"{where}: a grammar of at most {MAX_GRAMMAR_CHARS} characters, got "
-                              f"{len(form.definition)}", where)  # fmt: skip
-        grammar = (escaped_lark(form.definition, where) if form.syntax == "lark"
-                   else f"start: {escaped_regex(form.definition, where)}")  # fmt: skip
-        note = f"\n\nThe input follows this {form.syntax} grammar:\n{form.definition}"
-    schema = {"type": "object", "properties": {"input": {"type": "string", "description": "The tool's input."}},
-              "required": ["input"], "additionalProperties": False}  # fmt: skip
-    description = (spec.description or "") + note
-    definition = FunctionDefinition(name=spec.name, description=description or None, parameters=schema)
-    offered.functions.append(Tool(type="function", function=definition))
+    syntax, definition = (form.syntax, form.definition) if form.type == "grammar" else (None, None)
+    if form.type == "grammar" and (syntax is None or not definition):
+        raise bad_request(f"{param}.format: a grammar needs its syntax and definition", f"{param}.format")
+    offered_tool, grammar = offer_custom(spec.name, spec.description, syntax, definition, f"{param}.format.definition")
+    offered.functions.append(offered_tool)
     offered.freeform[spec.name] = grammar
-
-
-def custom_arguments(text: str) -> str:
-    """A custom tool's input as the model writes its call: the arguments of a function of one string."""
-    return json.dumps({"input": text}, ensure_ascii=False)
-
-
-def custom_input(arguments: str) -> str:
-    """The input of a custom tool's call, from its arguments (``custom_arguments``); of a call cut short by
-    ``max_output_tokens``, as much of its input as was written."""
-    try:
-        value = json.loads(arguments)
-    except ValueError:
-        return _partial_input(arguments)
-    return value["input"] if isinstance(value, dict) and isinstance(value.get("input"), str) else arguments
-
-
-def _partial_input(arguments: str) -> str:
-    head = '{"input": "'
-    if not arguments.startswith(head):
-        return ""
-    written = arguments[len(head) :]
-    for cut in range(min(len(written), 6) + 1):  # an escape cut in two (at most ``\\uXXX``) is left out
-        try:
-            return json.loads('"' + written[: len(written) - cut] + '"')
-        except ValueError:
-            continue
-    return ""
 
 
 def _function_tool(tool: Any, param: str) -> Tool:

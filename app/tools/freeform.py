@@ -21,6 +21,55 @@ from re import _parser as sre_parse  # type: ignore[attr-defined]
 from typing import Any
 
 from app.openai.errors import bad_request
+from app.openai.messages import FunctionDefinition, Tool
+
+#: A custom tool's grammar, in characters (Codex's ``apply_patch`` grammar: 790): its rewriting runs on the event
+#: loop.
+MAX_GRAMMAR_CHARS = 65_536
+#: What a custom tool is offered to the model as: a function of one string.
+_INPUT_SCHEMA = {"type": "object", "properties": {"input": {"type": "string", "description": "The tool's input."}},
+                 "required": ["input"], "additionalProperties": False}  # fmt: skip
+
+
+def offer_custom(
+    name: str, description: str | None, syntax: str | None, definition: str | None, param: str
+) -> tuple[Tool, str]:
+    """A custom tool (free text when ``syntax`` is None, else a ``lark`` or ``regex`` grammar ``definition``) as the
+    function the model is offered, and the Lark grammar its ``input`` string holds to, JSON-escaped ("" for free
+    text). ``param``: the definition's path in the request, for errors."""
+    grammar, note = "", ""
+    if syntax is not None and definition is not None:
+        if len(definition) > MAX_GRAMMAR_CHARS:
+            raise bad_request(f"{param}: a grammar of at most {MAX_GRAMMAR_CHARS} characters, got {len(definition)}",
+                              param)  # fmt: skip
+        grammar = escaped_lark(definition, param) if syntax == "lark" else f"start: {escaped_regex(definition, param)}"
+        note = f"\n\nThe input follows this {syntax} grammar:\n{definition}"
+    described = (description or "") + note
+    function = FunctionDefinition(name=name, description=described or None, parameters=_INPUT_SCHEMA)
+    return Tool(type="function", function=function), grammar
+
+
+def custom_input(arguments: str) -> str:
+    """The input of a custom tool's call, from its arguments (``custom_arguments``); of a call cut short by
+    the token budget, as much of its input as was written."""
+    try:
+        value = json.loads(arguments)
+    except ValueError:
+        return _partial_input(arguments)
+    return value["input"] if isinstance(value, dict) and isinstance(value.get("input"), str) else arguments
+
+
+def _partial_input(arguments: str) -> str:
+    head = '{"input": "'
+    if not arguments.startswith(head):
+        return ""
+    written = arguments[len(head) :]
+    for cut in range(min(len(written), 6) + 1):  # an escape cut in two (at most ``\\uXXX``) is left out
+        try:
+            return json.loads('"' + written[: len(written) - cut] + '"')
+        except ValueError:
+            continue
+    return ""
 
 #: The characters a JSON string escapes: a quote, a backslash and the control characters.
 _ESCAPED = ['"', "\\", *map(chr, range(0x20))]
