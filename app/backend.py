@@ -6,6 +6,7 @@ engine replicas on Ray Serve. The routes talk to a ``Backend`` and do not know w
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -89,6 +90,7 @@ class LocalBackend:
 
     async def stop(self) -> None:
         await self.scheduler.stop()
+        await asyncio.to_thread(self.scheduler.engine.close)  # what it writes to disk, written
 
     async def submit(self, submission: Submission) -> Stream:
         return self.submit_now(submission)

@@ -8,6 +8,7 @@ import os
 from pathlib import Path
 
 from app.browser_guard import is_loopback
+from app.file_store import default_data_dir
 from app.limits import RequestLimits
 from app.state import ServerConfig
 from engine.core.config import DEFAULT_MODEL, EngineConfig
@@ -132,6 +133,20 @@ def _engine_flags(parser: argparse.ArgumentParser, defaults: EngineConfig) -> No
         dest="prefix_caching",
         action="store_false",
         help="do not keep computed prompt and answer blocks for later requests that start the same way",
+    )
+    parser.add_argument(
+        "--kv-disk-dir",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="where the prefix cache keeps full KV blocks on disk, found again after a restart, an unload or an "
+        "eviction (default: kv-cache under --data-dir)",
+    )
+    parser.add_argument(
+        "--kv-disk-gib",
+        type=float,
+        default=defaults.kv_disk_gib,
+        help="what the prefix cache's blocks on disk may take, per model (least recently used dropped; 0: none)",
     )
     parser.add_argument(
         "--max-num-batched-tokens",
@@ -331,6 +346,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         kv_cache_gib=args.kv_cache_gib,
         kv_cache_dtype=args.kv_cache_dtype,
         prefix_caching=args.prefix_caching,
+        kv_disk_dir=str(args.kv_disk_dir or (args.data_dir or default_data_dir()) / "kv-cache"),
+        kv_disk_gib=args.kv_disk_gib,
         quantization=args.quantization,
         max_num_batched_tokens=args.max_num_batched_tokens,
         threads=args.threads,

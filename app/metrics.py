@@ -138,6 +138,29 @@ class _MemoryCollector(Collector):
         }
         for name, (documentation, value) in counters.items():
             yield CounterMetricFamily(f"{PREFIX}{name}", documentation, value=value)
+        if stats.disk is not None:
+            yield from _disk_metrics(stats.disk)
+
+
+def _disk_metrics(disk: dict[str, Any]) -> Iterator[Metric]:
+    """The prefix cache's disk tier: what it holds and may hold (gauges), what it found, restored and wrote."""
+    gauges = {
+        "kv_disk_blocks": ("KV blocks kept on disk", disk["blocks"]),
+        "kv_disk_bytes": ("Bytes of KV blocks kept on disk", disk["bytes"]),
+        "kv_disk_max_bytes": ("The most the disk tier may hold (--kv-disk-gib)", disk["max_bytes"]),
+    }
+    for name, (documentation, value) in gauges.items():
+        yield GaugeMetricFamily(f"{PREFIX}{name}", documentation, value=value)
+    counters = {
+        "prefix_cache_disk_hits": ("Prompt tokens found in the prefix cache's disk tier", disk["hit_tokens"]),
+        "kv_disk_restored_blocks": ("KV blocks read back from disk", disk["restored_blocks"]),
+        "kv_disk_restore_seconds": ("Seconds spent reading KV blocks back from disk", disk["restore_seconds"]),
+        "kv_disk_written_blocks": ("KV blocks written to disk", disk["written_blocks"]),
+        "kv_disk_dropped_writes": ("KV blocks not written: the writer was behind", disk["dropped_writes"]),
+        "kv_disk_corrupt_files": ("Torn or corrupt block files found and removed", disk["corrupt_files"]),
+    }
+    for name, (documentation, value) in counters.items():
+        yield CounterMetricFamily(f"{PREFIX}{name}", documentation, value=value)
 
 
 class _RuntimeCollector(Collector):

@@ -52,6 +52,9 @@ def startup_summary(state: ServerState, engine: dict[str, Any], address: str) ->
             lines.append(f"  recurrent state ({state['kind']}, {state['layers']} layers): "
                          f"{state['bytes_per_sequence'] / 2**10:.0f} KiB a sequence, {state['bytes'] / 2**20:.1f} MiB "
                          f"for {engine['max_batch_size']}{kept}")  # fmt: skip
+        if disk := engine.get("kv_disk"):
+            lines.append(f"  prefix cache on disk: {disk['directory']}, up to {disk['max_bytes'] / 2**30:.1f} GiB; "
+                         f"{disk['blocks']} blocks ({disk['bytes'] / 2**20:.0f} MiB) there now")  # fmt: skip
         for what, why in engine.get("hybrid_limits", {}).items():
             lines.append(f"  {what.replace('_', ' ')} {why}")
         lines.append(f"  batches: up to {engine['max_batch_size']} sequences and "

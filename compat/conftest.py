@@ -6,6 +6,7 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -36,10 +37,13 @@ def start_server(
     *args: str, startup_timeout: float = 300, root: Path = ROOT, env: dict[str, str] | None = None
 ) -> tuple[subprocess.Popen[bytes], str]:
     """``python -m app`` from the tree at ``root`` (another checkout, for a benchmark's A/B), with ``env`` added
-    to the environment."""
+    to the environment. Its default ``--data-dir`` (uploads, batches, the prefix cache's blocks on disk) is a fresh
+    folder, so that no server finds what an earlier one left; a test that restarts a server over the same data
+    passes ``--data-dir``."""
     port = free_port()
     cmd = [sys.executable, "-m", "app", "--host", "127.0.0.1", "--port", str(port), *args]
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(root), **(env or {})}
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(root),
+           "XDG_DATA_HOME": tempfile.mkdtemp(prefix="smolserve-data-"), **(env or {})}  # fmt: skip
     proc = subprocess.Popen(cmd, cwd=root, env=env)
     base = f"http://127.0.0.1:{port}"
     wait_until_healthy(proc, base, startup_timeout)  # a fresh machine converts the GGUF first

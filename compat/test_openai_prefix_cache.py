@@ -6,11 +6,12 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
+from pathlib import Path
 
 import httpx
 from openai import AsyncOpenAI, OpenAI
 
-from compat.conftest import FACTS, MODEL
+from compat.conftest import FACTS, MODEL, start_server, stop_server
 
 
 def preamble(tokens_at_least: int, client: OpenAI) -> str:
@@ -78,3 +79,49 @@ def test_32_open_ended_chat_streams_all_run_at_once(server_url: str) -> None:
         time.sleep(0.2)
     assert gauge("num_requests_running") == 0
     assert gauge("kv_blocks_in_use") == 0
+
+
+def test_an_agent_s_prefix_survives_a_kill_and_a_restart(tmp_path: Path) -> None:
+    """The server is killed (-9) with a long prompt's blocks written or being written, and a torn file left; the
+    next one over the same ``--data-dir`` removes the torn file, takes the prefix from disk (usage's cached tokens,
+    the disk-hit counter) and answers with the first server's tokens and logprobs."""
+    data, system = tmp_path / "data", f"You answer from these facts.\n{' '.join(FACTS * 6)}"
+    messages = [{"role": "system", "content": system}, {"role": "user", "content": "Which river flows north?"}]
+    answers = []
+    for run in range(2):
+        proc, base = start_server("--model", MODEL, "--data-dir", str(data))
+        try:
+            client = OpenAI(base_url=f"{base}/v1", api_key="unused")
+            reply = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, temperature=0,
+                                                   logprobs=True, top_logprobs=2)  # type: ignore[arg-type]  # fmt: skip
+            answers.append(reply)
+            if run == 0:
+                _wait_for_writes(base, reply.usage.prompt_tokens // 16 - 1)  # type: ignore[union-attr]
+                torn = next(data.rglob("*.kv")).with_suffix(".tmp")
+                torn.write_bytes(b"SMOLKV01 cut short")
+            else:
+                assert not torn.exists()
+                metrics = httpx.get(f"{base}/metrics").text
+                hits = [line for line in metrics.splitlines() if line.startswith("smolserve:prefix_cache_disk_hits")]
+                assert float(hits[0].split()[-1]) > 0, hits
+        finally:
+            if run == 0:
+                proc.kill()  # -9: the writer gets no time to finish
+                proc.wait()
+            else:
+                stop_server(proc)
+    first, second = answers
+    assert first.usage.prompt_tokens_details.cached_tokens == 0  # type: ignore[union-attr]
+    assert second.usage.prompt_tokens_details.cached_tokens >= first.usage.prompt_tokens - 32  # type: ignore[union-attr]
+    assert second.choices[0].message.content == first.choices[0].message.content
+    assert second.choices[0].logprobs == first.choices[0].logprobs
+
+
+def _wait_for_writes(base: str, blocks: int, timeout: float = 30) -> None:
+    """Until the disk tier holds ``blocks`` blocks (``/health``'s ``kv_disk``)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if httpx.get(f"{base}/health").json()["engine"]["kv_disk"]["blocks"] >= blocks:
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"fewer than {blocks} blocks on disk after {timeout} s")

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
+import shutil
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,6 +21,7 @@ from engine.core.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
 
 if TYPE_CHECKING:  # both import torch, which is loaded only when a HF model is chosen
     from engine.core.thread_governor import ThreadGovernor
+    from engine.runtime.kv_disk import DiskSpec
     from engine.runtime.loader import LoadedModel
     from engine.runtime.quantized_weights import QuantizedWeight
 
@@ -91,6 +94,7 @@ def _build_hf(config: EngineConfig, engine_thread: ThreadPoolExecutor) -> Served
         batch_mode=mode,
         governor=governor,
         draft_rows=drafts,
+        kv_disk=disk_spec(config, loaded),
     )
     tokenizer = HFTokenizer(loaded.tokenizer, loaded.eos_token_ids)
     served = ServedModel(loaded.name, hf_engine, tokenizer, engine_thread, build_encoder(config.embedding_model))
@@ -99,6 +103,25 @@ def _build_hf(config: EngineConfig, engine_thread: ThreadPoolExecutor) -> Served
     del loaded
     trim_heap()
     return served
+
+
+def disk_spec(config: EngineConfig, loaded: LoadedModel) -> DiskSpec | None:
+    """The prefix cache's disk tier as ``config`` asks for it, within half the disk's free space; None: none."""
+    from engine.runtime.kv_disk import DiskSpec, file_identity
+
+    if config.kv_disk_dir is None or config.kv_disk_gib <= 0:
+        return None
+    directory = Path(config.kv_disk_dir)
+    directory.mkdir(parents=True, exist_ok=True)
+    wanted = int(config.kv_disk_gib * 2**30)
+    room = shutil.disk_usage(directory).free // 2
+    if room < wanted:
+        log.info("KV disk tier: %.1f GiB asked, %.1f GiB (half the disk's free space) taken", wanted / 2**30,
+                 room / 2**30)  # fmt: skip
+    config_digest = hashlib.sha256(loaded.model.config.to_json_string().encode()).hexdigest()
+    source = file_identity(str(loaded.gguf) if loaded.gguf is not None else config.model)
+    identity = {**source, "config": config_digest, "quantization": config.quantization}
+    return DiskSpec(directory, min(wanted, room), identity)
 
 
 def fitted_context(model: Any, config: EngineConfig, trained: int) -> int:

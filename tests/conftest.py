@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import os
+import tempfile
 
 import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# Nothing a test writes to the default --data-dir (the prefix cache's blocks on disk, uploads) outlives the run, nor
+# does a test find what another run left there.
+os.environ["XDG_DATA_HOME"] = tempfile.mkdtemp(prefix="smolserve-tests-")
 
 
 @pytest.fixture(scope="session")

@@ -4,14 +4,37 @@ A sequence holds a row (its table's index) and the blocks that hold its position
 sequence's blocks (and failing to, when the pool is out of blocks), taking a cached prefix into a new sequence
 (copying the one block it shares only in part), and hashing a sequence's blocks into the prefix cache as they
 fill. ``engine/runtime/block_tables.py`` mirrors every grant into the tensor the attention kernels read.
+
+Below the pool a ``LowerTier`` may keep full blocks where memory does not (``engine/runtime/kv_disk.py``: on disk,
+across restarts): each block the prefix cache learns is offered to it, and a newcomer's prefix goes on from there
+after the pool's own blocks end, each block read into a block of the pool.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
-from engine.core.block_pool import ROOT_HASH, BlockPool, NoFreeBlocks, block_hash
+from engine.core.block_pool import ROOT_HASH, BlockPool, NoFreeBlocks, block_hash, prefix_hashes
+
+
+class LowerTier(Protocol):
+    """Full blocks kept below the pool, by hash."""
+
+    def has(self, digest: bytes) -> bool: ...
+
+    def load(self, digest: bytes, block: int) -> bool:
+        """Block ``digest``'s K/V into the pool's block ``block``; False if it is gone or unreadable."""
+        ...
+
+    def store(self, digest: bytes, block: int) -> None:
+        """Keep a copy of the pool's block ``block``, full and hashed ``digest`` (off the caller's thread)."""
+        ...
+
+    def count_hit(self, tokens: int) -> None:
+        """``tokens`` prompt tokens a newcomer took from this tier."""
+        ...
 
 
 @dataclass(slots=True, eq=False)
@@ -26,11 +49,15 @@ class SeqBlocks:
 class BlockLedger:
     """Which blocks each sequence holds; a subclass mirrors them where a kernel reads them (``_assign``)."""
 
-    def __init__(self, pool: BlockPool, max_sequences: int, caching: bool = True) -> None:
-        """``caching``: keep full blocks in the prefix cache after their sequence leaves, and reuse them."""
+    def __init__(
+        self, pool: BlockPool, max_sequences: int, caching: bool = True, lower: LowerTier | None = None
+    ) -> None:
+        """``caching``: keep full blocks in the prefix cache after their sequence leaves, and reuse them;
+        ``lower``: a tier below the pool that keeps them too (with ``caching`` only)."""
         self.pool = pool
         self.block_size = pool.block_size
         self.caching = caching
+        self.lower = lower if caching else None
         self.max_sequences = max_sequences
         self._free_rows = list(range(max_sequences - 1, -1, -1))
 
@@ -95,6 +122,8 @@ class BlockLedger:
         found = self.pool.match(tokens[:limit], queried=len(tokens))
         if resume is not None:
             found = self._resumable(seq.row, found, resume)
+        elif self.lower is not None:
+            found += self._from_lower(tokens[:limit], found)
         for block in found:
             self._assign(seq.row, len(seq.blocks), block)
             seq.blocks.append(block)
@@ -121,6 +150,30 @@ class BlockLedger:
         self.pool.hit_tokens -= (len(found) - keep) * self.block_size
         return found[:keep]
 
+    def _from_lower(self, tokens: Sequence[int], found: list[int]) -> list[int]:
+        """The blocks of ``tokens`` after the pool's ``found`` that the lower tier holds, one after another, each
+        read into a block of the pool (hashed there, referenced once); as many as the pool has room for."""
+        assert self.lower is not None
+        size, loaded = self.block_size, []
+        hashes = prefix_hashes(tokens, size)
+        for index in range(len(found), len(hashes)):
+            digest = hashes[index]
+            if not self.lower.has(digest):
+                break
+            try:
+                block = self.pool.allocate()
+            except NoFreeBlocks:
+                break
+            if not self.lower.load(digest, block):
+                self.pool.release([block])
+                break
+            parent = hashes[index - 1] if index else ROOT_HASH
+            self.pool.commit(block, digest, parent, tokens[index * size : (index + 1) * size])
+            loaded.append(block)
+        self.pool.hit_tokens += len(loaded) * size
+        self.lower.count_hit(len(loaded) * size)
+        return loaded
+
     def commit_full(self, seq: SeqBlocks, computed: int, token_at: Callable[[int], int]) -> None:
         """Hash the blocks that the first ``computed`` positions fill, into the prefix cache."""
         if not self.caching:
@@ -131,7 +184,9 @@ class BlockLedger:
             parent = seq.hashes[-1] if seq.hashes else ROOT_HASH
             tokens = [token_at(p) for p in range(index * size, (index + 1) * size)]
             digest = block_hash(parent, tokens)
-            self.pool.commit(seq.blocks[index], digest, parent, tokens)
+            kept = self.pool.commit(seq.blocks[index], digest, parent, tokens) == seq.blocks[index]
+            if kept and self.lower is not None:  # a block the pool did not know yet
+                self.lower.store(digest, seq.blocks[index])
             seq.hashes.append(digest)
 
     def slot(self, seq: SeqBlocks, position: int) -> int:

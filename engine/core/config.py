@@ -36,6 +36,10 @@ class EngineConfig:
     kv_cache_gib: float = 4.0
     #: Keep full blocks of prompts and answers after their sequence leaves, for newcomers that start the same way.
     prefix_caching: bool = True
+    #: Where the prefix cache also keeps full blocks on disk (``engine/runtime/kv_disk.py``), None: nowhere (the
+    #: command line's default is under ``--data-dir``), and what they may take there.
+    kv_disk_dir: str | None = None
+    kv_disk_gib: float = 8.0
     #: ``native``: a GGUF model's Q4_0/Q4_1/Q8_0/Q4_K/Q6_K matrices kept in their blocks and multiplied by the native
     #: quantized matmul (the others dequantized); ``int8``: a llama model's linear weights quantized to int8 per
     #: output channel at load, same kernel; ``none``: every weight in ``dtype``; ``auto``: ``native`` where the

@@ -70,6 +70,10 @@ class InferenceEngine(ABC):
         why, ``threads_reason``), its batch-invariance mode; empty for an engine with nothing to say."""
         return {}
 
+    def close(self) -> None:  # noqa: B027 - optional: an engine may have nothing to finish
+        """The engine is done (its model unloaded, the server stopping): finish what it does off its own thread
+        (the prefix cache's disk writes). An engine with nothing of the kind need not override it."""
+
     def release_idle_memory(self) -> None:  # noqa: B027 - optional: an engine may keep nothing for reuse
         """Hand back memory kept for reuse between sequences; called by the scheduler once it has been idle
         for a while. An engine with no such memory need not override it."""

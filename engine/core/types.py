@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal, Protocol
+from typing import Any, Literal, Protocol
 
 FinishReason = Literal["stop", "length"]
 
@@ -72,8 +72,8 @@ class GenerationRequest:
     kept_special: frozenset[int] = frozenset()
     #: When set, every token is one the constraint allows (this sequence's own, mutable state).
     constraint: Constraint | None = field(default=None, compare=False)
-    #: vLLM's ``priority``: the waiting queue admits lower values first (arrival order within one); a running
-    #: sequence is not preempted for a waiting one.
+    #: vLLM's ``priority``: the waiting queue admits lower values first (arrival order within one); a waiting
+    #: sequence that finds no slot or no blocks parks running ones of a higher value (they resume where they stopped).
     priority: int = 0
 
 
@@ -125,3 +125,6 @@ class MemoryStats:
     drafts: int = 0
     drafted_tokens: int = 0
     accepted_tokens: int = 0
+    #: The prefix cache's disk tier (``engine/runtime/kv_disk.py``'s ``describe``): blocks and bytes held, the
+    #: bound, prompt tokens found there, blocks restored and the seconds it took, blocks written; None: no tier.
+    disk: dict[str, Any] | None = None

@@ -23,8 +23,10 @@ from engine.core.seam import InferenceEngine
 from engine.core.speculation import DraftBudget
 from engine.core.thread_governor import ThreadGovernor
 from engine.core.types import GenerationRequest, MemoryStats, StepOutput, TokenLogprob
+from engine.runtime import kernels
 from engine.runtime.block_tables import BlockTables
 from engine.runtime.kv_cache import BlockKVCache, StepBatch
+from engine.runtime.kv_disk import DiskSpec, DiskTier, fingerprint
 from engine.runtime.model_runner import LlamaRunner, make_runner
 from engine.runtime.quantized_weights import SUPPORTED, QuantizedWeight
 from engine.runtime.recurrent_state import RecurrentStates, Segment, StepStates
@@ -103,12 +105,14 @@ class HFEngine(InferenceEngine):
         batch_mode: BatchMode = INVARIANT,
         governor: ThreadGovernor | None = None,
         draft_rows: DraftBudget | None = None,
+        kv_disk: DiskSpec | None = None,
     ) -> None:
         """``quantized``: weight matrices to multiply in their GGUF blocks (``engine/runtime/gguf_weights.py``);
         ``batch_mode``: one numeric path for every row count, or the fastest for each step
         (``engine/core/batch_mode.py``); ``governor``: resizes the thread team between steps as other processes take
         or leave CPUs; ``draft_rows``: how many tokens each decoding sequence drafts
-        (speculative decoding, ``engine/core/speculation.py``; None: no drafts)."""
+        (speculative decoding, ``engine/core/speculation.py``; None: no drafts); ``kv_disk``: the prefix cache's disk
+        tier (``engine/runtime/kv_disk.py``; None: none)."""
         config = model.config
         self._runner = make_runner(model, max_model_len, quantized, batch_mode.invariant, batch_mode.dense_from_rows)
         self.batch_mode = batch_mode
@@ -127,8 +131,9 @@ class HFEngine(InferenceEngine):
             )
         self.cache = BlockKVCache(*shape, self._device, num_blocks, block_size, kv_cache_dtype)
         draft_rows = self._recurrent(model, block_size, kv_cache_bytes if prefix_caching else 0, draft_rows)
+        self.disk = self._disk_tier(kv_disk if prefix_caching else None, batch_mode, quantized)
         self.tables = BlockTables(
-            BlockPool(num_blocks, block_size), capacity, max_model_len, self._device, prefix_caching
+            BlockPool(num_blocks, block_size), capacity, max_model_len, self._device, prefix_caching, self.disk
         )
         self.planner = Planner(
             self.tables,
@@ -158,6 +163,29 @@ class HFEngine(InferenceEngine):
             return draft_rows
         self.hybrid_limits["speculative"] = "off: the recurrent layers' state is not rolled back past a draft"
         return None
+
+    def _disk_tier(
+        self, spec: DiskSpec | None, mode: BatchMode, quantized: dict[str, QuantizedWeight] | None
+    ) -> DiskTier | None:
+        """The prefix cache's disk tier, its files named by all that a block's bytes depend on; none for a hybrid
+        (its recurrent states are not kept on disk)."""
+        if spec is None or spec.max_bytes <= 0:
+            return None
+        if self.states is not None:
+            self.hybrid_limits["kv_disk"] = "off: the recurrent layers' states at block ends are not kept on disk"
+            return None
+        cache = self.cache
+        identity = {
+            **spec.identity, "dtype": str(cache.dtype), "int8": cache.quantized, "block_size": cache.block_size,
+            "native_attention": cache.native_attention is not None, "invariant": mode.invariant,
+            "dense_from_rows": mode.dense_from_rows, "blocks": sorted({w.qtype for w in (quantized or {}).values()}),
+            "cpu": kernels.cpu_tag(),
+        }  # fmt: skip
+        return DiskTier(cache, spec.directory, spec.max_bytes, fingerprint(identity))
+
+    def close(self) -> None:
+        if self.disk is not None:
+            self.disk.close()
 
     @property
     def pool(self) -> BlockPool:
@@ -242,10 +270,11 @@ class HFEngine(InferenceEngine):
 
     def memory_stats(self) -> MemoryStats:
         pool = self.pool
+        disk = self.disk.describe() if self.disk is not None else None
         return MemoryStats(
             pool.num_blocks, pool.num_in_use, pool.num_cached, pool.num_free, pool.queried_tokens, pool.hit_tokens,
             self.num_preemptions, self.planner.num_drafts,
-            self.planner.num_drafted, self.planner.num_accepted,
+            self.planner.num_drafted, self.planner.num_accepted, disk,
         )  # fmt: skip
 
     def runtime_info(self) -> dict[str, Any]:
@@ -260,6 +289,8 @@ class HFEngine(InferenceEngine):
         if self.governor is not None:
             governor = self.governor
             info.update(threads=governor.threads, max_threads=governor.max_threads, threads_reason=governor.reason)
+        if self.disk is not None:
+            info["kv_disk"] = self.disk.describe()
         return {**info, **self._facts}
 
     def _describe(self, quantized: dict[str, QuantizedWeight] | None, model: PreTrainedModel) -> dict[str, Any]:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from engine.core.block_pool import BlockPool
-from engine.core.blocks import BlockLedger
+from engine.core.blocks import BlockLedger, LowerTier
 
 
 class BlockTables(BlockLedger):
@@ -18,8 +18,9 @@ class BlockTables(BlockLedger):
         max_positions: int,
         device: torch.device,
         caching: bool = True,
+        lower: LowerTier | None = None,
     ) -> None:
-        super().__init__(pool, max_sequences, caching)
+        super().__init__(pool, max_sequences, caching, lower)
         self.table = torch.zeros(max_sequences, -(-max_positions // self.block_size), dtype=torch.int32, device=device)
 
     def _assign(self, row: int, index: int, block: int) -> None:

@@ -42,7 +42,7 @@ def native_ops() -> Any | None:
     try:
         # The name carries the CPU's identity: a build for one machine's -march=native must not be
         # loaded on another that shares the cache directory.
-        name = f"smolserve_kernels_{_cpu_tag()}"
+        name = f"smolserve_kernels_{cpu_tag()}"
         load(name=name, sources=[str(source) for source in _SOURCES], extra_cflags=_FLAGS, is_python_module=False)
     except Exception as exc:  # no compiler, no headers: the fallback is correct, only slower
         log.warning("native kernels unavailable, using torch's ops instead: %s", exc)
@@ -57,7 +57,7 @@ def decode_attention() -> Callable[..., torch.Tensor] | None:
     return None if ops is None else ops.decode_attention
 
 
-def _cpu_tag() -> str:
+def cpu_tag() -> str:
     try:
         info = Path("/proc/cpuinfo").read_text()
     except OSError:

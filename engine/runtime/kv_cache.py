@@ -170,6 +170,33 @@ class BlockKVCache:
         if self.scales is not None:
             self.scales[:, :, :, dst * size : (dst + 1) * size] = self.scales[:, :, :, src * size : (src + 1) * size]
 
+    def block_bytes(self) -> int:
+        """The bytes of one block: its K/V in every layer and head (and their scales, int8)."""
+        per_position = self.kv[:, :, :, :1].numel() * self.kv.element_size()
+        if self.scales is not None:
+            per_position += self.scales[:, :, :, :1].numel() * 4
+        return per_position * self.block_size
+
+    def read_block(self, block: int) -> torch.Tensor:
+        """A copy of block ``block``'s K/V (and scales), as one run of bytes (``write_block`` takes it back)."""
+        size = self.block_size
+        parts = [self.kv[:, :, :, block * size : (block + 1) * size]]
+        if self.scales is not None:
+            parts.append(self.scales[:, :, :, block * size : (block + 1) * size])
+        return torch.cat([part.contiguous().view(torch.uint8).flatten() for part in parts])
+
+    def write_block(self, block: int, data: torch.Tensor) -> None:
+        """Block ``block``'s K/V (and scales) from ``data``, bytes as ``read_block`` gave them."""
+        size = self.block_size
+        views = [self.kv[:, :, :, block * size : (block + 1) * size]]
+        if self.scales is not None:
+            views.append(self.scales[:, :, :, block * size : (block + 1) * size])
+        offset = 0
+        for view in views:
+            count = view.numel() * view.element_size()
+            view.copy_(data[offset : offset + count].view(view.dtype).view(view.shape))
+            offset += count
+
     def release_memory(self) -> None:
         """Hand the pool's pages back to the OS (no block holds anything worth keeping); they read as zeros
         and are backed again when next written."""

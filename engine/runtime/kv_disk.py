@@ -1,0 +1,236 @@
+"""The prefix cache's disk tier: full KV blocks kept in files, so that an agent's long prefix survives a restart, an
+unload or the pool's evictions (``engine/core/blocks.py``'s ``LowerTier``).
+
+A block is one file, ``<directory>/<fingerprint>/<hash>.kv``: a header (a magic, the payload's length and its
+BLAKE2b digest) and the block's bytes as ``BlockKVCache.read_block`` gives them. The fingerprint names everything
+the bytes depend on (the model file's identity and config, dtypes, block size, quantization, the numeric path,
+the CPU the kernels were built for and the engine's own code), so a block is never read by another model or
+configuration. Each full block the prefix cache learns is copied on the engine thread (a memory copy) and written
+by a thread of its own, to a temporary name then renamed: a file is whole or absent; a torn temporary one is removed
+at start, and a file whose digest does not match is removed when read, never used. A queue full of unwritten
+blocks drops the newest (a step never waits on the disk). The tier holds at most ``max_bytes``, least recently
+written or read dropped first; its index is rebuilt from the folder at start, oldest first by modification time.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import queue
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from engine.runtime.kv_cache import BlockKVCache
+
+log = logging.getLogger(__name__)
+
+_MAGIC = b"SMOLKV01"
+_DIGEST = 16
+_HEADER = len(_MAGIC) + 8 + _DIGEST
+#: Blocks copied but not yet written, at most (then the newest are dropped).
+_MAX_PENDING_BYTES = 256 * 2**20
+#: The engine's own code whose change may change a block's bytes.
+_CODE = [Path(__file__).parent, Path(__file__).parent / "csrc"]
+
+
+@dataclass(slots=True, frozen=True)
+class DiskSpec:
+    """Where a model's blocks go on disk, how much they may take, and what they depend on besides the engine's
+    own choices (``identity``: the model's file and config)."""
+
+    directory: Path
+    max_bytes: int
+    identity: dict[str, Any] = field(default_factory=dict)
+
+
+def fingerprint(identity: dict[str, Any]) -> str:
+    """What a block's bytes depend on, as a name: ``identity`` (the model and the engine's choices) with this
+    engine's code."""
+    digest = hashlib.sha256(json.dumps(identity, sort_keys=True, default=str).encode())
+    for folder in _CODE:
+        for source in sorted(folder.iterdir()):
+            if source.suffix in (".py", ".cpp", ".h"):
+                digest.update(source.name.encode() + source.read_bytes())
+    return digest.hexdigest()[:32]
+
+
+def file_identity(source: str) -> dict[str, Any]:
+    """A model source's identity: its path, size and modification time (a folder: its config's)."""
+    path = Path(source)
+    if path.is_dir():
+        path = path / "config.json"
+    try:
+        stat = path.stat()
+    except OSError:
+        return {"source": source}
+    return {"source": str(path.resolve()), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
+
+
+class DiskTier:
+    def __init__(self, cache: BlockKVCache, directory: Path, max_bytes: int, name: str) -> None:
+        self.cache = cache
+        self.directory = directory / name
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self.max_bytes = max_bytes
+        self.block_bytes = cache.block_bytes()
+        self._lock = threading.Lock()
+        self._index: OrderedDict[bytes, int] = self._scan()  # hash -> file bytes, least recent first
+        self._bytes = sum(self._index.values())
+        self._queued: set[bytes] = set()
+        self._pending: queue.Queue[tuple[bytes, torch.Tensor] | None] = queue.Queue(
+            maxsize=max(1, _MAX_PENDING_BYTES // self.block_bytes)
+        )
+        self.stats = {"hit_tokens": 0, "restored_blocks": 0, "restore_seconds": 0.0, "written_blocks": 0,
+                      "dropped_writes": 0, "corrupt_files": 0}  # fmt: skip
+        self._evict()
+        self._writer = threading.Thread(target=self._write_all, name="kv-disk", daemon=True)
+        self._writer.start()
+
+    # -- the LowerTier -------------------------------------------------------------------------------------
+
+    def has(self, digest: bytes) -> bool:
+        with self._lock:
+            return digest in self._index
+
+    def load(self, digest: bytes, block: int) -> bool:
+        started = time.perf_counter()
+        path = self._path(digest)
+        raw = bytearray(_HEADER + self.block_bytes + 1)  # one more: a longer file does not fit
+        try:
+            with open(path, "rb") as handle:
+                length = handle.readinto(raw)
+            os.utime(path)  # recency survives a restart
+        except OSError:
+            self._drop(digest)
+            return False
+        payload = _payload(memoryview(raw)[:length], self.block_bytes)
+        if payload is None:
+            log.warning("KV disk tier: %s is torn or corrupt; removed, not used", path.name)
+            self.stats["corrupt_files"] += 1
+            self._drop(digest, unlink=True)
+            return False
+        self.cache.write_block(block, torch.frombuffer(payload, dtype=torch.uint8))
+        with self._lock:
+            if digest in self._index:
+                self._index.move_to_end(digest)
+        self.stats["restored_blocks"] += 1
+        self.stats["restore_seconds"] += time.perf_counter() - started
+        return True
+
+    def store(self, digest: bytes, block: int) -> None:
+        with self._lock:
+            if digest in self._index or digest in self._queued:
+                return
+            self._queued.add(digest)
+        try:
+            self._pending.put_nowait((digest, self.cache.read_block(block)))
+        except queue.Full:
+            with self._lock:
+                self._queued.discard(digest)
+            self.stats["dropped_writes"] += 1
+
+    def count_hit(self, tokens: int) -> None:
+        self.stats["hit_tokens"] += tokens
+
+    # -- the rest ------------------------------------------------------------------------------------------
+
+    def describe(self) -> dict[str, Any]:
+        """For ``/health``, ``/metrics`` and the start-up summary."""
+        with self._lock:
+            held = {"blocks": len(self._index), "bytes": self._bytes}
+        return {"directory": str(self.directory), "max_bytes": self.max_bytes, **held, **self.stats}
+
+    def flush(self) -> None:
+        """Wait until every block copied so far is written."""
+        self._pending.join()
+
+    def close(self) -> None:
+        """Write what is queued, then stop the writer."""
+        self._pending.put(None)
+        self._writer.join()
+
+    def _write_all(self) -> None:
+        while True:
+            item = self._pending.get()
+            try:
+                if item is None:
+                    return
+                self._write(*item)
+            except OSError as exc:  # a full or read-only disk: that block is not kept
+                log.warning("KV disk tier: a block was not written: %s", exc)
+            finally:
+                self._pending.task_done()
+
+    def _write(self, digest: bytes, data: torch.Tensor) -> None:
+        payload = data.numpy()
+        header = _MAGIC + len(payload).to_bytes(8, "little") + hashlib.blake2b(payload, digest_size=_DIGEST).digest()
+        path = self._path(digest)
+        temporary = path.with_suffix(".tmp")
+        with open(temporary, "wb") as handle:
+            handle.write(header)
+            handle.write(memoryview(payload))
+        os.replace(temporary, path)
+        with self._lock:
+            self._queued.discard(digest)
+            self._index[digest] = _HEADER + len(payload)
+            self._bytes += _HEADER + len(payload)
+        self.stats["written_blocks"] += 1
+        self._evict()
+
+    def _evict(self) -> None:
+        """Least recently used files out until the tier is within its bound."""
+        while True:
+            with self._lock:
+                if self._bytes <= self.max_bytes or not self._index:
+                    return
+                digest, size = self._index.popitem(last=False)
+                self._bytes -= size
+            self._path(digest).unlink(missing_ok=True)
+
+    def _drop(self, digest: bytes, unlink: bool = False) -> None:
+        with self._lock:
+            size = self._index.pop(digest, None)
+            if size is not None:
+                self._bytes -= size
+        if unlink:
+            self._path(digest).unlink(missing_ok=True)
+
+    def _path(self, digest: bytes) -> Path:
+        return self.directory / f"{digest.hex()}.kv"
+
+    def _scan(self) -> OrderedDict[bytes, int]:
+        """The files already here, least recently used first; torn temporary files removed."""
+        found: list[tuple[int, bytes, int]] = []
+        for entry in os.scandir(self.directory):
+            name = entry.name
+            if name.endswith(".tmp"):
+                Path(entry.path).unlink(missing_ok=True)
+                continue
+            try:
+                digest = bytes.fromhex(name.removesuffix(".kv"))
+                stat = entry.stat()
+            except (ValueError, OSError):
+                continue
+            if name.endswith(".kv") and stat.st_size == _HEADER + self.block_bytes:
+                found.append((stat.st_mtime_ns, digest, stat.st_size))
+        return OrderedDict((digest, size) for _, digest, size in sorted(found))
+
+
+def _payload(raw: memoryview, size: int) -> memoryview | None:
+    """A file's payload, if whole and as written (its length and digest); else None."""
+    if len(raw) != _HEADER + size or raw[: len(_MAGIC)] != _MAGIC:
+        return None
+    if int.from_bytes(raw[len(_MAGIC) : len(_MAGIC) + 8], "little") != size:
+        return None
+    payload = raw[_HEADER:]
+    if hashlib.blake2b(payload, digest_size=_DIGEST).digest() != raw[_HEADER - _DIGEST : _HEADER]:
+        return None
+    return payload
