@@ -8,16 +8,16 @@ from typing import Any
 from engine.core.block_pool import BlockPool
 from engine.core.blocks import BlockLedger
 from engine.core.config import BLOCK_SIZE
+from engine.core.planned_engine import PlannedEngine
 from engine.core.planner import Plan, Planner
-from engine.core.seam import InferenceEngine
 from engine.core.speculation import DraftBudget
 from engine.core.tokenizer import ByteTokenizer
-from engine.core.types import Constraint, GenerationRequest, MemoryStats, StepOutput, TokenLogprob
+from engine.core.types import Constraint, StepOutput, TokenLogprob
 
 _ALPHABET = b"abcdefghijklmnopqrstuvwxyz"
 
 
-class FakeEngine(InferenceEngine):
+class FakeEngine(PlannedEngine):
     """Generates the letters a, b, c, ... cyclically; one token per sequence per step.
 
     Planned by the real engine's planner (``engine/core/planner.py``) over a pool of blocks with no tensors: a
@@ -56,26 +56,6 @@ class FakeEngine(InferenceEngine):
             draft_rows=DraftBudget("ngram", max_model_len) if speculative else None,
         )
 
-    def num_active(self) -> int:
-        return len(self.planner.seqs)
-
-    def can_admit(self, request: GenerationRequest) -> bool:
-        return self.planner.can_admit(request)
-
-    def make_room(self, request: GenerationRequest) -> bool:
-        return self.planner.make_room(request)
-
-    def admit(self, requests: list[GenerationRequest]) -> list[int]:
-        return [seq.seq_id for seq in self.planner.admit(requests)]
-
-    def memory_stats(self) -> MemoryStats:
-        pool = self.planner.pool
-        return MemoryStats(
-            pool.num_blocks, pool.num_in_use, pool.num_cached, pool.num_free, pool.queried_tokens, pool.hit_tokens,
-            self.planner.num_preemptions, self.planner.num_drafts,
-            self.planner.num_drafted, self.planner.num_accepted,
-        )  # fmt: skip
-
     def step(self) -> list[StepOutput]:
         self.num_steps += 1
         if self.fail_on_step == self.num_steps:
@@ -102,12 +82,6 @@ class FakeEngine(InferenceEngine):
 
     def describe_step(self) -> str:
         return f"fake step {self.num_steps}"
-
-    def abort(self, seq_id: int) -> None:
-        self.planner.abort(seq_id)
-
-    def reset(self) -> None:
-        self.planner.reset()
 
     def _tokens(self, plan: Plan) -> list[list[tuple[int, TokenLogprob | None]]]:
         """The next letter of each sampled sequence (or EOS as its ``eos_after``-th), as its grammar allows; for

@@ -18,11 +18,11 @@ from engine.core.architectures import by_model_type
 from engine.core.batch_mode import INVARIANT, BatchMode
 from engine.core.block_pool import BlockPool
 from engine.core.config import BLOCK_SIZE
+from engine.core.planned_engine import PlannedEngine
 from engine.core.planner import Plan, Planner, PrefillChunk, Seq
-from engine.core.seam import InferenceEngine
 from engine.core.speculation import DraftBudget
 from engine.core.thread_governor import ThreadGovernor
-from engine.core.types import GenerationRequest, MemoryStats, StepOutput, TokenLogprob
+from engine.core.types import StepOutput, TokenLogprob
 from engine.runtime import kernels
 from engine.runtime.block_tables import BlockTables
 from engine.runtime.kv_cache import BlockKVCache, StepBatch
@@ -86,7 +86,7 @@ def _recurrent_states(
 KEPT_STATES_SHARE = 8
 
 
-class HFEngine(InferenceEngine):
+class HFEngine(PlannedEngine):
     """Continuous batching: one packed forward per step over all decoding sequences and prefill chunks."""
 
     def __init__(
@@ -191,23 +191,7 @@ class HFEngine(InferenceEngine):
     def pool(self) -> BlockPool:
         return self.tables.pool
 
-    # -- the seam -------------------------------------------------------------------------------------
-
-    @property
-    def num_preemptions(self) -> int:
-        return self.planner.num_preemptions
-
-    def num_active(self) -> int:
-        return len(self.planner.seqs)
-
-    def can_admit(self, request: GenerationRequest) -> bool:
-        return self.planner.can_admit(request)
-
-    def make_room(self, request: GenerationRequest) -> bool:
-        return self.planner.make_room(request)
-
-    def admit(self, requests: list[GenerationRequest]) -> list[int]:
-        return [seq.seq_id for seq in self.planner.admit(requests)]
+    # -- the seam (admission, room, aborts: the planner's, ``PlannedEngine``) -------------------------------
 
     def step(self) -> list[StepOutput]:
         if self.governor is not None:
@@ -245,12 +229,8 @@ class HFEngine(InferenceEngine):
             f"cached, {pool.num_free} free"
         )
 
-    def abort(self, seq_id: int) -> None:
-        self.planner.abort(seq_id)
-
     def reset(self) -> None:
-        """Drop every sequence and the prefix cache (a failed step may have left any block half-written)."""
-        self.planner.reset()
+        super().reset()
         if self.states is not None:
             self.states.forget()
 
@@ -268,14 +248,8 @@ class HFEngine(InferenceEngine):
                 # (the state: a view of the step's stacked states, copied; the matrices: stacked a boundary each)
                 self.states.keep(hashes[end // size - 1], state.clone(), matrix)
 
-    def memory_stats(self) -> MemoryStats:
-        pool = self.pool
-        disk = self.disk.describe() if self.disk is not None else None
-        return MemoryStats(
-            pool.num_blocks, pool.num_in_use, pool.num_cached, pool.num_free, pool.queried_tokens, pool.hit_tokens,
-            self.num_preemptions, self.planner.num_drafts,
-            self.planner.num_drafted, self.planner.num_accepted, disk,
-        )  # fmt: skip
+    def disk_stats(self) -> dict[str, Any] | None:
+        return self.disk.describe() if self.disk is not None else None
 
     def runtime_info(self) -> dict[str, Any]:
         mode = self.batch_mode
