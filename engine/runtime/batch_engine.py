@@ -208,6 +208,8 @@ class HFEngine(PlannedEngine):
         next_tokens = self._select(plan, logits[:num_sampled])
         self._score_prompts(scored, logits[num_sampled:])
         outputs = self.planner.commit(plan, next_tokens)
+        if self.disk is not None:
+            self.disk.end_step()  # the blocks this step filled, to the disk's writer together
         self._keep_states(plan)
         if (drafts := self.planner.draft_rows) is not None and not plan.chunks:  # decoding rows only
             drafts.observe(plan.num_rows, time.perf_counter() - started)

@@ -2,18 +2,20 @@
 unload or the pool's evictions (``engine/core/blocks.py``'s ``LowerTier``).
 
 A block is one file, ``<directory>/<fingerprint>/<hash>.kv``: a header (a magic, the payload's length and its
-BLAKE2b digest) and the block's bytes as ``BlockKVCache.read_block`` gives them. The fingerprint names everything
+CRC-32) and the block's bytes as ``BlockKVCache.read_block`` gives them. The fingerprint names everything
 the bytes depend on (the model file's identity and config, dtypes, block size, quantization, the numeric path,
 the CPU the kernels were built for and the engine's own code), so a block is never read by another model or
-configuration. Each full block the prefix cache learns is copied on the engine thread (a memory copy) and written
-by a thread of its own, to a temporary name then renamed: a file is whole or absent; a torn temporary one is removed
-at start, and a file whose digest does not match is removed when read, never used. A queue full of unwritten
-blocks drops the newest (a step never waits on the disk). The tier holds at most ``max_bytes``, least recently
-written or read dropped first; its index is rebuilt from the folder at start, oldest first by modification time.
+configuration. Each full block the prefix cache learns is copied on the engine thread (a memory copy); a step's
+blocks go together to a thread of its own, at the lowest CPU priority, which writes each to a temporary name then
+renames it: a file is whole or absent; a torn temporary one is removed at start, and a file whose checksum does not
+match is removed when read, never used. With 256 MB of blocks waiting, newer ones are dropped (a step never waits
+on the disk). The tier holds at most ``max_bytes``, least recently written or read dropped first; its index is
+rebuilt from the folder at start, oldest first by modification time.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -21,6 +23,7 @@ import os
 import queue
 import threading
 import time
+import zlib
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,9 +35,9 @@ from engine.runtime.kv_cache import BlockKVCache
 
 log = logging.getLogger(__name__)
 
-_MAGIC = b"SMOLKV01"
-_DIGEST = 16
-_HEADER = len(_MAGIC) + 8 + _DIGEST
+_MAGIC = b"SMOLKV02"
+_CHECKSUM = 4
+_HEADER = len(_MAGIC) + 8 + _CHECKSUM
 #: Blocks copied but not yet written, at most (then the newest are dropped).
 _MAX_PENDING_BYTES = 256 * 2**20
 #: The engine's own code whose change may change a block's bytes.
@@ -85,9 +88,10 @@ class DiskTier:
         self._index: OrderedDict[bytes, int] = self._scan()  # hash -> file bytes, least recent first
         self._bytes = sum(self._index.values())
         self._queued: set[bytes] = set()
-        self._pending: queue.Queue[tuple[bytes, torch.Tensor] | None] = queue.Queue(
-            maxsize=max(1, _MAX_PENDING_BYTES // self.block_bytes)
-        )
+        self._step: list[tuple[bytes, torch.Tensor]] = []  # this step's blocks, handed over together
+        self._pending: queue.Queue[list[tuple[bytes, torch.Tensor]] | None] = queue.Queue()
+        self._pending_blocks = 0
+        self._max_pending = max(1, _MAX_PENDING_BYTES // self.block_bytes)
         self.stats = {"hit_tokens": 0, "restored_blocks": 0, "restore_seconds": 0.0, "written_blocks": 0,
                       "dropped_writes": 0, "corrupt_files": 0}  # fmt: skip
         self._evict()
@@ -129,13 +133,20 @@ class DiskTier:
         with self._lock:
             if digest in self._index or digest in self._queued:
                 return
+            if self._pending_blocks + len(self._step) >= self._max_pending:
+                self.stats["dropped_writes"] += 1
+                return
             self._queued.add(digest)
-        try:
-            self._pending.put_nowait((digest, self.cache.read_block(block)))
-        except queue.Full:
+        self._step.append((digest, self.cache.read_block(block)))
+
+    def end_step(self) -> None:
+        """Hand this step's blocks to the writer at once: it wakes once a step, not once a block (each time it
+        runs it takes a core from the engine's thread team, which then waits for it)."""
+        if self._step:
             with self._lock:
-                self._queued.discard(digest)
-            self.stats["dropped_writes"] += 1
+                self._pending_blocks += len(self._step)
+            self._pending.put(self._step)
+            self._step = []
 
     def count_hit(self, tokens: int) -> None:
         self.stats["hit_tokens"] += tokens
@@ -150,28 +161,38 @@ class DiskTier:
 
     def flush(self) -> None:
         """Wait until every block copied so far is written."""
+        self.end_step()
         self._pending.join()
 
     def close(self) -> None:
         """Write what is queued, then stop the writer."""
+        self.end_step()
         self._pending.put(None)
         self._writer.join()
 
     def _write_all(self) -> None:
+        """The writer: at the lowest CPU priority (Linux: a thread's own nice value), so that the engine's
+        threads are not the ones that wait."""
+        with contextlib.suppress(OSError, AttributeError):
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
         while True:
-            item = self._pending.get()
+            blocks = self._pending.get()
             try:
-                if item is None:
+                if blocks is None:
                     return
-                self._write(*item)
-            except OSError as exc:  # a full or read-only disk: that block is not kept
-                log.warning("KV disk tier: a block was not written: %s", exc)
+                for digest, data in blocks:
+                    self._write(digest, data)
+            except OSError as exc:  # a full or read-only disk: those blocks are not kept
+                log.warning("KV disk tier: blocks were not written: %s", exc)
             finally:
+                with self._lock:
+                    self._pending_blocks -= len(blocks or ())
+                    self._queued.difference_update(digest for digest, _ in blocks or ())
                 self._pending.task_done()
 
     def _write(self, digest: bytes, data: torch.Tensor) -> None:
         payload = data.numpy()
-        header = _MAGIC + len(payload).to_bytes(8, "little") + hashlib.blake2b(payload, digest_size=_DIGEST).digest()
+        header = _MAGIC + len(payload).to_bytes(8, "little") + _checksum(payload)
         path = self._path(digest)
         temporary = path.with_suffix(".tmp")
         with open(temporary, "wb") as handle:
@@ -231,6 +252,11 @@ def _payload(raw: memoryview, size: int) -> memoryview | None:
     if int.from_bytes(raw[len(_MAGIC) : len(_MAGIC) + 8], "little") != size:
         return None
     payload = raw[_HEADER:]
-    if hashlib.blake2b(payload, digest_size=_DIGEST).digest() != raw[_HEADER - _DIGEST : _HEADER]:
+    if _checksum(payload) != raw[_HEADER - _CHECKSUM : _HEADER]:
         return None
     return payload
+
+
+def _checksum(payload: Any) -> bytes:
+    """CRC-32 (zlib's): a torn or flipped file is told from a whole one at several GB/s."""
+    return zlib.crc32(payload).to_bytes(_CHECKSUM, "little")
