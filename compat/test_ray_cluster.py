@@ -36,7 +36,9 @@ PLACE = {
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     # Batch-invariant, as the one process it is compared with: their batches differ.
     data = tmp_path_factory.mktemp("cluster-data")  # the Batch API's files
-    proc, base = start_server("--model", MODEL, "--replicas", "2", "--batch-invariant", "on", "--data-dir", str(data))
+    # Ten minutes to start: a fresh machine's first replicas may build the native kernels, one after another.
+    proc, base = start_server("--model", MODEL, "--replicas", "2", "--batch-invariant", "on", "--data-dir", str(data),
+                              startup_timeout=600)  # fmt: skip
     try:
         wait_for(lambda: live_replicas(base) == 2, 120)
         yield base
