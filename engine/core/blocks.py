@@ -32,10 +32,6 @@ class LowerTier(Protocol):
         """Keep a copy of the pool's block ``block``, full and hashed ``digest`` (off the caller's thread)."""
         ...
 
-    def count_hit(self, tokens: int) -> None:
-        """``tokens`` prompt tokens a newcomer took from this tier."""
-        ...
-
 
 @dataclass(slots=True, eq=False)
 class SeqBlocks:
@@ -171,7 +167,6 @@ class BlockLedger:
             self.pool.commit(block, digest, parent, tokens[index * size : (index + 1) * size])
             loaded.append(block)
         self.pool.hit_tokens += len(loaded) * size
-        self.lower.count_hit(len(loaded) * size)
         return loaded
 
     def commit_full(self, seq: SeqBlocks, computed: int, token_at: Callable[[int], int]) -> None:

@@ -92,7 +92,7 @@ class DiskTier:
         self._pending: queue.Queue[list[tuple[bytes, torch.Tensor]] | None] = queue.Queue()
         self._pending_blocks = 0
         self._max_pending = max(1, _MAX_PENDING_BYTES // self.block_bytes)
-        self.stats = {"hit_tokens": 0, "restored_blocks": 0, "restore_seconds": 0.0, "written_blocks": 0,
+        self.stats = {"restored_blocks": 0, "restore_seconds": 0.0, "written_blocks": 0,
                       "dropped_writes": 0, "corrupt_files": 0}  # fmt: skip
         self._evict()
         self._writer = threading.Thread(target=self._write_all, name="kv-disk", daemon=True)
@@ -148,16 +148,15 @@ class DiskTier:
             self._pending.put(self._step)
             self._step = []
 
-    def count_hit(self, tokens: int) -> None:
-        self.stats["hit_tokens"] += tokens
-
     # -- the rest ------------------------------------------------------------------------------------------
 
     def describe(self) -> dict[str, Any]:
         """For ``/health``, ``/metrics`` and the start-up summary."""
         with self._lock:
             held = {"blocks": len(self._index), "bytes": self._bytes}
-        return {"directory": str(self.directory), "max_bytes": self.max_bytes, **held, **self.stats}
+        hits = self.stats["restored_blocks"] * self.cache.block_size  # each block restored is a newcomer's
+        return {"directory": str(self.directory), "max_bytes": self.max_bytes, **held, **self.stats,
+                "hit_tokens": hits}  # fmt: skip
 
     def flush(self) -> None:
         """Wait until every block copied so far is written."""
@@ -200,7 +199,6 @@ class DiskTier:
             handle.write(memoryview(payload))
         os.replace(temporary, path)
         with self._lock:
-            self._queued.discard(digest)
             self._index[digest] = _HEADER + len(payload)
             self._bytes += _HEADER + len(payload)
         self.stats["written_blocks"] += 1
