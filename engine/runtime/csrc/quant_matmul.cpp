@@ -15,12 +15,16 @@
 //   Q6_K: 6-bit q in low and high bit planes, 16 int8 scales sc, fp16 d; weights i:         w = (q - 32) (d sc_{i/16})
 //   IQ4_XS: fp16 d, 8 6-bit scales, 4-bit indices into IQ4_NL's table; sub-block s:     w = d (sc_s - 32) table[q]
 //   MXFP4 (gpt-oss's experts): an E8M0 exponent e, 4-bit E2M1 codes into a table of doubled values; w = 2^(e-128) t[q]
-// Packing turns every type into 32-weight blocks of one of three kinds: 4-bit or 5-bit quants with an offset
-// (Q4_0, Q4_1, Q4_K, Q2_K; Q5_0, Q5_1, Q5_K), signed 8-bit ones (Q8_0, IQ4_NL, IQ4_XS, Q3_K, Q6_K: a table's value
-// or q minus its offset, exact in int8), or 4-bit indices into a table of int8 values that the kernel looks up
-// (MXFP4: a 20B's experts as 8-bit values would not fit in 24 GB). The K-quants' scales d sc are products, exact
-// in float32 only, and MXFP4's powers of 2 span float32's whole range, so they are packed as float32 (one per 16 weights where the type has that: Q2_K, Q3_K, Q6_K), the others as the
-// file's fp16 (Q4_0's m = -8 d and Q5_0's m = -16 d: powers of 2, exact).
+// Packing turns every type into 32-weight blocks of one of four kinds: 4-bit or 5-bit quants with an offset
+// (Q4_0, Q4_1, Q4_K, Q2_K; Q5_0, Q5_1, Q5_K), 6-bit ones less 32 (Q6_K), signed 8-bit ones (Q8_0, IQ4_NL, IQ4_XS,
+// Q3_K: a table's value or q minus its offset, exact in int8), or 4-bit indices into a table of int8 values that
+// the kernel looks up (MXFP4: a 20B's experts as 8-bit values would not fit in 24 GB). Q4_K's, Q5_K's and Q6_K's
+// scales stay as the file holds them, small integers and a super-block's fp16 d (and dmin), and the kernel forms
+// d sc (exact in float32) as it reads them: a Q4_K_M 30B's experts packed at the file's size (float32 scales made
+// Q4_K 0.75 bytes a weight against the file's 0.56, Q6_K 1.25 against 0.82: 24 GB for an 18 GB file). Q2_K's and
+// Q3_K's d sc, and MXFP4's powers of 2 (float32's whole range), are packed as float32 (one per 16 weights where the
+// type has that: Q2_K, Q3_K), the others as the file's fp16 (Q4_0's m = -8 d and Q5_0's m = -16 d: powers of 2,
+// exact).
 // `quant_pack` regroups them once at load, as llama.cpp's repacked formats do: the blocks of 8 output rows side
 // by side, so that one vector instruction works on 8 outputs and a block's scales are one vector load:
 //   4-bit group block: 8 d, 8 m (each twice, for weights 0-15 then 16-31, where the type scales by 16), then 4 runs
@@ -30,7 +34,12 @@
 //     the fifth bit of weight 4k + i and bit 2k + 1 that of weight 16 + 4k + i (run k's low and high nibbles);
 //   8-bit group block: 8 d (twice where scaled by 16), then 8 runs of 32 bytes, run k holding weights 4k..4k+3 of
 //     each row in turn;
-//   table group block: 8 float32 d, then the 4-bit group block's runs of nibbles (the table's indices).
+//   table group block: 8 float32 d, then the 4-bit group block's runs of nibbles (the table's indices);
+//   6-bit group block: 8 int8 scales for weights 0-15, 8 for 16-31, the 4-bit runs of q's low nibbles, then two
+//     planes of 32 bytes of high bits (weights 0-15, then 16-31): byte 4c + i's bits 2k, 2k + 1 those of weight
+//     4k + i (16 + 4k + i);
+//   a super-block's blocks (Q4_K, Q5_K, Q6_K: 8 group blocks) hold their scales and mins as bytes, after a header
+//     of the 8 rows' fp16 d (and dmin).
 // Each activation row is quantized per block of 32 to int8 with a scale a = max|x| / 127, and a block's dot
 // product is an integer one: sum(w x) = d a sum(q qx) (+ m a sum(qx) for the types with an offset). On AVX2, a
 // run's 4 weights of each of 8 rows meet the row's 4 activations, broadcast, in one vpmaddubsw (unsigned 4/5-bit
@@ -111,35 +120,57 @@ int64_t block_bytes(int64_t type) {
 
 int64_t block_weights(int64_t type) { return block_bytes(type) > 34 ? 256 : kBlock; }  // every K-quant is larger
 
-// How a type is packed: `bits` 4 or 5 (unsigned quants with an offset m) or 8 (signed); float32 scales (else fp16);
-// a scale (and offset) per 16 weights (else per 32); `table` (4 bits, no offset): each nibble an index into a table
-// of 16 int8 values (kTables), looked up in the kernel (MXFP4: half the bytes of its values as 8-bit quants).
+// How a packed layout holds its scales (Layout::scales): fp16 bits, float32 values, or a super-block's (the
+// K-quants' 256 weights, 8 group blocks): each block's sub-scales (and mins) as the file's small integers, one byte a
+// row, the super-block's fp16 d (and dmin) for the 8 rows in a header before its 8 blocks. The kernel multiplies
+// them back as packing did (d sc: an fp16 times an integer below 64 or 128, exact in float32), so the products
+// are the float32 ones bit for bit, at near the file's size (Q4_K 0.58 bytes a weight against 0.75 as float32).
+enum Scales : int { kHalfScales = 0, kFloatScales = 1, kSuperScales = 2 };
+
+// How a type is packed: `bits` 4 or 5 (unsigned quants with an offset m), 6 (Q6_K: unsigned 0..63 less 32, signed,
+// no offset) or 8 (signed); its `scales`; a scale (and offset) per 16 weights (else per 32); `table` (4 bits, no
+// offset): each nibble an index into a table of 16 int8 values (kTables), looked up in the kernel (MXFP4: half the
+// bytes of its values as 8-bit quants).
 struct Layout {
   int bits;
-  bool f32, halves;
+  int scales;
+  bool halves;
   int table = 0;
   constexpr bool q8() const { return bits == 8; }
-  constexpr bool offset() const { return !q8() && table == 0; }  // an m beside each d
-  constexpr int64_t scale_bytes() const { return (f32 ? 4 : 2) * kCols * (halves ? 2 : 1); }
+  constexpr bool offset() const { return bits < 6 && table == 0; }  // an m beside each d
+  constexpr bool super() const { return scales == kSuperScales; }
+  constexpr int64_t scale_width() const { return scales == kFloatScales ? 4 : scales == kHalfScales ? 2 : 1; }
+  constexpr int64_t scale_bytes() const { return scale_width() * kCols * (halves ? 2 : 1); }
   constexpr int64_t quants_at() const { return scale_bytes() * (offset() ? 2 : 1); }  // after d (and m)
-  constexpr int64_t high_at() const { return quants_at() + kCols * kBlock / 2; }  // 5-bit: the fifth bits
-  constexpr int64_t bytes() const {
-    return quants_at() + kCols * kBlock / (q8() ? 1 : 2) + (bits == 5 ? kCols * kBlock / 8 : 0);
+  constexpr int64_t high_at() const { return quants_at() + kCols * kBlock / 2; }  // 5/6-bit: the high bits
+  constexpr int64_t bytes() const {  // a group block's, without its super-block's header
+    const int64_t high = bits == 5 ? kCols * kBlock / 8 : bits == 6 ? kCols * kBlock / 4 : 0;
+    return quants_at() + kCols * kBlock / (q8() ? 1 : 2) + high;
   }
+  // A super-block's header: the 8 rows' fp16 d, then their fp16 dmin where there is an offset.
+  constexpr int64_t header_bytes() const { return super() ? 2 * kCols * (offset() ? 2 : 1) : 0; }
+  constexpr int64_t span() const { return header_bytes() + 8 * bytes(); }  // a super-block's bytes
+  constexpr int64_t row_bytes(int64_t blocks) const { return super() ? blocks / 8 * span() : blocks * bytes(); }
+  // Where group block b of a group of 8 rows starts, and the header of its super-block.
+  constexpr int64_t block_at(int64_t b) const {
+    return super() ? b / 8 * span() + header_bytes() + b % 8 * bytes() : b * bytes();
+  }
+  constexpr int64_t header_at(int64_t b) const { return b / 8 * span(); }
 };
 
 Layout layout_of(int64_t type) {
   block_bytes(type);  // refuses unsupported types
   switch (type) {
-    case kQ4_0: case kQ4_1: return Layout{4, false, false};
-    case kQ4_K: return Layout{4, true, false};
-    case kQ2_K: return Layout{4, true, true};
-    case kQ5_0: case kQ5_1: return Layout{5, false, false};
-    case kQ5_K: return Layout{5, true, false};
-    case kQ8_0: case kIQ4_NL: return Layout{8, false, false};
-    case kIQ4_XS: return Layout{8, true, false};
-    case kMXFP4: return Layout{4, true, false, kMXFP4Table};
-    default: return Layout{8, true, true};  // Q3_K, Q6_K
+    case kQ4_0: case kQ4_1: return Layout{4, kHalfScales, false};
+    case kQ4_K: return Layout{4, kSuperScales, false};
+    case kQ2_K: return Layout{4, kFloatScales, true};
+    case kQ5_0: case kQ5_1: return Layout{5, kHalfScales, false};
+    case kQ5_K: return Layout{5, kSuperScales, false};
+    case kQ6_K: return Layout{6, kSuperScales, true};
+    case kQ8_0: case kIQ4_NL: return Layout{8, kHalfScales, false};
+    case kIQ4_XS: return Layout{8, kFloatScales, false};
+    case kMXFP4: return Layout{4, kFloatScales, false, kMXFP4Table};
+    default: return Layout{8, kFloatScales, true};  // Q3_K
   }
 }
 
@@ -158,12 +189,13 @@ inline uint16_t load_half(const uint8_t* p) {
 }
 
 // 32 weights of one row, decoded from their GGML block as the packed layout stores them: scales (fp16 bits, or
-// float32 values: two where the type scales by 16), offsets (4/5-bit types), and quants (unsigned 0..31, or int8
-// bits).
+// float32 values: two where the type scales by 16; a super-block's: its fp16 d and dmin bits, and the sub-block's
+// integer scales and min), offsets (4/5-bit types), and quants (unsigned 0..31, or int8 bits).
 struct SubBlock {
   uint16_t d_half = 0, m_half = 0;
   float d[2] = {0.0f, 0.0f};
   float m[2] = {0.0f, 0.0f};
+  uint8_t sc[2] = {0, 0}, mn = 0;
   uint8_t q[kBlock] = {};
 };
 
@@ -209,6 +241,10 @@ void decode_q45_k(const uint8_t* block, bool five, SubBlock* out) {
     scale_min_k4(s, scales, scale, min);
     out[s].d[0] = d * scale;
     out[s].m[0] = -(dmin * min);
+    out[s].d_half = load_half(block);
+    out[s].m_half = load_half(block + 2);
+    out[s].sc[0] = scale;
+    out[s].mn = min;
     const uint8_t* bytes = qs + 32 * (s / 2);  // sub-blocks 2p and 2p + 1: the low and high nibbles of 32 bytes
     for (int64_t l = 0; l < kBlock; ++l) {
       out[s].q[l] = (s % 2 ? bytes[l] >> 4 : bytes[l] & 0x0F) | (five ? ((high[l] >> s) & 1) << 4 : 0);
@@ -258,6 +294,8 @@ void decode_q6_k(const uint8_t* block, SubBlock* out) {
     const int value = ((quarter < 2 ? low & 0x0F : low >> 4) | (((qh[32 * half + l] >> (2 * quarter)) & 3) << 4)) - 32;
     out[i / kBlock].q[i % kBlock] = static_cast<uint8_t>(static_cast<int8_t>(value));
     out[i / kBlock].d[i % kBlock / 16] = d * scales[i / 16];
+    out[i / kBlock].sc[i % kBlock / 16] = static_cast<uint8_t>(scales[i / 16]);
+    out[i / kBlock].d_half = load_half(block + 208);
   }
 }
 
@@ -312,11 +350,17 @@ void decode_block(const uint8_t* block, int64_t type, SubBlock* out) {
   }
 }
 
-// One row's sub-block written into its column `c` of a packed group block.
-void write_sub_block(const SubBlock& sb, const Layout& layout, int64_t c, uint8_t* to) {
-  const int64_t width = layout.f32 ? 4 : 2, half = kCols * width, m_at = layout.scale_bytes();
-  if (layout.f32) {
-    for (int64_t h = 0; h < (layout.halves ? 2 : 1); ++h) {
+// The scales of one row's sub-block written into its column `c` of a packed group block (and of its
+// super-block's header, for the super-block's first).
+void write_scales(const SubBlock& sb, const Layout& layout, int64_t c, uint8_t* to, uint8_t* header) {
+  const int64_t parts = layout.halves ? 2 : 1, half = layout.scale_bytes() / parts, m_at = layout.scale_bytes();
+  if (layout.super()) {
+    for (int64_t h = 0; h < parts; ++h) to[h * half + c] = sb.sc[h];
+    if (layout.offset()) to[m_at + c] = sb.mn;
+    std::memcpy(header + 2 * c, &sb.d_half, 2);
+    if (layout.offset()) std::memcpy(header + 2 * kCols + 2 * c, &sb.m_half, 2);
+  } else if (layout.scales == kFloatScales) {
+    for (int64_t h = 0; h < parts; ++h) {
       std::memcpy(to + h * half + 4 * c, &sb.d[h], 4);
       if (layout.offset()) std::memcpy(to + m_at + h * half + 4 * c, &sb.m[h], 4);
     }
@@ -324,22 +368,33 @@ void write_sub_block(const SubBlock& sb, const Layout& layout, int64_t c, uint8_
     std::memcpy(to + 2 * c, &sb.d_half, 2);
     if (layout.offset()) std::memcpy(to + m_at + 2 * c, &sb.m_half, 2);
   }
+}
+
+// One row's sub-block written into its column `c` of a packed group block. 6-bit quants (Q6_K's q - 32) are
+// stored as q: their low nibbles as the 4-bit runs, their high 2 bits in two planes of 32 bytes (weights 0-15,
+// then 16-31): byte 4c + i of a plane holds in bits 2k, 2k + 1 those of weight 4k + i (16 + 4k + i).
+void write_sub_block(const SubBlock& sb, const Layout& layout, int64_t c, uint8_t* to, uint8_t* header) {
+  write_scales(sb, layout, c, to, header);
   uint8_t* runs = to + layout.quants_at();
   if (layout.q8()) {
     for (int64_t k = 0; k < 8; ++k) std::memcpy(runs + 32 * k + 4 * c, sb.q + 4 * k, 4);
     return;
   }
+  uint8_t q[kBlock];
+  for (int64_t j = 0; j < kBlock; ++j) q[j] = layout.bits == 6 ? static_cast<uint8_t>(sb.q[j] + 32) : sb.q[j];
   uint8_t bytes[kBlock / 2];
-  for (int64_t j = 0; j < kBlock / 2; ++j) bytes[j] = (sb.q[j] & 0x0F) | ((sb.q[j + kBlock / 2] & 0x0F) << 4);
+  for (int64_t j = 0; j < kBlock / 2; ++j) bytes[j] = (q[j] & 0x0F) | ((q[j + kBlock / 2] & 0x0F) << 4);
   for (int64_t k = 0; k < 4; ++k) std::memcpy(runs + 32 * k + 4 * c, bytes + 4 * k, 4);
-  if (layout.bits != 5) return;
-  for (int64_t i = 0; i < 4; ++i) {
-    uint8_t fifth = 0;
+  for (int64_t i = 0; i < 4 && layout.bits > 4; ++i) {
+    uint8_t fifth = 0, planes[2] = {0, 0};
     for (int64_t k = 0; k < 4; ++k) {
-      fifth |= ((sb.q[4 * k + i] >> 4) & 1) << (2 * k);
-      fifth |= ((sb.q[16 + 4 * k + i] >> 4) & 1) << (2 * k + 1);
+      fifth |= ((q[4 * k + i] >> 4) & 1) << (2 * k);
+      fifth |= ((q[16 + 4 * k + i] >> 4) & 1) << (2 * k + 1);
+      planes[0] |= ((q[4 * k + i] >> 4) & 3) << (2 * k);
+      planes[1] |= ((q[16 + 4 * k + i] >> 4) & 3) << (2 * k);
     }
-    to[layout.high_at() + 4 * c + i] = fifth;
+    if (layout.bits == 5) to[layout.high_at() + 4 * c + i] = fifth;
+    for (int64_t h = 0; h < 2 && layout.bits == 6; ++h) to[layout.high_at() + 32 * h + 4 * c + i] = planes[h];
   }
 }
 
@@ -350,13 +405,15 @@ struct QuantizedRows {
   std::vector<float> scale;
   std::vector<float> scaled_sum;
   std::vector<float> scaled_halves;  // [blocks * 2]
+  std::vector<int32_t> halves;  // [blocks * 2]: the sums of the int8 values 0-15 and 16-31
 };
 
 template <typename T>
 QuantizedRows quantize_rows(const T* x, int64_t rows, int64_t in) {
   const int64_t blocks = in / kBlock;
   QuantizedRows out{std::vector<int8_t>(rows * in), std::vector<float>(rows * blocks),
-                    std::vector<float>(rows * blocks), std::vector<float>(rows * blocks * 2)};
+                    std::vector<float>(rows * blocks), std::vector<float>(rows * blocks * 2),
+                    std::vector<int32_t>(rows * blocks * 2)};
   at::parallel_for(0, rows * blocks, 64, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const T* block = x + i * kBlock;  // rows are contiguous, so block i of the flattened rows
@@ -374,6 +431,8 @@ QuantizedRows quantize_rows(const T* x, int64_t rows, int64_t in) {
       out.scaled_sum[i] = scale * static_cast<float>(totals[0] + totals[1]);
       out.scaled_halves[2 * i] = scale * static_cast<float>(totals[0]);
       out.scaled_halves[2 * i + 1] = scale * static_cast<float>(totals[1]);
+      out.halves[2 * i] = totals[0];
+      out.halves[2 * i + 1] = totals[1];
     }
   });
   return out;
@@ -401,8 +460,29 @@ inline float scale_at(const uint8_t* p, int64_t c) {
   }
 }
 
-// Quant j (0-31) of output column c in a packed block: its int8 value, its table's value, or its unsigned 4/5-bit
-// one.
+// The scale d of output column c (weights 0-15, or 16-31 with h = 1 where the type scales by 16) in packed block g
+// whose super-block's header is `header`, and its offset m: as packing computed them (a super-block's d sc and
+// -(dmin mn): exact products, so the same floats as packed float32 ones). `volatile`: the build's -ffast-math may
+// not fold the product into what multiplies it next (d sc a regrouped as d (sc a) rounds differently).
+inline float packed_d(const Layout& layout, const uint8_t* g, const uint8_t* header, int64_t c, int64_t h) {
+  const uint8_t* p = g + h * (layout.scale_bytes() / 2);
+  if (layout.scales == kFloatScales) return scale_at<true>(p, c);
+  if (layout.scales == kHalfScales) return scale_at<false>(p, c);
+  const float sc = layout.offset() ? static_cast<float>(p[c]) : static_cast<float>(static_cast<int8_t>(p[c]));
+  const volatile float product = half_to_float(load_half(header + 2 * c)) * sc;
+  return product;
+}
+
+inline float packed_m(const Layout& layout, const uint8_t* g, const uint8_t* header, int64_t c, int64_t h) {
+  const uint8_t* p = g + layout.scale_bytes() + h * (layout.scale_bytes() / 2);
+  if (layout.scales == kFloatScales) return scale_at<true>(p, c);
+  if (layout.scales == kHalfScales) return scale_at<false>(p, c);
+  const volatile float product = half_to_float(load_half(header + 2 * kCols + 2 * c)) * static_cast<float>(p[c]);
+  return -product;
+}
+
+// Quant j (0-31) of output column c in a packed block: its int8 value, its table's value, its 6-bit one less 32, or
+// its unsigned 4/5-bit one.
 inline int32_t quant_at(const uint8_t* block, const Layout& layout, int64_t c, int64_t j) {
   const uint8_t* runs = block + layout.quants_at();
   if (layout.q8()) return static_cast<int8_t>(runs[j / 4 * 32 + c * 4 + j % 4]);
@@ -410,49 +490,46 @@ inline int32_t quant_at(const uint8_t* block, const Layout& layout, int64_t c, i
   int32_t value = (runs[k * 32 + at] >> (j < 16 ? 0 : 4)) & 0x0F;
   if (layout.table) return kTables[layout.table][value];
   if (layout.bits == 5) value |= ((block[layout.high_at() + at] >> (2 * k + (j < 16 ? 0 : 1))) & 1) << 4;
+  if (layout.bits == 6) return (value | ((block[layout.high_at() + (j < 16 ? 0 : 32) + at] >> (2 * k)) & 3) << 4) - 32;
   return value;
 }
 
 // The 32 weights of output column c in one packed block, dequantized as GGUF computes them: d x q, plus m for the
 // types with an offset, d x q rounded before m is added (`volatile`: never fused into one FMA, which would round
 // once).
-void dequantize_column(const uint8_t* block, const Layout& layout, int64_t c, float* out) {
-  const auto scale = [&](int64_t at) {
-    return layout.f32 ? scale_at<true>(block + at, c) : scale_at<false>(block + at, c);
-  };
+void dequantize_column(const uint8_t* block, const uint8_t* header, const Layout& layout, int64_t c, float* out) {
   for (int64_t j = 0; j < kBlock; ++j) {
-    const int64_t half = layout.halves && j >= 16 ? layout.scale_bytes() / 2 : 0;
-    const volatile float product = scale(half) * static_cast<float>(quant_at(block, layout, c, j));
-    out[j] = layout.offset() ? product + scale(layout.scale_bytes() + half) : product;
+    const int64_t h = layout.halves && j >= 16 ? 1 : 0;
+    const volatile float product = packed_d(layout, block, header, c, h) * static_cast<float>(quant_at(block, layout, c, j));
+    out[j] = layout.offset() ? product + packed_m(layout, block, header, c, h) : product;
   }
 }
 
 // Portable loops: for each row and each of the group's 8 outputs, block by block, the AVX2 path's operations.
-template <int Bits, bool F32, bool Halves, int Table>
+template <int Bits, int Scales, bool Halves, int Table>
 void tile_portable(const Tile& t, int64_t count) {
-  constexpr Layout layout{Bits, F32, Halves, Table};
-  constexpr int64_t bytes = layout.bytes(), half = layout.scale_bytes() / 2;
+  constexpr Layout layout{Bits, Scales, Halves, Table};
   for (int64_t r = t.first; r < t.first + count; ++r) {
     for (int64_t c = 0; c < kCols; ++c) {
       float acc = 0.0f;
       for (int64_t b = 0; b < t.blocks; ++b) {
-        const uint8_t* g = t.group + b * bytes;
+        const uint8_t *g = t.group + layout.block_at(b), *header = t.group + layout.header_at(b);
         const int8_t* qx = &t.x->q[(r * t.blocks + b) * kBlock];
         int32_t dots[2] = {0, 0};  // weights 0-15, 16-31
         for (int64_t j = 0; j < kBlock; ++j) dots[j / 16] += quant_at(g, layout, c, j) * qx[j];
         const int64_t at = r * t.blocks + b;
         const float a = t.x->scale[at];
         if constexpr (Halves) {
-          acc = std::fma(scale_at<F32>(g, c) * a, static_cast<float>(dots[0]), acc);
-          acc = std::fma(scale_at<F32>(g + half, c) * a, static_cast<float>(dots[1]), acc);
+          acc = std::fma(packed_d(layout, g, header, c, 0) * a, static_cast<float>(dots[0]), acc);
+          acc = std::fma(packed_d(layout, g, header, c, 1) * a, static_cast<float>(dots[1]), acc);
         } else {
-          acc = std::fma(scale_at<F32>(g, c) * a, static_cast<float>(dots[0] + dots[1]), acc);
+          acc = std::fma(packed_d(layout, g, header, c, 0) * a, static_cast<float>(dots[0] + dots[1]), acc);
         }
         if constexpr (layout.offset() && Halves) {
-          acc = std::fma(scale_at<F32>(g + layout.scale_bytes(), c), t.x->scaled_halves[2 * at], acc);
-          acc = std::fma(scale_at<F32>(g + layout.scale_bytes() + half, c), t.x->scaled_halves[2 * at + 1], acc);
+          acc = std::fma(packed_m(layout, g, header, c, 0), t.x->scaled_halves[2 * at], acc);
+          acc = std::fma(packed_m(layout, g, header, c, 1), t.x->scaled_halves[2 * at + 1], acc);
         } else if constexpr (layout.offset()) {
-          acc = std::fma(scale_at<F32>(g + layout.scale_bytes(), c), t.x->scaled_sum[at], acc);
+          acc = std::fma(packed_m(layout, g, header, c, 0), t.x->scaled_sum[at], acc);
         }
       }
       t.out[(r - t.first) * t.out_stride + c] = acc;
@@ -467,10 +544,24 @@ inline __m256i broadcast4(const int8_t* p) {
   return _mm256_set1_epi32(four);
 }
 
-template <bool F32>
-inline __m256 load_scales(const uint8_t* p) {
-  if constexpr (F32) return _mm256_loadu_ps(reinterpret_cast<const float*>(p));
-  else return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+// The 8 columns' scales d at p (a super-block's: its integer scales at p, signed unless `Unsigned`, times the d of
+// the header), and offsets m (a super-block's: -(dmin mn)), as packed_d and packed_m compute them.
+template <int Scales, bool Unsigned>
+inline __m256 load_d(const uint8_t* p, const uint8_t* header) {
+  if constexpr (Scales == kFloatScales) return _mm256_loadu_ps(reinterpret_cast<const float*>(p));
+  if constexpr (Scales == kHalfScales) return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+  const __m256i wide = Unsigned ? _mm256_cvtepu8_epi32(bytes) : _mm256_cvtepi8_epi32(bytes);
+  const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(header)));
+  __m256 product = _mm256_mul_ps(d, _mm256_cvtepi32_ps(wide));
+  __asm__("" : "+x"(product));  // as packed_d's `volatile`: -ffast-math may not regroup d sc a
+  return product;
+}
+
+template <int Scales>
+inline __m256 load_m(const uint8_t* p, const uint8_t* header) {
+  if constexpr (Scales != kSuperScales) return load_d<Scales, true>(p, header);
+  return _mm256_xor_ps(load_d<Scales, true>(p, header + 2 * kCols), _mm256_set1_ps(-0.0f));
 }
 
 // Rows [first, first + R) against one group of a 4- or 5-bit matrix: a block's 8 integer dot products per row in
@@ -480,9 +571,9 @@ inline __m256 load_scales(const uint8_t* p) {
 //
 // A table's nibbles (MXFP4) become its signed int8 values by one byte shuffle, then multiply as the 8-bit path's do
 // (|w| times x with w's sign); its 4 runs' int16 sums stay below 4 * 2 * 2 * 12 * 127 = 24384. No offset.
-template <int64_t R, int Bits, bool F32, bool Halves, bool Vnni, int Table>
+template <int64_t R, int Bits, int Scales, bool Halves, bool Vnni, int Table>
 void tile_q4_avx2(const Tile& t) {
-  constexpr Layout layout{Bits, F32, Halves, Table};
+  constexpr Layout layout{Bits, Scales, Halves, Table};
   constexpr int64_t bytes = layout.bytes(), half = layout.scale_bytes() / 2, flush = Bits == 5 ? 2 : 4;
   constexpr int64_t parts = Halves ? 2 : 1;
   static_assert(Table == 0 || Table == kMXFP4Table, "a table's int16 sums are bounded for MXFP4's values only");
@@ -494,7 +585,7 @@ void tile_q4_avx2(const Tile& t) {
   __m256 acc[R];
   for (int64_t r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
   for (int64_t b = 0; b < t.blocks; ++b) {
-    const uint8_t* g = t.group + b * bytes;
+    const uint8_t *g = t.group + layout.block_at(b), *header = t.group + layout.header_at(b);
     smolserve::prefetch_ahead(g, bytes);
     const int8_t* qx[R];
     __m256i sums[R][parts], wide[R][parts];
@@ -548,15 +639,19 @@ void tile_q4_avx2(const Tile& t) {
         }
       }
     }
-    const __m256 d = load_scales<F32>(g);
+    const __m256 d = load_d<Scales, true>(g, header);
+    __m256 m = _mm256_setzero_ps(), d_high = m, m_high = m;
+    if constexpr (Table == 0) m = load_m<Scales>(g + layout.scale_bytes(), header);
+    if constexpr (Halves) {
+      d_high = load_d<Scales, true>(g + half, header);
+      m_high = load_m<Scales>(g + layout.scale_bytes() + half, header);
+    }
     for (int64_t r = 0; r < R; ++r) {
       const int64_t at = (t.first + r) * t.blocks + b;
       const __m256 a = _mm256_set1_ps(t.x->scale[at]);
       acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(d, a), _mm256_cvtepi32_ps(wide[r][0]), acc[r]);
       if constexpr (Table != 0) continue;  // no offset
-      const __m256 m = load_scales<F32>(g + layout.scale_bytes());
       if constexpr (Halves) {
-        const __m256 d_high = load_scales<F32>(g + half), m_high = load_scales<F32>(g + layout.scale_bytes() + half);
         acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(d_high, a), _mm256_cvtepi32_ps(wide[r][1]), acc[r]);
         acc[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(t.x->scaled_halves[2 * at]), acc[r]);
         acc[r] = _mm256_fmadd_ps(m_high, _mm256_set1_ps(t.x->scaled_halves[2 * at + 1]), acc[r]);
@@ -569,10 +664,11 @@ void tile_q4_avx2(const Tile& t) {
 }
 
 // The same for 8-bit: signed weights, so |q| times qx with q's sign; pairs reach 2 * 128 * 127, so int32 per run.
-// With `Halves` (Q3_K, Q6_K) the runs of weights 0-15 and 16-31 are summed apart, each with its own scale.
-template <int64_t R, bool F32, bool Halves, bool Vnni>
+// With `Halves` (Q3_K) the runs of weights 0-15 and 16-31 are summed apart, each with its own scale.
+template <int64_t R, int Scales, bool Halves, bool Vnni>
 void tile_q8_avx2(const Tile& t) {
-  constexpr Layout layout{8, F32, Halves};
+  constexpr Layout layout{8, Scales, Halves};
+  static_assert(Scales != kSuperScales, "8-bit quants keep their scales whole");
   constexpr int64_t bytes = layout.bytes();
   const __m256i ones = _mm256_set1_epi16(1);
   __m256 acc[R];
@@ -601,11 +697,11 @@ void tile_q8_avx2(const Tile& t) {
         sum = _mm256_add_epi32(sum, _mm256_madd_epi16(_mm256_maddubs_epi16(magnitude, x), ones));
       }
     }
-    const __m256 d = load_scales<F32>(g);
+    const __m256 d = load_d<Scales, false>(g, nullptr);
     for (int64_t r = 0; r < R; ++r) {
       const __m256 a = _mm256_set1_ps(t.x->scale[(t.first + r) * t.blocks + b]);
       if constexpr (Halves) {
-        const __m256 d_high = load_scales<F32>(g + layout.scale_bytes() / 2);
+        const __m256 d_high = load_d<Scales, false>(g + layout.scale_bytes() / 2, nullptr);
         acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(d, a), _mm256_cvtepi32_ps(sums[r][0]), acc[r]);
         acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(d_high, a), _mm256_cvtepi32_ps(sums[r][1]), acc[r]);
       } else {
@@ -616,11 +712,69 @@ void tile_q8_avx2(const Tile& t) {
   for (int64_t r = 0; r < R; ++r) _mm256_storeu_ps(t.out + r * t.out_stride, acc[r]);
 }
 
-template <int Bits, bool F32, bool Halves, bool Vnni, int Table>
+// Q6_K's 6-bit quants: run k's nibbles with their high 2 bits (bits 2k, 2k + 1 of the two planes: the 5-bit path's
+// shifts) are q, 0..63, unsigned: they multiply the activations directly (vpmaddubsw pairs reach 2 * 63 * 127), and
+// 32 times the activations' sum is taken off after: sum((q - 32) x), Q6_K's int8 values' integer sums exactly,
+// with no sign trick. Weights 0-15 (the low nibbles) and 16-31 (the high) are summed apart, each with its own
+// scale, as the 8-bit path's halves.
+template <int64_t R, bool Vnni>
+void tile_q6_avx2(const Tile& t) {
+  constexpr Layout layout{6, kSuperScales, true};
+  const __m256i nibble = _mm256_set1_epi8(0x0F), top = _mm256_set1_epi8(0x30), ones = _mm256_set1_epi16(1);
+  __m256 acc[R];
+  for (int64_t r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < t.blocks; ++b) {
+    const uint8_t *g = t.group + layout.block_at(b), *header = t.group + layout.header_at(b);
+    smolserve::prefetch_ahead(g, layout.bytes());
+    const int8_t* qx[R];
+    __m256i sums[R][2];
+    for (int64_t r = 0; r < R; ++r) {
+      qx[r] = &t.x->q[((t.first + r) * t.blocks + b) * kBlock];
+      sums[r][0] = sums[r][1] = _mm256_setzero_si256();
+    }
+    __m256i plane_low = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(g + layout.high_at()));
+    __m256i plane_high = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(g + layout.high_at() + 32));
+    for (int64_t k = 0; k < 4; ++k) {
+      const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(g + layout.quants_at() + 32 * k));
+      const __m256i low = _mm256_or_si256(_mm256_and_si256(w, nibble),
+                                          _mm256_and_si256(_mm256_slli_epi16(plane_low, 4), top));
+      const __m256i high = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(w, 4), nibble),
+                                           _mm256_and_si256(_mm256_slli_epi16(plane_high, 4), top));
+      plane_low = _mm256_srli_epi16(plane_low, 2);
+      plane_high = _mm256_srli_epi16(plane_high, 2);
+      for (int64_t r = 0; r < R; ++r) {
+        const __m256i xl = broadcast4(qx[r] + 4 * k), xh = broadcast4(qx[r] + 16 + 4 * k);
+#if defined(SMOLSERVE_QUANT_VNNI)
+        if constexpr (Vnni) {
+          sums[r][0] = _mm256_dpbusd_epi32(sums[r][0], low, xl);
+          sums[r][1] = _mm256_dpbusd_epi32(sums[r][1], high, xh);
+          continue;
+        }
+#endif
+        sums[r][0] = _mm256_add_epi32(sums[r][0], _mm256_madd_epi16(_mm256_maddubs_epi16(low, xl), ones));
+        sums[r][1] = _mm256_add_epi32(sums[r][1], _mm256_madd_epi16(_mm256_maddubs_epi16(high, xh), ones));
+      }
+    }
+    const __m256 d = load_d<kSuperScales, false>(g, header);
+    const __m256 d_high = load_d<kSuperScales, false>(g + layout.scale_bytes() / 2, header);
+    for (int64_t r = 0; r < R; ++r) {
+      const int64_t at = (t.first + r) * t.blocks + b;
+      const __m256 a = _mm256_set1_ps(t.x->scale[at]);
+      const __m256i low = _mm256_sub_epi32(sums[r][0], _mm256_set1_epi32(32 * t.x->halves[2 * at]));
+      const __m256i high = _mm256_sub_epi32(sums[r][1], _mm256_set1_epi32(32 * t.x->halves[2 * at + 1]));
+      acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(d, a), _mm256_cvtepi32_ps(low), acc[r]);
+      acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(d_high, a), _mm256_cvtepi32_ps(high), acc[r]);
+    }
+  }
+  for (int64_t r = 0; r < R; ++r) _mm256_storeu_ps(t.out + r * t.out_stride, acc[r]);
+}
+
+template <int Bits, int Scales, bool Halves, bool Vnni, int Table>
 void tile_avx2(const Tile& t, int64_t count) {
   auto run = [&](auto rows) {
-    if constexpr (Bits == 8) tile_q8_avx2<decltype(rows)::value, F32, Halves, Vnni>(t);
-    else tile_q4_avx2<decltype(rows)::value, Bits, F32, Halves, Vnni, Table>(t);
+    if constexpr (Bits == 8) tile_q8_avx2<decltype(rows)::value, Scales, Halves, Vnni>(t);
+    else if constexpr (Bits == 6) tile_q6_avx2<decltype(rows)::value, Vnni>(t);
+    else tile_q4_avx2<decltype(rows)::value, Bits, Scales, Halves, Vnni, Table>(t);
   };
   switch (count) {
     case 1: return run(std::integral_constant<int64_t, 1>{});
@@ -653,28 +807,30 @@ std::vector<int64_t> available_paths() {
   return paths;
 }
 
-template <int Bits, bool F32, bool Halves, int Table = 0>
+template <int Bits, int Scales, bool Halves, int Table = 0>
 TileFn tile_of(int64_t path) {
 #if defined(SMOLSERVE_QUANT_VNNI)
-  if (path == kVnni) return tile_avx2<Bits, F32, Halves, true, Table>;
+  if (path == kVnni) return tile_avx2<Bits, Scales, Halves, true, Table>;
 #endif
 #if defined(SMOLSERVE_QUANT_AVX2)
-  if (path == kAvx2) return tile_avx2<Bits, F32, Halves, false, Table>;
+  if (path == kAvx2) return tile_avx2<Bits, Scales, Halves, false, Table>;
 #endif
-  return tile_portable<Bits, F32, Halves, Table>;
+  return tile_portable<Bits, Scales, Halves, Table>;
 }
 
 // One instantiation for each layout `layout_of` gives, on `path` (which this build must have).
 TileFn tile_function(const Layout& layout, int64_t path) {
   switch (layout.bits) {
     case 4:
-      if (layout.table == kMXFP4Table) return tile_of<4, true, false, kMXFP4Table>(path);
-      if (layout.halves) return tile_of<4, true, true>(path);
-      return layout.f32 ? tile_of<4, true, false>(path) : tile_of<4, false, false>(path);
-    case 5: return layout.f32 ? tile_of<5, true, false>(path) : tile_of<5, false, false>(path);
+      if (layout.table == kMXFP4Table) return tile_of<4, kFloatScales, false, kMXFP4Table>(path);
+      if (layout.halves) return tile_of<4, kFloatScales, true>(path);  // Q2_K
+      return layout.super() ? tile_of<4, kSuperScales, false>(path) : tile_of<4, kHalfScales, false>(path);
+    case 5: return layout.super() ? tile_of<5, kSuperScales, false>(path) : tile_of<5, kHalfScales, false>(path);
+    case 6: return tile_of<6, kSuperScales, true>(path);  // Q6_K
     default:
-      if (layout.halves) return tile_of<8, true, true>(path);
-      return layout.f32 ? tile_of<8, true, false>(path) : tile_of<8, false, false>(path);
+      if (layout.halves) return tile_of<8, kFloatScales, true>(path);  // Q3_K
+      if (layout.scales == kFloatScales) return tile_of<8, kFloatScales, false>(path);  // IQ4_XS
+      return tile_of<8, kHalfScales, false>(path);
   }
 }
 
@@ -689,9 +845,10 @@ at::Tensor quant_pack(const at::Tensor& weight, int64_t type) {
   const Layout layout = layout_of(type);
   const int64_t bytes = block_bytes(type), out = weight.size(0), subs = block_weights(type) / kBlock;
   TORCH_CHECK(weight.size(1) % bytes == 0, "weight bytes per row are not whole blocks of this type");
-  const int64_t blocks = weight.size(1) / bytes, groups = (out + kCols - 1) / kCols, packed_bytes = layout.bytes();
+  const int64_t blocks = weight.size(1) / bytes, groups = (out + kCols - 1) / kCols;
+  const int64_t row_bytes = layout.row_bytes(blocks * subs);
   const at::Tensor source = weight.contiguous();
-  at::Tensor packed = at::empty({groups, blocks * subs * packed_bytes}, weight.options());
+  at::Tensor packed = at::empty({groups, row_bytes}, weight.options());
   if (out % kCols) packed[groups - 1].zero_();  // its columns past `out`: zero scales
   const uint8_t* w = source.const_data_ptr<uint8_t>();
   uint8_t* p = packed.mutable_data_ptr<uint8_t>();
@@ -701,13 +858,15 @@ at::Tensor quant_pack(const at::Tensor& weight, int64_t type) {
       for (int64_t c = 0; c < kCols && g * kCols + c < out; ++c) {
         for (int64_t b = 0; b < blocks; ++b) {
           const uint8_t* block = w + (g * kCols + c) * blocks * bytes + b * bytes;
+          uint8_t* group = p + g * row_bytes;
           if (type == kMXFP4) {
-            pack_mxfp4(block, layout, c, p + (g * blocks + b) * packed_bytes);
+            pack_mxfp4(block, layout, c, group + layout.block_at(b));
             continue;
           }
           decode_block(block, type, decoded);
           for (int64_t s = 0; s < subs; ++s) {
-            write_sub_block(decoded[s], layout, c, p + ((g * blocks + b) * subs + s) * packed_bytes);
+            const int64_t at = b * subs + s;
+            write_sub_block(decoded[s], layout, c, group + layout.block_at(at), group + layout.header_at(at));
           }
         }
       }
@@ -729,7 +888,8 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& packed, int64_t t
   const Layout layout = layout_of(type);
   const int64_t rows = x.size(0), in = x.size(1), blocks = in / kBlock, groups = packed.size(0);
   TORCH_CHECK(in % kBlock == 0, "the input size must be a multiple of 32");
-  TORCH_CHECK(packed.size(1) == blocks * layout.bytes(), "packed weight bytes do not match the input size");
+  TORCH_CHECK(!layout.super() || blocks % 8 == 0, "this type's rows are whole blocks of 256");
+  TORCH_CHECK(packed.size(1) == layout.row_bytes(blocks), "packed weight bytes do not match the input size");
   TORCH_CHECK(out_features > (groups - 1) * kCols && out_features <= groups * kCols,
               "out_features does not match the packed weight's groups");
   const at::Tensor input = x.contiguous();
@@ -746,8 +906,9 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& packed, int64_t t
   const uint8_t* w = packed.const_data_ptr<uint8_t>();
   const int64_t group_bytes = packed.size(1);
   const TileFn tile = tile_function(layout, path);
-  // Q3_K's and Q6_K's two sums a row fill AVX-512's registers at 8 rows (measured 0.8x of 4 there).
-  const int64_t row_tile = path == kVnni && !layout.halves ? kRowTileVnni : kRowTile;
+  // Q3_K's two sums a row fill AVX-512's registers at 8 rows (measured 0.8x of 4 there); Q6_K's 6-bit quants cost
+  // more to unpack, and 8 rows sharing them took 0.7-0.8x the time of 4 at 64 rows.
+  const int64_t row_tile = path == kVnni && (!layout.halves || layout.bits == 6) ? kRowTileVnni : kRowTile;
   at::parallel_for(0, groups, 4, [&](int64_t begin, int64_t end) {
     for (int64_t chunk = 0; chunk < rows; chunk += kChunk) {
       const int64_t chunk_end = std::min(rows, chunk + kChunk);
@@ -773,8 +934,9 @@ at::Tensor quant_rows(const at::Tensor& packed, int64_t type, const at::Tensor& 
               "packed weight must be contiguous uint8 [groups, bytes]");
   TORCH_CHECK(index.dim() == 1 && index.scalar_type() == at::kLong, "index must be int64 [count]");
   const Layout layout = layout_of(type);
-  TORCH_CHECK(packed.size(1) % layout.bytes() == 0, "packed weight bytes are not whole blocks of this type");
-  const int64_t count = index.size(0), blocks = packed.size(1) / layout.bytes(), rows = packed.size(0) * kCols;
+  const int64_t span = layout.super() ? layout.span() : layout.bytes(), subs = layout.super() ? 8 : 1;
+  TORCH_CHECK(packed.size(1) % span == 0, "packed weight bytes are not whole blocks of this type");
+  const int64_t count = index.size(0), blocks = packed.size(1) / span * subs, rows = packed.size(0) * kCols;
   const at::Tensor ids = index.contiguous();
   at::Tensor result = at::empty({count, blocks * kBlock}, packed.options().dtype(at::kFloat));
   const int64_t* id = ids.const_data_ptr<int64_t>();
@@ -784,7 +946,8 @@ at::Tensor quant_rows(const at::Tensor& packed, int64_t type, const at::Tensor& 
     TORCH_CHECK(id[i] >= 0 && id[i] < rows, "row ", id[i], " is out of range");
     const uint8_t* group = p + id[i] / kCols * packed.size(1);
     for (int64_t b = 0; b < blocks; ++b) {
-      dequantize_column(group + b * layout.bytes(), layout, id[i] % kCols, out + (i * blocks + b) * kBlock);
+      dequantize_column(group + layout.block_at(b), group + layout.header_at(b), layout, id[i] % kCols,
+                        out + (i * blocks + b) * kBlock);
     }
   }
   return result;
