@@ -197,6 +197,24 @@ def test_each_layer_in_one_native_call_is_bitwise_the_op_by_op_path(arch: str, s
     assert run_outputs(fused, requests) == run_outputs(op_by_op, requests)
 
 
+@pytest.mark.parametrize("arch", [arch for arch, row in ARCHITECTURES.items() if row.experts and not row.oai_experts])
+@pytest.mark.parametrize("mix", ["Q8_0", "mixed"])
+def test_a_mixture_s_experts_in_one_native_call_are_bitwise_the_python_loop(arch: str, mix: str, served) -> None:
+    """``csrc/experts.cpp`` takes each chosen expert's rows, blocks and weights as ``_mixture``'s loop does, in the
+    same order: the same tokens and log-probabilities, with several rows a step choosing overlapping experts."""
+    from engine_helpers import make_engine, run_outputs
+
+    _, loaded = served(arch, mix)
+    requests = [(i, GenerationRequest(tuple(range(50 + i, 60 + 21 * i)), 6, ignore_eos=True, logprobs=2))
+                for i in range(3)]  # fmt: skip
+    native = make_engine(loaded.model, loaded.eos_token_ids, quantized=loaded.blocks, max_num_batched_tokens=24)
+    mixtures = [layer.experts for layer in native._runner.layers if layer.experts is not None]
+    assert mixtures and all(m.stacked is not None for m in mixtures) and native._runner._moe is not None
+    looped = make_engine(loaded.model, loaded.eos_token_ids, quantized=loaded.blocks, max_num_batched_tokens=24)
+    looped._runner._moe = None
+    assert run_outputs(native, requests) == run_outputs(looped, requests)
+
+
 def test_gemma3_s_sliding_window_in_torch_s_attention_too(served, monkeypatch: pytest.MonkeyPatch) -> None:
     """Without the native kernels (no compiler), the torch fallback masks each local layer's window: prompt rows in
     chunks and decode rows alike."""

@@ -22,7 +22,7 @@ _SOURCES = [
     Path(__file__).parent / "csrc" / name
     for name in (
         "decode_attention.cpp", "int8_attention.cpp", "fused_ops.cpp", "quant_matmul.cpp", "llama_layer.cpp",
-        "delta_rule.cpp",
+        "delta_rule.cpp", "experts.cpp",
     )
 ]
 _FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]
@@ -33,8 +33,8 @@ def native_ops() -> Any | None:
     """``torch.ops.smolserve``: ``decode_attention`` and ``write_kv`` (``csrc/decode_attention.cpp``), the 8-bit
     cache's ``decode_attention_int8`` and ``write_kv_int8`` (``csrc/int8_attention.cpp``), the fused element-wise
     ops of ``csrc/fused_ops.cpp``, ``quant_pack``, ``quant_linear`` and ``quant_rows`` (``csrc/quant_matmul.cpp``) and
-    ``llama_layer`` (``csrc/llama_layer.cpp``), ``delta_rule`` (``csrc/delta_rule.cpp``); ``None`` where they cannot
-    be built."""
+    ``llama_layer`` (``csrc/llama_layer.cpp``), ``delta_rule`` (``csrc/delta_rule.cpp``), ``moe_mixture``
+    (``csrc/experts.cpp``); ``None`` where they cannot be built."""
     if os.environ.get("SMOLSERVE_NATIVE_KERNELS", "1") == "0":
         return None
     from torch.utils.cpp_extension import load

@@ -155,6 +155,10 @@ class _Experts:
     gate_up_bias: torch.Tensor | None = None  # [experts, 2 * intermediate], gate's then up's
     down_bias: torch.Tensor | None = None  # [experts, hidden]
     clamp: tuple[float, float] | None = None
+    #: Every expert's packed gate-and-up blocks ``[experts, groups, bytes]``, their type and outputs, then the same
+    #: for down (``moe_mixture``'s arguments; ``gate_up`` and ``down`` are views of them); None unless each list is
+    #: one packed matrix an expert, of one type and shape.
+    stacked: tuple[torch.Tensor, int, int, torch.Tensor, int, int] | None = None
 
     def route(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Each row's chosen experts ``[rows, k]`` and their weights (float32), from the router's ``logits``."""
@@ -343,6 +347,7 @@ class LlamaRunner:
         self._rope = _rope if ops is None else ops.rope
         self._silu_mul = _silu_mul if ops is None else ops.silu_mul
         self._gelu_mul = _gelu_mul if ops is None else ops.gelu_mul
+        self._moe = None if ops is None else ops.moe_mixture
         # Every projection quantized: each layer in one native call where the cache's native attention serves
         # the step (``csrc/llama_layer.cpp``: the same ops, without their Python dispatch between them).
         packed = [layer.packed() for layer in self.layers]
@@ -551,10 +556,13 @@ class LlamaRunner:
         expert's product of it is the same whatever rows share the step: the mixture is batch invariant."""
         weights, chosen = experts.route(linear(x, experts.router, self.tile))
         weights = weights.to(x.dtype)
-        output = torch.zeros_like(x)
-        for expert in torch.unique(chosen).tolist():  # sorted
-            rows, slot = torch.where(chosen == expert)
-            output.index_add_(0, rows, self._expert(x[rows], experts, expert) * weights[rows, slot, None])
+        if experts.stacked is not None and experts.clamp is None and self._moe is not None:
+            output = self._moe(x, weights, chosen, *experts.stacked)  # the loop below in one native call
+        else:
+            output = torch.zeros_like(x)
+            for expert in torch.unique(chosen).tolist():  # sorted
+                rows, slot = torch.where(chosen == expert)
+                output.index_add_(0, rows, self._expert(x[rows], experts, expert) * weights[rows, slot, None])
         if experts.shared is not None:  # added after the routed experts, as transformers adds it
             gate_up, down, gate = experts.shared
             shared = linear(self._silu_mul(linear(x, gate_up, self.tile)), down, self.tile)
@@ -593,18 +601,41 @@ def _experts(
             gate_up.append(prepack(_dense_expert(mlp.experts, expert, arch, "gate_up")))
         down.append(down_blocks.pack() if down_blocks is not None
                     else prepack(_dense_expert(mlp.experts, expert, arch, "down")))  # fmt: skip
+    stacked = _stacked(gate_up, down)
     if arch.oai_experts:
         return _oai_experts(mlp, fused, gate_up, down)
     gate = getattr(mlp, arch.router)
     router = fused([f"{arch.mlp}.{arch.router}"], [gate])
     renormalize = bool(getattr(gate, "norm_topk_prob", False))
-    experts = _Experts(router, gate_up, down, gate.top_k, renormalize, top_k_softmax=arch.top_k_softmax)
+    experts = _Experts(
+        router, gate_up, down, gate.top_k, renormalize, top_k_softmax=arch.top_k_softmax, stacked=stacked
+    )
     if arch.shared_expert:
         one, names = mlp.shared_expert, ["mlp.shared_expert.gate_proj", "mlp.shared_expert.up_proj"]
         experts.shared = (fused(names, [one.gate_proj, one.up_proj]),
                           fused(["mlp.shared_expert.down_proj"], [one.down_proj]),
                           mlp.shared_expert_gate.weight.detach()[0])  # fmt: skip
     return experts
+
+
+def _stacked(gate_up: list[Weight], down: list[Weight]) -> tuple[torch.Tensor, int, int, torch.Tensor, int, int] | None:
+    """Every expert's packed blocks stacked, gate-and-up's then down's (``_Experts.stacked``), the lists' entries
+    made views of them (no second copy kept); None unless each list is one packed matrix an expert of one type and
+    shape."""
+    for weights in (gate_up, down):
+        first = weights[0]
+        if not all(isinstance(w, PackedWeight) and (w.qtype, w.data.shape) == (first.qtype, first.data.shape)
+                   for w in weights):  # fmt: skip
+            return None
+    stacked: list[torch.Tensor | int] = []
+    for weights in (gate_up, down):
+        first = weights[0]
+        assert isinstance(first, PackedWeight)
+        blocks = torch.stack([w.data for w in weights])  # type: ignore[union-attr]
+        weights[:] = [PackedWeight(blocks[e], first.qtype, first.in_features, first.out_features)
+                      for e in range(len(weights))]  # fmt: skip
+        stacked += [blocks, first.qtype, first.out_features]
+    return tuple(stacked)  # type: ignore[return-value]
 
 
 def _dense_expert(experts: torch.nn.Module, expert: int, arch: Architecture, part: str) -> torch.Tensor:

@@ -54,6 +54,11 @@ std::tuple<at::Tensor, at::Tensor> llama_layer(
     const std::optional<at::Tensor>& k_norm, int64_t window, const std::optional<at::Tensor>& attn_out_norm,
     const std::optional<at::Tensor>& ffn_out_norm, bool gelu, double residual_scale);
 
+// experts.cpp
+at::Tensor moe_mixture(const at::Tensor& x, const at::Tensor& weights, const at::Tensor& chosen,
+                       const at::Tensor& gate_up, int64_t gate_up_type, int64_t gate_up_out, const at::Tensor& down,
+                       int64_t down_type, int64_t down_out);
+
 // delta_rule.cpp
 at::Tensor delta_rule(at::Tensor matrix, const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
                       const at::Tensor& decay, const at::Tensor& beta);
