@@ -6,11 +6,13 @@ token list padded with unused tokens to the shape's vocabulary. Prints the file'
     .venv/bin/python bench/shaped_gguf.py gpt-oss-20b --out /tmp/gpt-oss-20b-shaped.gguf
 
 Shapes: ``gpt-oss-20b`` as released (experts MXFP4, the rest as ``llama-quantize MXFP4_MOE`` writes it: Q8_0
-matrices, F32 router, biases, norms and sinks); ``lfm2-1.2b`` (LiquidAI/LFM2-1.2B: 10 short-convolution and 6
-attention layers) and ``qwen3.5-0.8b`` (Qwen3.5's layout at about 0.8B: 24 layers, 18 of them Gated DeltaNet,
-hidden 1,024; its vocabulary and RoPE base as Qwen3.5's, its linear attention's heads as Qwen3-Next's; the small
-size's own config was not at hand offline), their matrices Q8_0 (as ``llama-quantize Q8_0`` writes them), norms,
-convolutions and the delta rule's vectors F32.
+matrices, F32 router, biases, norms and sinks); ``qwen3-30b-a3b`` (Qwen/Qwen3-30B-A3B: 48 layers of 128 experts, 8
+a token) typed as ``llama-quantize Q4_K_M`` types it (Q4_K, with Q6_K for the value rows and the experts' down
+rows of half the layers, its ``use_more_bits`` ones, and for the output layer; an 18.6 GB file); ``lfm2-1.2b``
+(LiquidAI/LFM2-1.2B: 10 short-convolution and 6 attention layers) and ``qwen3.5-0.8b`` (Qwen3.5's layout at about
+0.8B: 24 layers, 18 of them Gated DeltaNet, hidden 1,024; its vocabulary and RoPE base as Qwen3.5's, its linear
+attention's heads as Qwen3-Next's; the small size's own config was not at hand offline), their matrices Q8_0 (as
+``llama-quantize Q8_0`` writes them), norms, convolutions and the delta rule's vectors F32.
 """
 
 from __future__ import annotations
@@ -49,7 +51,14 @@ QWEN35_0_8B = {
     "vocab": 248320, "context": 262144, "rope_theta": 1e7, "eps": 1e-6, "span": 4, "key_heads": 16,
     "value_heads": 16, "key_dim": 128, "value_dim": 128,
 }  # fmt: skip
-SHAPES = {"gpt-oss-20b": GPT_OSS_20B, "lfm2-1.2b": LFM2_1_2B, "qwen3.5-0.8b": QWEN35_0_8B}
+#: Qwen/Qwen3-30B-A3B's config: 48 layers of 128 experts of 768, 8 a token, their weights renormalized.
+QWEN3_30B_A3B = {
+    "arch": "qwen3moe", "layers": 48, "hidden": 2048, "heads": 32, "kv_heads": 4, "head_dim": 128, "experts": 128,
+    "used": 8, "ff": 6144, "expert_ff": 768, "vocab": 151936, "context": 40960, "rope_theta": 1e6, "eps": 1e-6,
+}  # fmt: skip
+SHAPES = {
+    "gpt-oss-20b": GPT_OSS_20B, "qwen3-30b-a3b": QWEN3_30B_A3B, "lfm2-1.2b": LFM2_1_2B, "qwen3.5-0.8b": QWEN35_0_8B,
+}  # fmt: skip
 
 
 def tensors(shape: dict) -> Iterator[tuple[str, tuple[int, ...], GGMLQuantizationType]]:
@@ -59,6 +68,9 @@ def tensors(shape: dict) -> Iterator[tuple[str, tuple[int, ...], GGMLQuantizatio
         return
     if shape.get("arch") == "qwen35":
         yield from _qwen35_tensors(shape)
+        return
+    if shape.get("arch") == "qwen3moe":
+        yield from _qwen3moe_tensors(shape)
         return
     hidden, heads, kv, dim = shape["hidden"], shape["heads"], shape["kv_heads"], shape["head_dim"]
     experts, ff = shape["experts"], shape["expert_ff"]
@@ -141,6 +153,38 @@ def _qwen35_tensors(shape: dict) -> Iterator[tuple[str, tuple[int, ...], GGMLQua
     yield "output.weight", (shape["vocab"], hidden), T.Q8_0
 
 
+def _more_bits(layer: int, layers: int) -> bool:
+    """llama.cpp's ``use_more_bits``: the layers whose value rows and down rows Q4_K_M keeps in Q6_K."""
+    return layer < layers // 8 or layer >= 7 * layers // 8 or (layer - layers // 8) % 3 == 2
+
+
+def _qwen3moe_tensors(shape: dict) -> Iterator[tuple[str, tuple[int, ...], GGMLQuantizationType]]:
+    hidden, heads, kv, dim = shape["hidden"], shape["heads"], shape["kv_heads"], shape["head_dim"]
+    experts, ff, layers = shape["experts"], shape["expert_ff"], shape["layers"]
+    yield "token_embd.weight", (shape["vocab"], hidden), T.Q4_K
+    for i in range(layers):
+        blk, more = f"blk.{i}", _more_bits(i, layers)
+        yield f"{blk}.attn_norm.weight", (hidden,), T.F32
+        yield f"{blk}.ffn_norm.weight", (hidden,), T.F32
+        yield f"{blk}.attn_q.weight", (heads * dim, hidden), T.Q4_K
+        yield f"{blk}.attn_k.weight", (kv * dim, hidden), T.Q4_K
+        yield f"{blk}.attn_v.weight", (kv * dim, hidden), T.Q6_K if more else T.Q4_K
+        yield f"{blk}.attn_output.weight", (hidden, heads * dim), T.Q4_K
+        yield f"{blk}.attn_q_norm.weight", (dim,), T.F32
+        yield f"{blk}.attn_k_norm.weight", (dim,), T.F32
+        yield f"{blk}.ffn_gate_inp.weight", (experts, hidden), T.F32
+        yield f"{blk}.ffn_gate_exps.weight", (experts, ff, hidden), T.Q4_K
+        yield f"{blk}.ffn_up_exps.weight", (experts, ff, hidden), T.Q4_K
+        yield f"{blk}.ffn_down_exps.weight", (experts, hidden, ff), T.Q6_K if more else T.Q4_K
+    yield "output_norm.weight", (hidden,), T.F32
+    yield "output.weight", (shape["vocab"], hidden), T.Q6_K
+
+
+#: Where each K-quant block's fp16 scales sit, and their size: weights of about 0.02 over random quants and
+#: sub-scales (Q4_K: d sc q ~ 240 d, less dmin mn; Q6_K: d sc (q - 32) ~ 1,100 d).
+_K_SCALES = {T.Q4_K: ((0, 8e-5), (2, 4e-5)), T.Q6_K: ((208, 2e-5),)}
+
+
 def values(name: str, dims: tuple[int, ...], kind: GGMLQuantizationType, rng: np.random.Generator) -> np.ndarray:
     """Random values of a plausible size: norms about 1, matrices' weights about 0.02, biases and sinks small; in
     blocks, valid scales (fp16 for Q8_0, an E8M0 exponent for MXFP4) over random quants."""
@@ -153,6 +197,9 @@ def values(name: str, dims: tuple[int, ...], kind: GGMLQuantizationType, rng: np
     raw = rng.integers(0, 256, (*dims[:-1], dims[-1] // block, size), dtype=np.uint8)
     if kind == T.Q8_0:  # d about 3e-4: int8 quants of std ~73 make weights of ~0.02
         raw[..., :2] = np.array([3e-4], dtype=np.float16).view(np.uint8)
+    elif kind in _K_SCALES:
+        for at, scale in _K_SCALES[kind]:
+            raw[..., at : at + 2] = np.array([scale], dtype=np.float16).view(np.uint8)
     else:  # MXFP4: 2^(119 - 128) times E2M1 values of std ~6: ~0.012
         raw[..., 0] = 119
     return raw.reshape(*dims[:-1], -1)
@@ -161,7 +208,7 @@ def values(name: str, dims: tuple[int, ...], kind: GGMLQuantizationType, rng: np
 def write(shape: dict, out: Path, tokenizer_from: Path, seed: int = 0) -> None:
     arch = shape.get("arch", "gpt-oss")
     writer = GGUFWriter(out, arch)
-    {"gpt-oss": _keys, "lfm2": _hybrid_keys, "qwen35": _hybrid_keys}[arch](writer, shape)
+    {"gpt-oss": _keys, "qwen3moe": _qwen3moe_keys, "lfm2": _hybrid_keys, "qwen35": _hybrid_keys}[arch](writer, shape)
     _tokenizer(writer, GGUFReader(tokenizer_from), shape["vocab"])
     rng = np.random.default_rng(seed)
     listed = list(tensors(shape))
@@ -198,6 +245,24 @@ def _keys(writer: GGUFWriter, shape: dict) -> None:
     writer.add_rope_scaling_factor(shape["yarn_factor"])
     writer.add_rope_scaling_orig_ctx_len(shape["yarn_original"])
     writer.add_file_type(38)  # MOSTLY_MXFP4_MOE
+
+
+def _qwen3moe_keys(writer: GGUFWriter, shape: dict) -> None:
+    """Qwen3-MoE's keys, as llama.cpp's converter writes them."""
+    writer.add_block_count(shape["layers"])
+    writer.add_context_length(shape["context"])
+    writer.add_embedding_length(shape["hidden"])
+    writer.add_feed_forward_length(shape["ff"])
+    writer.add_expert_feed_forward_length(shape["expert_ff"])
+    writer.add_head_count(shape["heads"])
+    writer.add_head_count_kv(shape["kv_heads"])
+    writer.add_key_length(shape["head_dim"])
+    writer.add_value_length(shape["head_dim"])
+    writer.add_rope_freq_base(shape["rope_theta"])
+    writer.add_layer_norm_rms_eps(shape["eps"])
+    writer.add_expert_count(shape["experts"])
+    writer.add_expert_used_count(shape["used"])
+    writer.add_file_type(15)  # MOSTLY_Q4_K_M
 
 
 def _hybrid_keys(writer: GGUFWriter, shape: dict) -> None:
