@@ -197,11 +197,12 @@ def test_each_layer_in_one_native_call_is_bitwise_the_op_by_op_path(arch: str, s
     assert run_outputs(fused, requests) == run_outputs(op_by_op, requests)
 
 
-@pytest.mark.parametrize("arch", [arch for arch, row in ARCHITECTURES.items() if row.experts and not row.oai_experts])
+@pytest.mark.parametrize("arch", [arch for arch, row in ARCHITECTURES.items() if row.experts])
 @pytest.mark.parametrize("mix", ["Q8_0", "mixed"])
 def test_a_mixture_s_experts_in_one_native_call_are_bitwise_the_python_loop(arch: str, mix: str, served) -> None:
     """``csrc/experts.cpp`` takes each chosen expert's rows, blocks and weights as ``_mixture``'s loop does, in the
-    same order: the same tokens and log-probabilities, with several rows a step choosing overlapping experts."""
+    same order (gpt-oss: its biases and clamped SwiGLU too): the same tokens and log-probabilities, with several rows
+    a step choosing overlapping experts."""
     from engine_helpers import make_engine, run_outputs
 
     _, loaded = served(arch, mix)

@@ -556,8 +556,10 @@ class LlamaRunner:
         expert's product of it is the same whatever rows share the step: the mixture is batch invariant."""
         weights, chosen = experts.route(linear(x, experts.router, self.tile))
         weights = weights.to(x.dtype)
-        if experts.stacked is not None and experts.clamp is None and self._moe is not None:
-            output = self._moe(x, weights, chosen, *experts.stacked)  # the loop below in one native call
+        if experts.stacked is not None and self._moe is not None:  # the loop below in one native call
+            alpha, limit = experts.clamp or (0.0, 0.0)
+            biases = (experts.gate_up_bias, experts.down_bias)
+            output = self._moe(x, weights, chosen, *experts.stacked, *biases, alpha, limit)
         else:
             output = torch.zeros_like(x)
             for expert in torch.unique(chosen).tolist():  # sorted
@@ -603,7 +605,7 @@ def _experts(
                     else prepack(_dense_expert(mlp.experts, expert, arch, "down")))  # fmt: skip
     stacked = _stacked(gate_up, down)
     if arch.oai_experts:
-        return _oai_experts(mlp, fused, gate_up, down)
+        return _oai_experts(mlp, fused, gate_up, down, stacked)
     gate = getattr(mlp, arch.router)
     router = fused([f"{arch.mlp}.{arch.router}"], [gate])
     renormalize = bool(getattr(gate, "norm_topk_prob", False))
@@ -651,7 +653,7 @@ def _dense_expert(experts: torch.nn.Module, expert: int, arch: Architecture, par
 
 def _oai_experts(
     mlp: torch.nn.Module, fused: Callable[[list[str], list[torch.nn.Module]], Weight], gate_up: list[Weight],
-    down: list[Weight],
+    down: list[Weight], stacked: tuple[torch.Tensor, int, int, torch.Tensor, int, int] | None,
 ) -> _Experts:  # fmt: skip
     """gpt-oss's mixture: its router (with a bias), the experts' matrices, their biases (the gate's and up's
     interleaved in transformers' parameter, here gate's then up's as the rows are stacked) and the SwiGLU's clamp."""
@@ -660,7 +662,7 @@ def _oai_experts(
     return _Experts(
         fused(["mlp.router"], [router]), gate_up, down, router.top_k, False, top_k_softmax=True,
         router_bias=router.bias.detach(), gate_up_bias=torch.cat([bias[:, 0::2], bias[:, 1::2]], dim=1),
-        down_bias=experts.down_proj_bias.detach(), clamp=(float(experts.alpha), float(experts.limit)),
+        down_bias=experts.down_proj_bias.detach(), clamp=(float(experts.alpha), float(experts.limit)), stacked=stacked,
     )  # fmt: skip
 
 

@@ -57,7 +57,8 @@ std::tuple<at::Tensor, at::Tensor> llama_layer(
 // experts.cpp
 at::Tensor moe_mixture(const at::Tensor& x, const at::Tensor& weights, const at::Tensor& chosen,
                        const at::Tensor& gate_up, int64_t gate_up_type, int64_t gate_up_out, const at::Tensor& down,
-                       int64_t down_type, int64_t down_out);
+                       int64_t down_type, int64_t down_out, const std::optional<at::Tensor>& gate_up_bias,
+                       const std::optional<at::Tensor>& down_bias, double alpha, double limit);
 
 // delta_rule.cpp
 at::Tensor delta_rule(at::Tensor matrix, const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
