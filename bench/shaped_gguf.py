@@ -226,11 +226,13 @@ def write(shape: dict, out: Path, tokenizer_from: Path, seed: int = 0) -> None:
     writer.close()
 
 
-def _keys(writer: GGUFWriter, shape: dict) -> None:
+def _mixture_keys(writer: GGUFWriter, shape: dict, ff: int) -> None:
+    """The keys every mixture of experts' file has, as llama.cpp's converter writes them (``ff``: the dense MLP's
+    width, or the experts' where the family has none)."""
     writer.add_block_count(shape["layers"])
     writer.add_context_length(shape["context"])
     writer.add_embedding_length(shape["hidden"])
-    writer.add_feed_forward_length(shape["expert_ff"])
+    writer.add_feed_forward_length(ff)
     writer.add_expert_feed_forward_length(shape["expert_ff"])
     writer.add_head_count(shape["heads"])
     writer.add_head_count_kv(shape["kv_heads"])
@@ -239,8 +241,13 @@ def _keys(writer: GGUFWriter, shape: dict) -> None:
     writer.add_layer_norm_rms_eps(shape["eps"])
     writer.add_expert_count(shape["experts"])
     writer.add_expert_used_count(shape["used"])
-    writer.add_sliding_window(shape["window"])
     writer.add_rope_freq_base(shape["rope_theta"])
+
+
+def _keys(writer: GGUFWriter, shape: dict) -> None:
+    """gpt-oss's: a window every other layer, YaRN."""
+    _mixture_keys(writer, shape, shape["expert_ff"])
+    writer.add_sliding_window(shape["window"])
     writer.add_rope_scaling_type(RopeScalingType.YARN)
     writer.add_rope_scaling_factor(shape["yarn_factor"])
     writer.add_rope_scaling_orig_ctx_len(shape["yarn_original"])
@@ -248,20 +255,7 @@ def _keys(writer: GGUFWriter, shape: dict) -> None:
 
 
 def _qwen3moe_keys(writer: GGUFWriter, shape: dict) -> None:
-    """Qwen3-MoE's keys, as llama.cpp's converter writes them."""
-    writer.add_block_count(shape["layers"])
-    writer.add_context_length(shape["context"])
-    writer.add_embedding_length(shape["hidden"])
-    writer.add_feed_forward_length(shape["ff"])
-    writer.add_expert_feed_forward_length(shape["expert_ff"])
-    writer.add_head_count(shape["heads"])
-    writer.add_head_count_kv(shape["kv_heads"])
-    writer.add_key_length(shape["head_dim"])
-    writer.add_value_length(shape["head_dim"])
-    writer.add_rope_freq_base(shape["rope_theta"])
-    writer.add_layer_norm_rms_eps(shape["eps"])
-    writer.add_expert_count(shape["experts"])
-    writer.add_expert_used_count(shape["used"])
+    _mixture_keys(writer, shape, shape["ff"])
     writer.add_file_type(15)  # MOSTLY_Q4_K_M
 
 
