@@ -53,7 +53,7 @@ at::Tensor moe_mixture(const at::Tensor& x, const at::Tensor& weights, const at:
   const int64_t rows = chosen.size(0), k = chosen.size(1), experts = gate_up.size(0);
   const at::Tensor ids = chosen.contiguous();
   const int64_t* id = ids.const_data_ptr<int64_t>();
-  std::vector<int64_t> count(experts + 1, 0);  // where each expert's rows start in `order`
+  std::vector<int64_t> count(experts + 1, 0);  // where each expert's (row, slot) pairs start in `taken`
   for (int64_t i = 0; i < rows * k; ++i) {
     TORCH_CHECK(id[i] >= 0 && id[i] < experts, "expert ", id[i], " is out of range");
     ++count[id[i] + 1];
@@ -70,6 +70,9 @@ at::Tensor moe_mixture(const at::Tensor& x, const at::Tensor& weights, const at:
   const auto index = at::TensorOptions().dtype(at::kLong);
   const at::Tensor all_rows = at::tensor(taken, index);
   const at::Tensor all_weights = weights.reshape({-1}).index_select(0, at::tensor(at, index)).unsqueeze(1);
+  const auto bias = [](const std::optional<at::Tensor>& all, int64_t e) {  // expert e's, where there are biases
+    return all.has_value() ? std::optional<at::Tensor>((*all)[e]) : std::nullopt;
+  };
   at::Tensor output = at::zeros_like(x);
   for (int64_t e = 0; e < experts; ++e) {
     const int64_t first = count[e], n = count[e + 1] - first;
@@ -77,11 +80,8 @@ at::Tensor moe_mixture(const at::Tensor& x, const at::Tensor& weights, const at:
     const at::Tensor these = all_rows.narrow(0, first, n);
     // One row (a decoding step's usual case): its view, not a copy.
     const at::Tensor input = n == 1 ? x.narrow(0, taken[first], 1) : x.index_select(0, these);
-    const auto bias = [e](const std::optional<at::Tensor>& all) {
-      return all.has_value() ? std::optional<at::Tensor>((*all)[e]) : std::nullopt;
-    };
     const at::Tensor out = expert_mlp(input, gate_up[e], gate_up_type, gate_up_out, down[e], down_type, down_out,
-                                      bias(gate_up_bias), bias(down_bias), alpha, limit);
+                                      bias(gate_up_bias, e), bias(down_bias, e), alpha, limit);
     output.index_add_(0, these, out * all_weights.narrow(0, first, n));
   }
   return output;

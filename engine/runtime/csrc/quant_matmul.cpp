@@ -230,17 +230,15 @@ void decode_small(const uint8_t* block, int64_t type, SubBlock& sb) {
   }
 }
 
-// Q4_K and Q5_K: 8 sub-blocks of 32, each with its scale and min.
+// Q4_K and Q5_K: 8 sub-blocks of 32, each with its scale and min (packed as the file's integers beside d and dmin:
+// the kernel forms their products).
 void decode_q45_k(const uint8_t* block, bool five, SubBlock* out) {
-  const float d = half_to_float(load_half(block)), dmin = half_to_float(load_half(block + 2));
   const uint8_t* scales = block + 4;
   const uint8_t* high = block + 16;
   const uint8_t* qs = block + 16 + (five ? 32 : 0);
   for (int64_t s = 0; s < 8; ++s) {
     uint8_t scale, min;
     scale_min_k4(s, scales, scale, min);
-    out[s].d[0] = d * scale;
-    out[s].m[0] = -(dmin * min);
     out[s].d_half = load_half(block);
     out[s].m_half = load_half(block + 2);
     out[s].sc[0] = scale;
@@ -287,15 +285,13 @@ void decode_q6_k(const uint8_t* block, SubBlock* out) {
   const uint8_t* ql = block;
   const uint8_t* qh = block + 128;
   const auto* scales = reinterpret_cast<const int8_t*>(block + 192);
-  const float d = half_to_float(load_half(block + 208));
+  for (int64_t s = 0; s < 8; ++s) out[s].d_half = load_half(block + 208);
   for (int64_t i = 0; i < 256; ++i) {
     const int64_t half = i / 128, quarter = i % 128 / 32, l = i % 32;
     const uint8_t low = ql[64 * half + l + 32 * (quarter % 2)];
     const int value = ((quarter < 2 ? low & 0x0F : low >> 4) | (((qh[32 * half + l] >> (2 * quarter)) & 3) << 4)) - 32;
     out[i / kBlock].q[i % kBlock] = static_cast<uint8_t>(static_cast<int8_t>(value));
-    out[i / kBlock].d[i % kBlock / 16] = d * scales[i / 16];
     out[i / kBlock].sc[i % kBlock / 16] = static_cast<uint8_t>(scales[i / 16]);
-    out[i / kBlock].d_half = load_half(block + 208);
   }
 }
 
