@@ -569,8 +569,9 @@ class LlamaRunner:
             gate_up, down, gate = experts.shared
             shared = linear(self._silu_mul(linear(x, gate_up, self.tile)), down, self.tile)
             # The gate is one output: a dense product of one column summed a row's inputs in an order that
-            # depended on the row's place in its tile; a row's own dot product does not.
-            output = output + torch.sigmoid((x * gate).sum(dim=-1, keepdim=True)) * shared
+            # depended on the row's place in its tile; a row's own dot product does not. Its sigmoid by rows: torch's
+            # gave a row's last bits by where it fell among the step's rows (seen on AVX-512 with BF16, Zen 4).
+            output = output + _by_rows(torch.sigmoid, (x * gate).sum(dim=-1, keepdim=True)) * shared
         return output
 
     def _expert(self, x: torch.Tensor, experts: _Experts, expert: int) -> torch.Tensor:
