@@ -537,8 +537,9 @@ class LlamaRunner:
         q, k = (_by_rows(rule.l2norm, x.reshape(rows, net.key_heads, -1).float()) for x in (q, k))
         q, k = rule.prepare(q, k, net.value_heads, net.tiled)
         decay = net.decay * _by_rows(F.softplus, a.float() + net.dt_bias)
+        beta = _by_rows(torch.sigmoid, b.float())  # (in float32 as the rule takes it, bfloat16 activations too)
         read = batch.states.delta_rule(
-            layer.cache_index, q, k, v.reshape(rows, net.value_heads, -1).float(), decay, _by_rows(torch.sigmoid, b)
+            layer.cache_index, q, k, v.reshape(rows, net.value_heads, -1).float(), decay, beta
         ).to(normed.dtype)
         z = z.reshape(rows, net.value_heads, -1).float()
         gated = _by_rows(lambda x: _rms_norm(x, net.norm, eps), read) * _by_rows(F.silu, z)
