@@ -233,7 +233,9 @@ def test_a_mixture_or_a_new_family_answers_greedy_as_llama_cpp_s_server_does(
     flags = ["-ctk", "f32", "-ctv", "f32", "-fa", "off"]
     llama, llama_base = start_llama(binary, 1, context=2048, extra=flags, gguf=gguf)
     try:
-        ours, ours_base = start_server("--model", str(gguf), "--embedding-model", "none", "--kv-cache-gib", "0.5")
+        # float32 activations as llama.cpp's CPU path has them (`--dtype auto` takes bfloat16 on BF16 CPUs)
+        ours, ours_base = start_server("--model", str(gguf), "--embedding-model", "none", "--kv-cache-gib", "0.5",
+                                       "--dtype", "float32")  # fmt: skip
     except BaseException:  # neither server outlives the test
         stop_server(llama)
         raise
