@@ -37,6 +37,8 @@ from transformers import (
     Qwen2MoeConfig,
     Qwen2MoeForCausalLM,
     Qwen3_5ForCausalLM,
+    Qwen3_5MoeForCausalLM,
+    Qwen3_5MoeTextConfig,
     Qwen3_5TextConfig,
     Qwen3Config,
     Qwen3ForCausalLM,
@@ -53,7 +55,8 @@ _MODELS = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen
            "gpt-oss": (GptOssConfig, GptOssForCausalLM), "granite": (GraniteConfig, GraniteForCausalLM),
            "granitemoe": (GraniteMoeConfig, GraniteMoeForCausalLM), "lfm2": (Lfm2Config, Lfm2ForCausalLM),
            "smollm3": (SmolLM3Config, SmolLM3ForCausalLM),
-           "qwen35": (Qwen3_5TextConfig, Qwen3_5ForCausalLM)}  # fmt: skip
+           "qwen35": (Qwen3_5TextConfig, Qwen3_5ForCausalLM),
+           "qwen35moe": (Qwen3_5MoeTextConfig, Qwen3_5MoeForCausalLM)}  # fmt: skip
 _LAYER = {
     "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
     "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
@@ -63,7 +66,9 @@ _LAYER = {
     "mlp.shared_expert.down_proj": "ffn_down_shexp", "mlp.shared_expert_gate": "ffn_gate_inp_shexp",
 }  # fmt: skip
 #: The mixtures of experts among the tiny models.
-MIXTURES = ("qwen3moe", "olmoe", "qwen2moe", "gpt-oss", "granitemoe")
+MIXTURES = ("qwen3moe", "olmoe", "qwen2moe", "gpt-oss", "granitemoe", "qwen35moe")
+#: Qwen3.5's families: its linear attention, dense or with a mixture of experts.
+QWEN35 = ("qwen35", "qwen35moe")
 #: The architectures whose converter permutes the query's and key's rows (llama.cpp's ``LlamaModel`` and its heirs).
 PERMUTED = ("llama", "granite", "granitemoe", "smollm3")
 #: Granite's multipliers in the tiny models: far enough from 1 (and from 1/sqrt(head size)) that each counts.
@@ -126,7 +131,7 @@ def tiny_model(arch: str, vocab: int, seed: int = 0, long_rope: bool = False, po
         extra.update(num_local_experts=8, num_experts_per_tok=2, intermediate_size=64)
     elif arch in MIXTURES and arch != "gpt-oss":  # olmoe, qwen2moe: the chosen experts' weights as they come
         extra.update(TINY_EXPERTS, norm_topk_prob=arch == "qwen3moe")
-    if arch == "qwen2moe":
+    if arch in ("qwen2moe", "qwen35moe"):
         extra.update(shared_expert_intermediate_size=96)
     extra["rope_parameters"] = LLAMA3_ROPE if long_rope else {"rope_type": "default", "rope_theta": 1e6}
     extra.update(num_hidden_layers=2, tie_word_embeddings=False)
@@ -148,7 +153,7 @@ def tiny_model(arch: str, vocab: int, seed: int = 0, long_rope: bool = False, po
             tie_word_embeddings=True,
             rope_parameters={kind: {"rope_type": "default", "rope_theta": base} for kind, base in bases.items()},
         )  # fmt: skip
-    if arch == "qwen35":  # three linear-attention layers, then a full one
+    if arch in QWEN35:  # three linear-attention layers, then a full one
         rope = {"rope_type": "default", "rope_theta": 1e6, "partial_rotary_factor": 0.25}
         extra.update(QWEN35_LINEAR, num_hidden_layers=4, head_dim=32, pad_token_id=None, rope_parameters=rope)
     if arch == "smollm3":  # four layers: the fourth without RoPE (its padding id is beyond the tiny vocabulary)
@@ -205,8 +210,8 @@ def write_gguf(
         writer.add_rope_freq_base_swa(config.rope_parameters["sliding_attention"]["rope_theta"])
     if arch == "phi3":
         _phi3_keys(model, writer)
-    if arch == "qwen35":
-        _qwen35_keys(config, writer)
+    if arch in QWEN35:
+        _qwen35_keys(config, writer, arch)
     if arch in ("granite", "granitemoe"):
         writer.add_embedding_scale(config.embedding_multiplier)
         writer.add_attention_scale(config.attention_multiplier)
@@ -231,7 +236,7 @@ def write_gguf(
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     writer.add_key_length(head_dim)
     writer.add_value_length(head_dim)
-    if arch == "qwen2moe":
+    if arch in ("qwen2moe", "qwen35moe"):
         writer.add_expert_shared_feed_forward_length(config.shared_expert_intermediate_size)
     if arch in MIXTURES:
         writer.add_expert_count(getattr(config, "num_local_experts", None) or config.num_experts)
@@ -243,7 +248,7 @@ def write_gguf(
     with torch.no_grad():
         for name, parameter in model.named_parameters():
             for gguf_name, values, target in _tensors(name, parameter, arch):
-                plus_one = arch == "gemma3" or (arch == "qwen35" and ".ssm_norm." not in gguf_name)
+                plus_one = arch == "gemma3" or (arch in QWEN35 and ".ssm_norm." not in gguf_name)
                 if plus_one and gguf_name.endswith("norm.weight"):  # the model multiplies by 1 + w: the file too
                     values = values + np.float32(1.0)
                 kind = gguf_name.split(".")[-2] if gguf_name.startswith("blk.") else gguf_name.split(".")[0]
@@ -260,7 +265,7 @@ def write_gguf(
                 restored = dequantize(raw, qtype)
                 if arch in PERMUTED and kind in ("attn_q", "attn_k"):
                     restored = _unpermute(restored, heads)
-                if arch == "qwen35":
+                if arch in QWEN35:
                     restored = _qwen35_order(kind, restored, config, untile=True)
                 target.copy_(torch.from_numpy(np.ascontiguousarray(restored)))
     writer.write_header_to_file()
@@ -276,7 +281,7 @@ def _tensors(name: str, parameter: torch.Tensor, arch: str) -> list[tuple[str, n
     layer = name.split(".")[2] if name.startswith("model.layers.") else ""
     if arch == "gpt-oss" and ".mlp.experts." in name:
         return _oai_experts(name, parameter, layer)
-    if arch == "qwen35" and ".linear_attn." in name:
+    if arch in QWEN35 and ".linear_attn." in name:
         return _qwen35_tensors(name, parameter, layer)
     if name.endswith("conv.conv.weight"):  # LFM2's depthwise convolution: [channels, span], as the converter has it
         return [(f"blk.{layer}.shortconv.conv.weight", parameter.detach()[:, 0].float().numpy(), parameter.data)]
@@ -319,13 +324,12 @@ def _gguf_name(name: str, arch: str) -> str:
     _, _, index, rest = name.split(".", 3)
     module, kind = rest.rsplit(".", 1)
     names = {"gemma3": _GEMMA_LAYER, "phi3": _PHI3_LAYER, "gpt-oss": _OAI_LAYER, "granitemoe": _GRANITE_MOE_LAYER,
-             "lfm2": _LFM2_LAYER, "qwen35": _QWEN35_LAYER}.get(arch, _LAYER)  # fmt: skip
+             "lfm2": _LFM2_LAYER, "qwen35": _QWEN35_LAYER, "qwen35moe": _QWEN35_LAYER}.get(arch, _LAYER)  # fmt: skip
     return f"blk.{index}.{names[module]}.{kind}"
 
 
-def _qwen35_keys(config: Any, writer: GGUFWriter) -> None:
+def _qwen35_keys(config: Any, writer: GGUFWriter, arch: str) -> None:
     """What llama.cpp's converter adds for Qwen3.5: the linear attention's shapes, its layers, the rotated dims."""
-    arch = "qwen35"
     writer.add_uint32(f"{arch}.ssm.conv_kernel", config.linear_conv_kernel_dim)
     writer.add_uint32(f"{arch}.ssm.state_size", config.linear_key_head_dim)
     writer.add_uint32(f"{arch}.ssm.group_count", config.linear_num_key_heads)
@@ -494,18 +498,25 @@ def save_checkpoint(
     tokenizer_class = "GPT2Tokenizer" if arch == "phi3" else "PreTrainedTokenizerFast"
     settings = directory / "tokenizer_config.json"
     settings.write_text(json.dumps({**json.loads(settings.read_text()), "tokenizer_class": tokenizer_class}))
+    if arch == "qwen35moe":  # transformers loads Qwen3.5-MoE's own tokenizer whatever the class named (its
+        # pre-tokenizer over the bundled vocabulary: one the converter does not know); the converter picks its
+        # model's class by `architectures`, so the model type may be the dense family's, whose class is honoured
+        saved = directory / "config.json"
+        saved.write_text(json.dumps({**json.loads(saved.read_text()), "model_type": "qwen3_5_text"}))
     return model
 
 
 def convert(checkpoint: Path, out: Path, llama_cpp: Path, outtype: str = "f32") -> None:
     """llama.cpp's own converter run on ``checkpoint`` (its tree at ``llama_cpp``, with its gguf-py)."""
+    import json
     import os
     import subprocess
     import sys
 
     env = {**os.environ, "PYTHONPATH": str(llama_cpp / "gguf-py")}
     command = [sys.executable, str(llama_cpp / "convert_hf_to_gguf.py"), str(checkpoint), "--outfile", str(out)]
-    if '"qwen3_5_text"' in (checkpoint / "config.json").read_text():  # no multi-token prediction layers to write
+    model_type = json.loads((checkpoint / "config.json").read_text()).get("model_type")
+    if model_type in ("qwen3_5_text", "qwen3_5_moe_text"):  # no multi-token prediction layers to write
         command.append("--no-mtp")
     done = subprocess.run([*command, "--outtype", outtype], env=env, capture_output=True, text=True)
     if done.returncode:

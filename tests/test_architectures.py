@@ -120,6 +120,10 @@ def test_a_tiny_gguf_scores_text_as_transformers_does(arch: str, mix: str, serve
         # SiLU gate each): mean 0.070-0.088, largest 0.33-0.53 with Q8_0 weights (the activations' rounding alone),
         # 0.049-0.058 and 0.17-0.20 with this mix, two seeds; the same file served dense: 3e-6
         mean, largest = (0.12, 0.8) if arch == "qwen35" else (mean, largest)
+        # qwen35moe: those layers' rounding, and the router's choices it moves: mean 0.19-0.36, largest 0.82-1.36 with
+        # this mix, 0.20-0.46 and 1.0-1.9 with Q8_0 weights, two seeds; with every expert chosen (no choice to move)
+        # 0.14-0.21; its experts alone in Q8_0 0.049; the same file served dense (its blocks dequantized): 1e-5
+        mean, largest = (0.3, 1.5) if arch == "qwen35moe" else (mean, largest)
         assert (got - want).abs().mean() < mean and (got - want).abs().max() < largest
 
 
@@ -257,7 +261,7 @@ def test_an_architecture_not_served_natively_is_refused_naming_those_that_are(
 
     renamed = other_architecture(tokenizer_file, tmp_path)
     served = ("llama, qwen2, qwen3, qwen3moe, qwen2moe, olmoe, gpt-oss, granite, smollm3, granitemoe, phi3, qwen35, "
-              "lfm2, gemma3")
+              "qwen35moe, lfm2, gemma3")
     with pytest.raises(NotServedNatively, match=rf"'xllam' is not served natively .*{served}"):
         load(renamed, tmp_path / "cache")
 

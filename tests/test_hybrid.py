@@ -51,10 +51,10 @@ def files(tmp_path_factory: pytest.TempPathFactory):
     return get
 
 
-@pytest.fixture(params=["lfm2", "qwen35"])
+@pytest.fixture(params=["lfm2", "qwen35", "qwen35moe"])
 def hybrid(request: pytest.FixtureRequest, files):
     """``hybrid(mix)``: each hybrid family's tiny model and file (LFM2's short convolutions; Qwen3.5's linear
-    attention: a convolution and a gated delta rule)."""
+    attention: a convolution and a gated delta rule; Qwen3.5-MoE's, beside a mixture of experts)."""
     return lambda mix: files(request.param, mix)
 
 
@@ -302,12 +302,12 @@ def test_a_hybrid_the_native_runner_does_not_serve_is_refused_not_run_without_it
         make_runner(model, 64)
 
 
-@pytest.mark.parametrize("arch", ["lfm2", "qwen35"])
+@pytest.mark.parametrize("arch", ["lfm2", "qwen35", "qwen35moe"])
 def test_a_hybrid_in_bfloat16_scores_a_prompt_as_in_float32_to_its_rounding(arch: str, files) -> None:
     """`--dtype auto` serves in bfloat16 on CPUs with BF16 (Zen 4, Sapphire Rapids): every op of a hybrid's layers
     takes it (Qwen3.5's gated delta rule was given its gates in bfloat16 and refused them: every step failed there).
-    Measured, bfloat16 from float32 over 39 prompt tokens: mean 0.04 (lfm2), 0.16 (qwen35); a wrong op moves whole
-    units."""
+    Measured, bfloat16 from float32 over 39 prompt tokens: mean 0.04 (lfm2), 0.16 (qwen35), 0.58 (qwen35moe, its
+    router's choices moved too; transformers' own bfloat16 from its float32: 0.20); a wrong op moves whole units."""
     scores = {}
     for dtype in ("float32", "bfloat16"):
         _, loaded = files(arch, "mixed", dtype)

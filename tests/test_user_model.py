@@ -171,7 +171,7 @@ def test_a_sentencepiece_file_s_token_ids_are_llama_cpp_s(tmp_path: Path) -> Non
 @pytest.mark.parametrize(
     "arch",
     ["llama", "qwen3", "phi3", "gemma3", "qwen3moe", "olmoe", "qwen2moe", "gpt-oss", "granite", "granitemoe", "lfm2",
-     "smollm3", "qwen35"],
+     "smollm3", "qwen35", "qwen35moe"],
 )
 def test_a_file_from_llama_cpp_s_own_converter_scores_text_as_transformers_does(arch: str, tmp_path: Path) -> None:
     """The tiny files of ``tests/gguf_files.py`` are written as the converter writes them; this runs the converter
@@ -197,7 +197,7 @@ def test_a_file_from_llama_cpp_s_own_converter_scores_text_as_transformers_does(
 
 @pytest.mark.parametrize(("arch", "outtype"), [
     *((arch, outtype) for arch in ("qwen3moe", "olmoe", "qwen2moe", "gpt-oss", "granitemoe", "lfm2", "smollm3",
-                                          "qwen35")
+                                          "qwen35", "qwen35moe")
       for outtype in ("f32", "q8_0")),
     ("gpt-oss", "mxfp4"),
 ])  # fmt: skip
@@ -279,9 +279,11 @@ def test_a_mixture_or_a_new_family_answers_greedy_as_llama_cpp_s_server_does(
             # qwen35 (gated delta rules of 8-bit-rounded inputs, L2-normalized): ours from llama.cpp's mean 0.083, top
             # token agreeing 91%, while ours is 0.07-0.09 from the float product of the same weights
             # (test_architectures' Q8_0 files).
-            bound, agreeing = {"gpt-oss": (0.2, 0.75), "granitemoe": (0.1, 0.55), "qwen35": (0.15, 0.8)}.get(
-                arch, (0.06, 0.8)
-            )
+            # qwen35moe (those layers' rounding moves the router's top 2 of 8, and each flip swaps an expert): ours
+            # from llama.cpp's mean 0.43, top token agreeing 68%, while ours is 1.8 from the float product of the same
+            # weights (the F32 file's, where the two servers agree to the bit): the two quantized paths route alike.
+            bound, agreeing = {"gpt-oss": (0.2, 0.75), "granitemoe": (0.1, 0.55), "qwen35": (0.15, 0.8),
+                               "qwen35moe": (0.6, 0.55)}.get(arch, (0.06, 0.8))  # fmt: skip
             assert sum(gaps) / len(gaps) < bound and sum(tops) / len(tops) > agreeing, (summary, sum(tops) / len(tops))
     finally:
         stop_server(ours)

@@ -142,6 +142,12 @@ ARCHITECTURES = {
         # Qwen3.5 (dense): three Gated DeltaNet layers for each gated attention one; norms scale by 1 + w; a quarter of
         # each head rotated
         Architecture("qwen35", "qwen3_5_text", qk_norm=True, norm_offset=1.0, delta_net=True, gated_attention=True),
+        # Qwen3.5-MoE (35B-A3B, 122B-A10B, 397B-A17B): Qwen3.5's layers, each MLP a mixture (its chosen experts'
+        # weights renormalized) beside a shared expert behind a sigmoid gate, as Qwen2-MoE's
+        Architecture(
+            "qwen35moe", "qwen3_5_moe_text", qk_norm=True, norm_offset=1.0, delta_net=True, gated_attention=True,
+            experts=True, shared_expert=True, renormalized_experts=True,
+        ),
         # LFM2 (350M-2.6B): short convolutions in 10 of 16 layers, attention with head norms in the others
         Architecture("lfm2", "lfm2", qk_norm=True, short_conv=True, renamed=_LFM2_NAMES),
         # Gemma 3 (text): 5 local layers of 512-1024 positions for each global one

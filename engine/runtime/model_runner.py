@@ -384,7 +384,7 @@ class LlamaRunner:
             down = fused(["mlp.down_proj"], [layer.get_submodule(arch.name("mlp.down_proj"))])
         post_norm = norm("pre_feedforward_layernorm" if sandwich else "post_attention_layernorm")
         if getattr(layer, "linear_attn", None) is not None:  # Qwen3.5's linear attention in the attention's place
-            return _delta_layer(layer.linear_attn, fused, norm("input_layernorm"), post_norm, gate_up, down)
+            return _delta_layer(layer.linear_attn, fused, norm("input_layernorm"), post_norm, gate_up, down, experts)
         if getattr(layer, "conv", None) is not None:  # LFM2's short convolution in the attention's place
             mixer = fused(["conv.in_proj"], [layer.conv.in_proj]), fused(["conv.out_proj"], [layer.conv.out_proj])
             conv = layer.conv.conv.weight.detach()[:, 0]  # [channels, span]
@@ -610,7 +610,8 @@ def _experts(
         return _oai_experts(mlp, fused, gate_up, down, stacked)
     gate = getattr(mlp, arch.router)
     router = fused([f"{arch.mlp}.{arch.router}"], [gate])
-    renormalize = bool(getattr(gate, "norm_topk_prob", False))
+    # (Qwen3.5-MoE's router has no such switch: it always renormalizes, as the family's row says)
+    renormalize = bool(getattr(gate, "norm_topk_prob", arch.renormalized_experts))
     experts = _Experts(
         router, gate_up, down, gate.top_k, renormalize, top_k_softmax=arch.top_k_softmax, stacked=stacked
     )
@@ -670,10 +671,11 @@ def _oai_experts(
 
 def _delta_layer(
     net: torch.nn.Module, fused: Callable[[list[str], list[torch.nn.Module]], Weight], input_norm: torch.Tensor,
-    post_norm: torch.Tensor, gate_up: Weight | None, down: Weight | None,
+    post_norm: torch.Tensor, gate_up: Weight | None, down: Weight | None, experts: _Experts | None,
 ) -> _LlamaLayer:  # fmt: skip
     """A Qwen3.5 linear-attention layer's weights: its query-key-value and z projections stacked, its b and a ones
-    stacked, its convolution's weights ``[channels, span]``, its decay, bias and gated norm."""
+    stacked, its convolution's weights ``[channels, span]``, its decay, bias and gated norm; its MLP's, or its
+    mixture of experts' (Qwen3.5-MoE)."""
     projections = fused(["linear_attn.in_proj_qkv", "linear_attn.in_proj_z"], [net.in_proj_qkv, net.in_proj_z])
     delta = _DeltaNet(
         net.num_k_heads, net.num_v_heads, net.head_k_dim, net.head_v_dim, -net.A_log.detach().float().exp(),
@@ -682,7 +684,9 @@ def _delta_layer(
     )  # fmt: skip
     output = fused(["linear_attn.out_proj"], [net.out_proj])
     conv = net.conv1d.weight.detach()[:, 0]
-    return _LlamaLayer(input_norm, projections, output, post_norm, gate_up, down, conv=conv, delta=delta)  # type: ignore[arg-type]
+    return _LlamaLayer(
+        input_norm, projections, output, post_norm, gate_up, down, experts=experts, conv=conv, delta=delta  # type: ignore[arg-type]
+    )
 
 
 def _rotary(config: object) -> int:
