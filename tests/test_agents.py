@@ -6,7 +6,8 @@ minutes of CPU). An agent runs when its binary is named: ``CODEX`` (``@openai/co
 Each agent gets a one-word task and a tool task (run ``ls``). What is asserted is what the server saw and answered:
 every request answered 200; the one-word task answered with text; in the tool task the model's calls came back
 with their results (each call id the server answered is in a later request, as the API's result of that call);
-not what the 0.5B model chose to do with them (a run where it chose no call is an expected failure, named)."""
+not what the 0.5B model chose to do with them (a run where it chose no call, or where the agent stopped on what it
+did, a tool the agent refuses or a conversation grown past the context, is an expected failure, named)."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from agent_proxy import RecordingProxy
+from agent_proxy import Exchange, RecordingProxy
 
 pytestmark = pytest.mark.user_model
 #: A call id as each API answers it: OpenAI's (chat and responses), Anthropic's.
@@ -80,14 +81,25 @@ def run_tasks(proxy: RecordingProxy, run: Callable[[str], None], agent: str,
     assert one and all(e.status == 200 for e in one), [(e.path, e.status, e.text[:300]) for e in one]
     assert any(len(e.text) > 50 for e in one)
     start = len(proxy.exchanges)
-    run(task)
+    stopped = None
+    try:
+        run(task)
+    except AssertionError as exc:  # the agent gave up on what the 0.5B model did (checked below: not the server)
+        stopped = str(exc)[-300:]
     task = [e for e in proxy.exchanges[start:] if e in proxy.generations()]
-    assert task and all(e.status == 200 for e in task), [(e.path, e.status, e.text[:300]) for e in task]
+    assert task and all(e.status == 200 or _outgrew(e) for e in task), [(e.path, e.status, e.text[:300]) for e in task]
     answered = {call for e in task for call in _CALL_ID.findall(e.text)}
     missing = answered - results_sent_back([e.body for e in task])
     assert len(missing) <= 1, missing  # the last call may be the one the agent stopped at (its turn limit)
+    if stopped is not None:  # every request answered, each call's result taken back: the model's doing
+        pytest.xfail(f"{agent}: the agent stopped on the model's turn ({len(answered)} calls answered): {stopped}")
     if not answered:  # the model's choice, not the server's: every request was still answered
         pytest.xfail(f"{agent}: the model made no tool call this run (nothing of the round trip to check)")
+
+
+def _outgrew(exchange: Exchange) -> bool:
+    """A 400 for a conversation the model's own turns grew past its context (what llama.cpp's server refuses too)."""
+    return exchange.status == 400 and "maximum context length" in exchange.text
 
 
 def _run(command: list[str], env: dict[str, str], cwd: Path) -> None:
