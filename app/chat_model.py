@@ -25,6 +25,7 @@ from app.reasoning import CLOSE as THINK_CLOSE
 from app.reasoning import OPEN as THINK_OPEN
 from app.reasoning import budget_grammar, reasons, starts_inside
 from app.reply import Reading
+from app.reply_budget import reply_budget
 from app.tools import ToolCalling
 from app.tools.grammar import call_schema, tool_grammar
 from app.tools.prompt import render
@@ -111,10 +112,11 @@ class ChatModel:
         return self.tool_syntax if calling is not None and calling.calls_allowed else None
 
     def up_to_context(self, options: GenerationOptions, prompt: list[int]) -> GenerationOptions:
-        """Chat's and the Responses API's default ``max_tokens``, as OpenAI's: up to the context length."""
+        """``options`` with the chat APIs' default ``max_tokens`` where they name none, as OpenAI's and Ollama's: up
+        to the context (``app/reply_budget.py``; an asked one is clamped per sequence by ``Generation``)."""
         if options.max_tokens is not None:
             return options
-        room = max(self.max_model_len - len(prompt), 1)
+        room = reply_budget(None, len(prompt), self.max_model_len)
         return dataclasses.replace(options, max_tokens=room, min_tokens=min(options.min_tokens, room))
 
     def reading(self, calling: ToolCalling | None, prompt: list[int]) -> Reading:

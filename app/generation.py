@@ -22,6 +22,7 @@ from app.metrics import Metrics
 from app.openai.choices import Choice, Format, envelope, new_id, usage
 from app.openai.errors import APIError, error_body
 from app.openai.sampling import GenerationOptions
+from app.reply_budget import reply_budget
 from engine.core.streams import Delta, EngineError
 from engine.core.tokenizer import Tokenizer
 from engine.core.types import GenerationRequest
@@ -105,7 +106,9 @@ class Generation:
             sampling = dataclasses.replace(sampling, seed=(sampling.seed + sample) % 2**64)
         # best_of ranks samples by cumulative logprob, so it needs the chosen tokens' logprobs.
         logprobs = opts.logprobs if opts.logprobs is not None else (0 if opts.best_of > opts.n else None)
-        max_tokens = opts.max_tokens if self.context is None else min(opts.max_tokens, self.context - len(prompt_ids))
+        max_tokens = opts.max_tokens
+        if self.context is not None:  # at most what the prompt leaves (app/reply_budget.py)
+            max_tokens = reply_budget(max_tokens, len(prompt_ids), self.context)
         return GenerationRequest(
             tuple(prompt_ids),
             max(max_tokens, 1),  # a prompt-only sequence generates one token nobody sees

@@ -28,6 +28,7 @@ from app.limits import check_text
 from app.openai.completions import CompletionRequest, parse_completion_request
 from app.openai.errors import APIError, bad_request
 from app.openai.request import parse_model
+from app.reply_budget import infill_default
 from app.state import ServerState
 from engine.core import fim
 from engine.core.streams import EngineError
@@ -131,7 +132,7 @@ def _completion(model: ChatModel, body: dict[str, Any]) -> CompletionRequest:
     if isinstance(n_predict, bool) or not isinstance(n_predict, int) or n_predict < -1:
         raise bad_request("n_predict must be an integer, -1 for no limit", "n_predict")
     # n_predict 0 runs one token nobody sees: the prompt is processed and cached, as llama.cpp does
-    max_tokens = max(n_predict, 1) if n_predict >= 0 else min(model.max_model_len // 2, 4096)
+    max_tokens = max(n_predict, 1) if n_predict >= 0 else infill_default(model.max_model_len)
     completion = {**DEFAULTS, **fields, "prompt": "-", "max_tokens": max_tokens, "model": body.get("model")}
     if fields.get("top_k") == 0:
         completion["top_k"] = -1  # llama.cpp's 0: off

@@ -26,6 +26,7 @@ from app.limits import check_text
 from app.openai.chat import ChatFormat
 from app.openai.errors import bad_request
 from app.reply import Reading
+from app.reply_budget import reply_budget
 from app.state import ServerState, server_state
 from engine.core.streams import EngineError
 
@@ -86,10 +87,10 @@ async def messages(request: Request) -> Response:
     state = server_state(request)
     raw = await request.body()
     model, req, prompt = await state.prepare(lambda: prepare(state, state.parse_body(raw)), len(raw))
-    room = model.max_model_len - len(prompt)
-    if room < 1:
+    if len(prompt) >= model.max_model_len:
         raise bad_request(f"prompt is too long: {len(prompt)} tokens > {model.max_model_len - 1} maximum", "messages")
-    options = dataclasses.replace(req.options, max_tokens=min(req.options.max_tokens or room, room))
+    budget = reply_budget(req.options.max_tokens, len(prompt), model.max_model_len)
+    options = dataclasses.replace(req.options, max_tokens=budget)
     reading = model.reading(req.tools, prompt)
     options = model.with_budget(options, req.tools, reading, req.thinking_budget)
     generation = await model.generation(

@@ -135,18 +135,22 @@ USER = [{"role": "user", "content": "x" * 40}]
          lambda a: (a["status"], a["incomplete_details"])),
         ("/v1/messages", {"model": MODEL, "messages": USER, "max_tokens": 32_000},
          lambda a: a["stop_reason"]),
+        ("/api/chat", {"model": MODEL, "messages": USER, "stream": False, "options": {"num_predict": 32_768}},
+         lambda a: (a["done_reason"], 0 < a["eval_count"] < 64)),
     ],
 )  # fmt: skip
 def test_max_tokens_beyond_the_context_is_clamped_on_every_api(client: TestClient, path: str, body: dict[str, Any],
                                                                read: Any) -> None:  # fmt: skip
     """Agents ask for the whole context every turn (Qwen Code: 32,768 of a 32,768-token model): the reply stops
-    where the context ends, with ``length``, as llama.cpp's server and Anthropic's API answer; it was a 400."""
+    where the context ends, with ``length``, as llama.cpp's server and Anthropic's API answer; it was a 400. One rule
+    decides it for every endpoint (``app/reply_budget.py``), Ollama's ``num_predict`` too."""
     response = client.post(path, json=body)
     assert response.status_code == 200, response.text
     expected = {
         ("/v1/completions", 1): (4, "length"), ("/v1/completions", 2): (["length", "length"], 4 + 14),
         ("/v1/chat/completions", 3): None, ("/v1/chat/completions", 4): "length",
         ("/v1/responses", 5): ("incomplete", {"reason": "max_output_tokens"}), ("/v1/messages", 6): "max_tokens",
+        ("/api/chat", 7): ("length", True),
     }  # fmt: skip
     got = read(response.json())
     if path == "/v1/chat/completions" and "max_tokens" in body:

@@ -13,6 +13,7 @@ from pydantic import ConfigDict, Field, field_validator, model_validator
 
 from app.openai.errors import bad_request
 from app.openai.request import Bounded, NonEmpty, TokenId, WireModel
+from app.reply_budget import COMPLETIONS_DEFAULT
 from engine.core.types import SamplingParams
 
 MAX_N = 16
@@ -116,7 +117,6 @@ class SamplingBody(WireModel):
         return tuple((int(key), float(value)) for key, value in (self.logit_bias or {}).items())
 
 
-DEFAULT_MAX_TOKENS = 16  # as in the OpenAI API
 
 
 @dataclass(slots=True, frozen=True)
@@ -193,7 +193,7 @@ def generation_options(
     logprobs: int | None,
     *,
     allow_zero: bool,
-    default_max_tokens: int | None = DEFAULT_MAX_TOKENS,
+    default_max_tokens: int | None = COMPLETIONS_DEFAULT,
 ) -> GenerationOptions:
     """The rules that tie fields together; each field on its own was checked by the body's model."""
     stream = bool(req.stream)
