@@ -410,3 +410,23 @@ def test_a_mixture_served_dense_scores_as_transformers_does(arch: str, served, t
     prompt = tuple(dense.tokenizer.encode(TEXT))
     got, want = scored(dense.model, dense.eos_token_ids, None, prompt), reference(model, prompt)
     torch.testing.assert_close(got, want, atol=2e-4, rtol=0)
+
+
+def test_a_file_s_description_is_found_again_by_its_keys_not_its_weights(tokenizer_file: Path, tmp_path: Path) -> None:
+    """The config and tokenizer made from a file's keys are cached by the bytes they come from (keys and tensor
+    infos), so a start never reads the tensors' data to find them (a 30B-A3B's 18.6 GB were hashed every start):
+    other weights under the same keys find the same description, another key a new one."""
+    from engine.runtime import loader
+
+    paths = {}
+    for name, seed, positions in (("a", 0, 1024), ("b", 1, 1024), ("c", 0, 2048)):
+        (tmp_path / name).mkdir()
+        paths[name] = tmp_path / name / "llama.gguf"
+        write_gguf(tiny_model("llama", vocab=49152, seed=seed, positions=positions), "llama", paths[name],
+                   tokenizer_file, {})  # fmt: skip
+    assert paths["a"].read_bytes() != paths["b"].read_bytes()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("SMOLSERVE_CACHE_DIR", str(tmp_path / "cache"))
+        found = {name: loader._described(path) for name, path in paths.items()}
+    assert found["a"] == found["b"] != found["c"]
+    assert '"max_position_embeddings": 2048' in (found["c"] / "config.json").read_text()

@@ -50,6 +50,8 @@ class GGUFFile:
         infos = [self._tensor_info() for _ in range(num_tensors)]
         alignment = int(self.keys.get("general.alignment", 32))
         start = -(-self._at // alignment) * alignment
+        #: Where the tensors' data begins: every byte before it is the file's description (keys, tensor infos).
+        self.data_start = start
         self.tensors = [self._tensor(name, dims, kind, start + offset) for name, dims, kind, offset in infos]
 
     def _unpack(self, fmt: str) -> tuple[Any, ...]:
