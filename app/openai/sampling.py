@@ -117,8 +117,6 @@ class SamplingBody(WireModel):
         return tuple((int(key), float(value)) for key, value in (self.logit_bias or {}).items())
 
 
-
-
 @dataclass(slots=True, frozen=True)
 class GenerationOptions:
     """What completions and chat completions share: how much to generate, how to sample, when to stop."""

@@ -227,11 +227,11 @@ def _converted(gguf: Path) -> Path:
 def _file_hash(path: Path, length: int | None = None) -> str:
     """The SHA-256 of ``path``'s bytes, or of its first ``length``."""
     digest = hashlib.sha256()
-    left = length
+    left = path.stat().st_size if length is None else length
     with path.open("rb") as f:
-        while block := f.read(1 << 22 if left is None else min(1 << 22, left)):
+        while left > 0 and (block := f.read(min(1 << 22, left))):
             digest.update(block)
-            left = None if left is None else left - len(block)
+            left -= len(block)
     return digest.hexdigest()
 
 
