@@ -229,11 +229,32 @@ def probe_paths(
     if _has_experts(model):  # no dense twin of its experts to time: the blocks serve every step
         log.info("mixture of experts: every step multiplies the experts' blocks (no dense copy to choose)")
         return None
+    key = _probe_key(config, model)
+    if key in _PROBED:
+        log.info("%s (measured at this model's first load)", _PROBED[key].describe())
+        return _PROBED[key]
     if loaded.blocks:  # the probe times the dense path on the first layer's and the output layer's values
         gguf_model.densify(model, loaded.blocks, [n for n in loaded.blocks if n.startswith(probed(model))])
-    times = probe(model, quantized, config.max_batch_size)
+    times = _PROBED[key] = probe(model, quantized, config.max_batch_size)
     log.info("%s", times.describe())
     return times
+
+
+#: Each model's probe times, by all they depend on, for the life of the process: a model unloaded and loaded again
+#: (``--keep-alive``, Ollama's ``keep_alive: 0``) takes what its first load measured, instead of 2-5 s of probing
+#: again, and so the same numeric path as before (which its blocks on disk are named by).
+_PROBED: dict[str, PathTimes] = {}
+
+
+def _probe_key(config: EngineConfig, model: Any) -> str:
+    """The model file (path, size, mtime), its dtype, quantization, batch size and the thread team's size."""
+    import torch
+
+    from engine.runtime.kv_disk import file_identity
+
+    key = [file_identity(config.model), str(model.dtype), config.quantization, config.max_batch_size,
+           torch.get_num_threads()]  # fmt: skip
+    return repr(key)
 
 
 def _has_experts(model: Any) -> bool:

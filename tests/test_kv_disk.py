@@ -136,9 +136,18 @@ def test_any_prefix_from_disk_answers_as_a_fresh_prefill(
         assert cached >= min(shared, len(prompts[0]) - 1) // 16 * 16
 
 
-def test_the_served_model_with_default_flags_reads_its_blocks_back(tmp_path: Path) -> None:
+def test_the_served_model_with_default_flags_reads_its_blocks_back(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The bundled model as ``make serve`` builds it (its GGUF blocks, native kernels, batch invariance): a
-    prompt's second run, on a new engine over the same folder, takes its prefix from disk, to the same bits."""
+    prompt's second run, on a new engine over the same folder (a model unloaded and loaded again), takes its prefix
+    from disk, to the same bits; the second load takes the first's matmul probe instead of probing again."""
+    from engine.runtime import path_probe
+
+    probes: list[int] = []
+    real_probe = path_probe.probe
+    monkeypatch.setattr(chooser, "_PROBED", {})
+    monkeypatch.setattr(path_probe, "probe", lambda *args, **kw: probes.append(1) or real_probe(*args, **kw))
     prompt = tuple(range(1000, 1400))
     runs = []
     for _ in range(2):
@@ -146,3 +155,4 @@ def test_the_served_model_with_default_flags_reads_its_blocks_back(tmp_path: Pat
         runs.append(answer(served.engine, prompt, tokens=8))  # type: ignore[arg-type]
         served.engine.close()
     assert runs[0][1] == 0 and runs[1] == (runs[0][0], 384)
+    assert len(probes) == 1
