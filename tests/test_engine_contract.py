@@ -1,4 +1,5 @@
-"""The engine seam's contract, run against every implementation: the fake and the real HF engine."""
+"""The engine seam's contract, run against every implementation: the fake and the real HF engine, and a runtime
+that implements only a runner's part (``run``) below the core's planned engine."""
 
 from __future__ import annotations
 
@@ -6,7 +7,12 @@ from collections.abc import Callable
 
 import pytest
 
+from engine.core.block_pool import BlockPool
+from engine.core.blocks import BlockLedger
+from engine.core.config import BLOCK_SIZE
 from engine.core.fake_engine import FakeEngine
+from engine.core.planned_engine import PlannedEngine, StepTokens
+from engine.core.planner import Plan, Planner
 from engine.core.seam import InferenceEngine
 from engine.core.types import GenerationRequest, StepOutput
 
@@ -33,9 +39,65 @@ def _hf(tiny_llama_dir: str) -> InferenceEngine:
     )
 
 
-@pytest.fixture(params=["fake", "hf"])
+class _DictTier:
+    """A tier below the pool in a dict (its blocks' digests only), counting the steps that hand blocks over."""
+
+    def __init__(self) -> None:
+        self.held: set[bytes] = set()
+        self.offered: list[bytes] = []
+        self.steps = 0
+
+    def has(self, digest: bytes) -> bool:
+        return digest in self.held
+
+    def load(self, digest: bytes, block: int) -> bool:
+        return digest in self.held
+
+    def store(self, digest: bytes, block: int) -> None:
+        self.offered.append(digest)
+
+    def end_step(self) -> None:
+        self.steps += 1
+        self.held.update(self.offered)
+        self.offered.clear()
+
+
+class _RunnerOnly(PlannedEngine):
+    """A runtime with a runner's part only: each sampled sequence's next token is 100 + its tokens so far."""
+
+    def __init__(self) -> None:
+        self.tier = _DictTier()
+        self.runs = 0
+        ledger = BlockLedger(BlockPool(4 * MAX_MODEL_LEN // BLOCK_SIZE, BLOCK_SIZE), 4, lower=self.tier)
+        self.planner = Planner(ledger, capacity=4, max_model_len=MAX_MODEL_LEN, max_num_batched_tokens=32,
+                               eos_token_ids=frozenset({7}))  # fmt: skip
+
+    def run(self, plan: Plan) -> StepTokens:
+        self.runs += 1
+        return [[(100 + len(seq.output_ids), None)] for seq in plan.sampled]
+
+
+@pytest.fixture(params=["fake", "hf", "runner-only"])
 def engine(request: pytest.FixtureRequest, tiny_llama_dir: str) -> InferenceEngine:
+    if request.param == "runner-only":
+        return _RunnerOnly()
     return _fake() if request.param == "fake" else _hf(tiny_llama_dir)
+
+
+def test_the_core_plans_runs_and_commits_and_hands_each_step_s_blocks_below_together() -> None:
+    """Below the core a runtime's ``run`` is all a step needs; the blocks a step fills reach the tier below memory
+    in one hand-off a step, and a newcomer's prefix is found there once the pool has let it go."""
+    engine = _RunnerOnly()
+    prompt = GenerationRequest(tuple(range(10, 10 + 2 * BLOCK_SIZE + 3)), 4, True)  # two steps' chunks (32 a step)
+    engine.admit([prompt])
+    outputs = run_until_idle(engine)
+    assert [t for o in outputs for t in o.token_ids] == [100, 101, 102, 103]
+    assert engine.tier.steps == engine.runs == 5 and len(engine.tier.held) == 2 and not engine.tier.offered
+    engine.reset()  # the pool forgets; the tier below keeps
+    engine.admit([prompt])
+    again = run_until_idle(engine)
+    assert [t for o in again for t in o.token_ids] == [100, 101, 102, 103]
+    assert again[0].cached_tokens == 2 * BLOCK_SIZE
 
 
 def req(n_prompt: int = 5, max_new: int = 4, ignore_eos: bool = True) -> GenerationRequest:

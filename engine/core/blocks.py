@@ -32,6 +32,10 @@ class LowerTier(Protocol):
         """Keep a copy of the pool's block ``block``, full and hashed ``digest`` (off the caller's thread)."""
         ...
 
+    def end_step(self) -> None:
+        """The step's blocks are all offered (``store``): write them together."""
+        ...
+
 
 @dataclass(slots=True, eq=False)
 class SeqBlocks:

@@ -8,11 +8,11 @@ from typing import Any
 from engine.core.block_pool import BlockPool
 from engine.core.blocks import BlockLedger
 from engine.core.config import BLOCK_SIZE
-from engine.core.planned_engine import PlannedEngine
+from engine.core.planned_engine import PlannedEngine, StepTokens
 from engine.core.planner import Plan, Planner
 from engine.core.speculation import DraftBudget
 from engine.core.tokenizer import ByteTokenizer
-from engine.core.types import Constraint, StepOutput, TokenLogprob
+from engine.core.types import Constraint, StepOutput
 
 _ALPHABET = b"abcdefghijklmnopqrstuvwxyz"
 
@@ -56,18 +56,18 @@ class FakeEngine(PlannedEngine):
             draft_rows=DraftBudget("ngram", max_model_len) if speculative else None,
         )
 
-    def step(self) -> list[StepOutput]:
+    def before_step(self) -> None:
         self.num_steps += 1
         if self.fail_on_step == self.num_steps:
             raise RuntimeError(f"injected engine fault at step {self.num_steps}")
-        plan = self.planner.plan()
-        if plan.empty:
-            return []
+
+    def run(self, plan: Plan) -> StepTokens:
         if self.step_delay:
             time.sleep(self.step_delay)
-        outputs = self.planner.commit(plan, self._tokens(plan))
+        return self._tokens(plan)
+
+    def committed(self, plan: Plan, outputs: list[StepOutput], seconds: float) -> None:
         self.num_tokens += sum(len(out.token_ids) for out in outputs)
-        return outputs
 
     def runtime_info(self) -> dict[str, Any]:
         pool = self.planner.pool
@@ -83,10 +83,10 @@ class FakeEngine(PlannedEngine):
     def describe_step(self) -> str:
         return f"fake step {self.num_steps}"
 
-    def _tokens(self, plan: Plan) -> list[list[tuple[int, TokenLogprob | None]]]:
+    def _tokens(self, plan: Plan) -> StepTokens:
         """The next letter of each sampled sequence (or EOS as its ``eos_after``-th), as its grammar allows; for
         a verifying one, its draft's letters while they are the ones it would write, then the next."""
-        tokens: list[list[tuple[int, TokenLogprob | None]]] = []
+        tokens: StepTokens = []
         for seq in plan.sampled:
             picked = []
             for i in range(len(seq.draft) + 1):

@@ -8,7 +8,6 @@ cache (``engine/runtime/kv_cache.py``, tables in ``engine/runtime/block_tables.p
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import torch
@@ -18,11 +17,11 @@ from engine.core.architectures import by_model_type
 from engine.core.batch_mode import INVARIANT, BatchMode
 from engine.core.block_pool import BlockPool
 from engine.core.config import BLOCK_SIZE
-from engine.core.planned_engine import PlannedEngine
+from engine.core.planned_engine import PlannedEngine, StepTokens
 from engine.core.planner import Plan, Planner, PrefillChunk, Seq
 from engine.core.speculation import DraftBudget
 from engine.core.thread_governor import ThreadGovernor
-from engine.core.types import StepOutput, TokenLogprob
+from engine.core.types import StepOutput
 from engine.runtime import kernels
 from engine.runtime.block_tables import BlockTables
 from engine.runtime.kv_cache import BlockKVCache, StepBatch
@@ -146,7 +145,6 @@ class HFEngine(PlannedEngine):
             vocab_size=config.vocab_size,
             resume_state=self.states.resume if self.states is not None and prefix_caching else None,
         )
-        self._plan_now: Plan | None = None  # the step being run, for describe_step
         self._facts = self._describe(quantized, model)
 
     def _recurrent(
@@ -191,15 +189,13 @@ class HFEngine(PlannedEngine):
     def pool(self) -> BlockPool:
         return self.tables.pool
 
-    # -- the seam (admission, room, aborts: the planner's, ``PlannedEngine``) -------------------------------
+    # -- the runner (plan -> run -> commit, admission, aborts: the core's, ``PlannedEngine``) -----------------
 
-    def step(self) -> list[StepOutput]:
+    def before_step(self) -> None:
         if self.governor is not None:
             self.governor.before_step()
-        started = time.perf_counter()
-        plan = self._plan_now = self.planner.plan()
-        if plan.empty:
-            return []
+
+    def run(self, plan: Plan) -> StepTokens:
         # A step may hold prompt chunks alone, none of them complete (a prompt longer than the step's budget
         # on an idle engine): then no row is sampled, and the step only fills KV.
         scored = [(seq, chunk) for seq, chunk in plan.chunks if seq.scores_prompt]
@@ -207,20 +203,19 @@ class HFEngine(PlannedEngine):
         num_sampled = sum(plan.sampled_rows)
         next_tokens = self._select(plan, logits[:num_sampled])
         self._score_prompts(scored, logits[num_sampled:])
-        outputs = self.planner.commit(plan, next_tokens)
-        if self.disk is not None:
-            self.disk.end_step()  # the blocks this step filled, to the disk's writer together
+        return next_tokens
+
+    def committed(self, plan: Plan, outputs: list[StepOutput], seconds: float) -> None:
         self._keep_states(plan)
         if (drafts := self.planner.draft_rows) is not None and not plan.chunks:  # decoding rows only
-            drafts.observe(plan.num_rows, time.perf_counter() - started)
+            drafts.observe(plan.num_rows, seconds)
         if self.governor is not None:
             self.governor.after_step()
-        return outputs
 
     def describe_step(self) -> str:
         """What the last step held: its rows, each sequence's prompt, position and chunk, the budget, the
         dtype, the kernels and the pool; logged when a step fails."""
-        plan = self._plan_now
+        plan = self.plan_now
         if plan is None:
             return "no step yet"
         attention = "int8" if self.cache.quantized else "native" if self.cache.native_attention else "torch"
@@ -366,7 +361,7 @@ class HFEngine(PlannedEngine):
                 None if rows is None else torch.tensor(rows, dtype=torch.long, device=device),
             )
 
-    def _select(self, plan: Plan, logits: torch.Tensor) -> list[list[tuple[int, TokenLogprob | None]]]:
+    def _select(self, plan: Plan, logits: torch.Tensor) -> StepTokens:
         """Each sampled sequence's tokens: one; or for a verifying one, its draft's accepted tokens and the
         model's next (``engine/runtime/speculative.py``)."""
         sampled, counts = plan.sampled, plan.sampled_rows
