@@ -5,6 +5,8 @@ them; the folder stays within its bound."""
 
 from __future__ import annotations
 
+import os
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -114,6 +116,48 @@ def test_the_folder_stays_within_its_bound(tiny: PreTrainedModel, tmp_path: Path
     # The most recent prompts' blocks are the ones kept.
     assert answer(make_engine(tiny, EOS, kv_disk=DiskSpec(tmp_path, 10 * block_file, {})),  # type: ignore[arg-type]
                   prompt_ids(21, 40))[1] == 32  # fmt: skip
+
+
+def test_servers_sharing_a_folder_read_each_other_s_blocks_and_keep_one_bound(
+    tiny: PreTrainedModel, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two replicas over one ``--data-dir``, both up: a prefix one wrote is read by the other, which started
+    before it was written; a temporary file a live writer holds is left alone at start, a dead one's removed; each
+    writer takes in the other's files before it evicts, so the folder stays within the bound whoever wrote."""
+    from engine.runtime import kv_disk
+
+    monkeypatch.setattr(kv_disk, "_RESCAN_SECONDS", 0.0)
+    block_file = 32 + engine_on(tiny, None).cache.block_bytes()
+    spec = DiskSpec(tmp_path, 8 * block_file, {})
+    one = make_engine(tiny, EOS, kv_disk=spec)  # type: ignore[arg-type]
+    other = make_engine(tiny, EOS, kv_disk=spec)  # type: ignore[arg-type]
+    prompt = prompt_ids(30, 70)
+    fresh = answer(engine_on(tiny, None), prompt)[0]
+    assert answer(one, prompt)[1] == 0
+    one.disk.flush()  # type: ignore[union-attr]
+    assert answer(other, prompt) == (fresh, 64)
+    folder = next(tmp_path.iterdir())
+    live = folder / f"{'11' * 16}.{os.getpid()}.tmp"
+    dead = folder / f"{'22' * 16}.{_dead_pid()}.tmp"
+    live.write_bytes(b"SMOLKV02 being written")
+    dead.write_bytes(b"SMOLKV02 cut short")
+    make_engine(tiny, EOS, kv_disk=spec).close()  # type: ignore[arg-type]
+    assert live.exists() and not dead.exists()
+    live.unlink()
+    for seed in range(6):  # 2 blocks a prompt, in turn on each
+        engine = (one, other)[seed % 2]
+        answer(engine, prompt_ids(40 + seed, 40), tokens=2)
+        engine.disk.flush()  # type: ignore[union-attr]
+        assert sum(path.stat().st_size for path in tmp_path.rglob("*.kv")) <= 8 * block_file
+    one.close()
+    other.close()
+
+
+def _dead_pid() -> int:
+    """A process id no process has now: a child that has exited and been reaped."""
+    child = subprocess.Popen(["true"])
+    child.wait()
+    return child.pid
 
 
 @settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])

@@ -6,11 +6,16 @@ CRC-32) and the block's bytes as ``BlockKVCache.read_block`` gives them. The fin
 the bytes depend on (the model file's identity and config, dtypes, block size, quantization, the numeric path,
 the CPU the kernels were built for and the engine's own code), so a block is never read by another model or
 configuration. Each full block the prefix cache learns is copied on the engine thread (a memory copy); a step's
-blocks go together to a thread of its own, at the lowest CPU priority, which writes each to a temporary name then
-renames it: a file is whole or absent; a torn temporary one is removed at start, and a file whose checksum does not
-match is removed when read, never used. With 256 MB of blocks waiting, newer ones are dropped (a step never waits
-on the disk). The tier holds at most ``max_bytes``, least recently written or read dropped first; its index is
-rebuilt from the folder at start, oldest first by modification time.
+blocks go together to a thread of its own, at the lowest CPU priority, which writes each to a temporary name (its
+process's) then renames it: a file is whole or absent; a torn temporary one whose writer is gone is removed at
+start, and a file whose checksum does not match is removed when read, never used. With 256 MB of blocks waiting,
+newer ones are dropped (a step never waits on the disk). The tier holds at most ``max_bytes``, least recently
+written or read dropped first; its index is rebuilt from the folder at start, oldest first by modification time.
+
+Several servers on one machine (replicas, or a restart beside a draining server) may share a folder: a block one
+wrote is found by the others (a block missing from the index is looked for on disk), each writes under its own
+temporary names, and each writer takes in the folder's files again every ``_RESCAN_SECONDS`` before it evicts, so
+the folder holds what the largest bound allows, whoever wrote it.
 """
 
 from __future__ import annotations
@@ -40,6 +45,10 @@ _CHECKSUM = 4
 _HEADER = len(_MAGIC) + 8 + _CHECKSUM
 #: Blocks copied but not yet written, at most (then the newest are dropped).
 _MAX_PENDING_BYTES = 256 * 2**20
+#: How often a writer takes in the files other processes wrote to the same folder (for the bound).
+_RESCAN_SECONDS = 30.0
+#: A temporary file older than this is torn whoever wrote it (a write takes milliseconds).
+_STALE_SECONDS = 600.0
 #: The engine's own code whose change may change a block's bytes.
 _CODE = [Path(__file__).parent, Path(__file__).parent / "csrc"]
 
@@ -87,6 +96,7 @@ class DiskTier:
         self._lock = threading.Lock()
         self._index: OrderedDict[bytes, int] = self._scan()  # hash -> file bytes, least recent first
         self._bytes = sum(self._index.values())
+        self._scanned = time.monotonic()
         self._queued: set[bytes] = set()
         self._step: list[tuple[bytes, torch.Tensor]] = []  # this step's blocks, handed over together
         self._pending: queue.Queue[list[tuple[bytes, torch.Tensor]] | None] = queue.Queue()
@@ -101,8 +111,21 @@ class DiskTier:
     # -- the LowerTier -------------------------------------------------------------------------------------
 
     def has(self, digest: bytes) -> bool:
+        """In the index, or written since by another process sharing the folder (then taken into the index)."""
         with self._lock:
-            return digest in self._index
+            if digest in self._index:
+                return True
+        try:
+            size = self._path(digest).stat().st_size
+        except OSError:
+            return False
+        if size != _HEADER + self.block_bytes:
+            return False
+        with self._lock:
+            if digest not in self._index:
+                self._index[digest] = size
+                self._bytes += size
+        return True
 
     def load(self, digest: bytes, block: int) -> bool:
         started = time.perf_counter()
@@ -193,7 +216,7 @@ class DiskTier:
         payload = data.numpy()
         header = _MAGIC + len(payload).to_bytes(8, "little") + _checksum(payload)
         path = self._path(digest)
-        temporary = path.with_suffix(".tmp")
+        temporary = path.with_suffix(f".{os.getpid()}.tmp")
         with open(temporary, "wb") as handle:
             handle.write(header)
             handle.write(memoryview(payload))
@@ -202,7 +225,17 @@ class DiskTier:
             self._index[digest] = _HEADER + len(payload)
             self._bytes += _HEADER + len(payload)
         self.stats["written_blocks"] += 1
+        if time.monotonic() - self._scanned > _RESCAN_SECONDS:
+            self._rescan()
         self._evict()
+
+    def _rescan(self) -> None:
+        """Take in the folder's files as they are now (other processes' writes and evictions), by recency."""
+        found = self._scan()
+        with self._lock:
+            self._index = found
+            self._bytes = sum(found.values())
+            self._scanned = time.monotonic()
 
     def _evict(self) -> None:
         """Least recently used files out until the tier is within its bound."""
@@ -226,12 +259,13 @@ class DiskTier:
         return self.directory / f"{digest.hex()}.kv"
 
     def _scan(self) -> OrderedDict[bytes, int]:
-        """The files already here, least recently used first; torn temporary files removed."""
+        """The files here, least recently used first; torn temporary files (whose writer is gone) removed."""
         found: list[tuple[int, bytes, int]] = []
         for entry in os.scandir(self.directory):
             name = entry.name
             if name.endswith(".tmp"):
-                Path(entry.path).unlink(missing_ok=True)
+                if _torn(entry):
+                    Path(entry.path).unlink(missing_ok=True)
                 continue
             try:
                 digest = bytes.fromhex(name.removesuffix(".kv"))
@@ -241,6 +275,28 @@ class DiskTier:
             if name.endswith(".kv") and stat.st_size == _HEADER + self.block_bytes:
                 found.append((stat.st_mtime_ns, digest, stat.st_size))
         return OrderedDict((digest, size) for _, digest, size in sorted(found))
+
+
+def _torn(entry: os.DirEntry[str]) -> bool:
+    """A temporary file no process is writing: its writer (the process named in it) is gone, or it is stale."""
+    try:
+        if time.time() - entry.stat().st_mtime > _STALE_SECONDS:
+            return True
+        _, named, _ = entry.name.split(".")  # <hash>.<pid>.tmp
+        pid = int(named)
+    except (OSError, ValueError):
+        return True  # no writer named: an older tier's
+    if pid <= 0:
+        return True
+    if pid == os.getpid():
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False  # alive, another user's
+    return False
 
 
 def _payload(raw: memoryview, size: int) -> memoryview | None:
