@@ -148,6 +148,14 @@ def _disk_metrics(disk: dict[str, Any]) -> Iterator[Metric]:
         "kv_disk_blocks": ("KV blocks kept on disk", disk["blocks"]),
         "kv_disk_bytes": ("Bytes of KV blocks kept on disk", disk["bytes"]),
         "kv_disk_max_bytes": ("The most the disk tier may hold (--kv-disk-gib)", disk["max_bytes"]),
+        "kv_disk_read_seconds_per_block": (
+            "Seconds a block takes to read from disk (a moving average)",
+            disk["read_seconds_per_block"],
+        ),
+        "kv_disk_prefill_seconds_per_block": (
+            "Seconds a block takes to prefill, against which a read is chosen (a moving average; NaN until measured)",
+            disk["prefill_seconds_per_block"] or float("nan"),
+        ),
     }
     for name, (documentation, value) in gauges.items():
         yield GaugeMetricFamily(f"{PREFIX}{name}", documentation, value=value)
@@ -158,6 +166,10 @@ def _disk_metrics(disk: dict[str, Any]) -> Iterator[Metric]:
         "kv_disk_written_blocks": ("KV blocks written to disk", disk["written_blocks"]),
         "kv_disk_dropped_writes": ("KV blocks not written: the writer was behind", disk["dropped_writes"]),
         "kv_disk_corrupt_files": ("Torn or corrupt block files found and removed", disk["corrupt_files"]),
+        "kv_disk_lookups_skipped": (
+            "Prefixes prefilled, not read: prefilling a block was measured faster",
+            disk["lookups_skipped"],
+        ),
     }
     for name, (documentation, value) in counters.items():
         yield CounterMetricFamily(f"{PREFIX}{name}", documentation, value=value)

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from engine.core import cpu, speculation
-from engine.core.batch_mode import PathTimes, choose
+from engine.core.batch_mode import BatchMode, PathTimes, choose
 from engine.core.config import EngineConfig
 from engine.core.encoder import Encoder, FakeEncoder
 from engine.core.fake_engine import FakeEngine
@@ -94,7 +94,7 @@ def _build_hf(config: EngineConfig, engine_thread: ThreadPoolExecutor) -> Served
         batch_mode=mode,
         governor=governor,
         draft_rows=drafts,
-        kv_disk=disk_spec(config, loaded),
+        kv_disk=disk_spec(config, loaded, _prefill_per_token(times, mode)),
     )
     tokenizer = HFTokenizer(loaded.tokenizer, loaded.eos_token_ids)
     served = ServedModel(loaded.name, hf_engine, tokenizer, engine_thread, build_encoder(config.embedding_model))
@@ -105,8 +105,10 @@ def _build_hf(config: EngineConfig, engine_thread: ThreadPoolExecutor) -> Served
     return served
 
 
-def disk_spec(config: EngineConfig, loaded: LoadedModel) -> DiskSpec | None:
-    """The prefix cache's disk tier as ``config`` asks for it, within half the disk's free space; None: none."""
+def disk_spec(config: EngineConfig, loaded: LoadedModel, prefill_per_token: float | None = None) -> DiskSpec | None:
+    """The prefix cache's disk tier as ``config`` asks for it, within half the disk's free space; None: none.
+    ``prefill_per_token``: what the start-up probe says a prefill costs a token, for the tier's first choice between
+    reading a block and prefilling it."""
     from engine.runtime.kv_disk import DiskSpec, file_identity
 
     if config.kv_disk_dir is None or config.kv_disk_gib <= 0:
@@ -121,7 +123,15 @@ def disk_spec(config: EngineConfig, loaded: LoadedModel) -> DiskSpec | None:
     config_digest = hashlib.sha256(loaded.model.config.to_json_string().encode()).hexdigest()
     source = file_identity(str(loaded.gguf) if loaded.gguf is not None else config.model)
     identity = {**source, "config": config_digest, "quantization": config.quantization}
-    return DiskSpec(directory, min(wanted, room), identity)
+    return DiskSpec(directory, min(wanted, room), identity, prefill_per_token)
+
+
+def _prefill_per_token(times: PathTimes | None, mode: BatchMode) -> float | None:
+    """The probe's matmul seconds per row at the most rows it timed, on the path a prefill step takes there."""
+    if times is None:
+        return None
+    dense = not mode.invariant and mode.dense_from_rows is not None
+    return (times.dense if dense else times.invariant)[-1] / times.rows[-1]
 
 
 def fitted_context(model: Any, config: EngineConfig, trained: int) -> int:

@@ -144,8 +144,16 @@ def tiny_model(arch: str, vocab: int, seed: int = 0, long_rope: bool = False, po
                 "long_factor": factors.tolist(), "short_factor": factors.sqrt().tolist(),
             }  # fmt: skip
     if arch == "gpt-oss":  # 8 experts of 64 rows (the whole MLP's size in its config), 2 a row; 4 layers
-        extra.update(num_local_experts=8, num_experts_per_tok=2, intermediate_size=64, head_dim=32,
-                     sliding_window=OAI_WINDOW, rope_parameters=OAI_ROPE, num_hidden_layers=4, layer_types=None)
+        extra.update(
+            num_local_experts=8,
+            num_experts_per_tok=2,
+            intermediate_size=64,
+            head_dim=32,
+            sliding_window=OAI_WINDOW,
+            rope_parameters=OAI_ROPE,
+            num_hidden_layers=4,
+            layer_types=None,
+        )
     if arch == "gemma3":  # six layers: five local ones, then a global one, as llama.cpp reads a file without a pattern
         bases = {"full_attention": 1e6, "sliding_attention": 1e4}
         extra.update(

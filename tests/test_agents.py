@@ -126,8 +126,7 @@ def test_codex_cli(server: str, tmp_path: Path) -> None:
             f'name = "smolserve"\nbase_url = "{proxy.base}/v1"\nwire_api = "responses"\nenv_key = "SMOLSERVE_KEY"\n'
         )
         env = {"CODEX_HOME": str(home), "SMOLSERVE_KEY": "none"}
-        run_tasks(proxy, lambda task: _run([codex, "exec", "--json", "--skip-git-repo-check", task], env, cwd),
-                  "codex")
+        run_tasks(proxy, lambda task: _run([codex, "exec", "--json", "--skip-git-repo-check", task], env, cwd), "codex")
 
 
 def test_qwen_code(server: str, tmp_path: Path) -> None:
@@ -138,8 +137,9 @@ def test_qwen_code(server: str, tmp_path: Path) -> None:
     with RecordingProxy(server) as proxy:
         env = {"HOME": str(tmp_path), "OPENAI_BASE_URL": f"{proxy.base}/v1", "OPENAI_API_KEY": "none",
                "OPENAI_MODEL": model_name()}  # fmt: skip
-        run_tasks(proxy, lambda task: _run([qwen, "--auth-type", "openai", "--yolo", "-p", task], env, cwd),
-                  "qwen-code")
+        run_tasks(
+            proxy, lambda task: _run([qwen, "--auth-type", "openai", "--yolo", "-p", task], env, cwd), "qwen-code"
+        )
 
 
 def test_opencode(server: str, tmp_path: Path) -> None:
@@ -166,5 +166,9 @@ def test_claude_code(server: str, tmp_path: Path) -> None:
                "ANTHROPIC_DEFAULT_HAIKU_MODEL": model_name(), "ANTHROPIC_SMALL_FAST_MODEL": model_name(),
                "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1", "DISABLE_TELEMETRY": "1",
                "CLAUDE_CODE_MAX_OUTPUT_TOKENS": "512"}  # fmt: skip
-        run_tasks(proxy, lambda task: _run([claude, "-p", task, "--allowedTools", "Bash(ls:*)"], env, cwd),
-                  "claude-code", "Run the command ls with the Bash tool and tell me the file names.")
+        run_tasks(
+            proxy,
+            lambda task: _run([claude, "-p", task, "--allowedTools", "Bash(ls:*)"], env, cwd),
+            "claude-code",
+            "Run the command ls with the Bash tool and tell me the file names.",
+        )

@@ -47,6 +47,9 @@ class _DictTier:
         self.offered: list[bytes] = []
         self.steps = 0
 
+    def pays(self) -> bool:
+        return True
+
     def has(self, digest: bytes) -> bool:
         return digest in self.held
 

@@ -89,7 +89,7 @@ def test_what_cannot_be_escaped_is_a_400(grammar: str) -> None:
 def test_imports_and_terminals_are_escaped_too() -> None:
     grammar = escaped_lark('start: WORD ":" WS_ONE NAME\nNAME.2: /[a-z]+/ // a comment\n'
                            "%import common.WORD\n%import common.WS -> WS_ONE\n", "p")  # fmt: skip
-    assert accepts(grammar, escaped('ab:\n\t cd')) and not accepts(grammar, 'ab:\n cd')
+    assert accepts(grammar, escaped("ab:\n\t cd")) and not accepts(grammar, "ab:\n cd")
 
 
 # -- the Responses API ----------------------------------------------------------------------------------------
@@ -134,8 +134,12 @@ def test_a_custom_call_streams_its_input_and_goes_back_into_the_conversation() -
                  {"type": "custom_tool_call_output", "call_id": call["call_id"], "output": "done"}]  # fmt: skip
         follow = respond(client, input=items, store=False, max_output_tokens=5)
         assert follow["status"] in ("completed", "incomplete")
-        chained = respond(client, previous_response_id=stream[-1]["response"]["id"], max_output_tokens=5,
-                          input=[{"type": "custom_tool_call_output", "call_id": call["call_id"], "output": "ok"}])
+        chained = respond(
+            client,
+            previous_response_id=stream[-1]["response"]["id"],
+            max_output_tokens=5,
+            input=[{"type": "custom_tool_call_output", "call_id": call["call_id"], "output": "ok"}],
+        )
         assert chained["status"] in ("completed", "incomplete")
 
 

@@ -129,8 +129,14 @@ def test_reasoning_is_reasoning_content_and_the_final_channel_content(harmony_se
 
 def test_the_responses_api_gives_reasoning_and_function_call_items(harmony_server) -> None:
     client, *_ = harmony_server
-    body = {"input": ASK[0]["content"], "tools": [{"type": "function", "name": "get_weather", "parameters": CITY}],
-            "tool_choice": "required", "max_output_tokens": 80, "temperature": 0, "reasoning": {"effort": "low"}}
+    body = {
+        "input": ASK[0]["content"],
+        "tools": [{"type": "function", "name": "get_weather", "parameters": CITY}],
+        "tool_choice": "required",
+        "max_output_tokens": 80,
+        "temperature": 0,
+        "reasoning": {"effort": "low"},
+    }
     output = client.post("/v1/responses", json={**body, "logit_bias": END_NOW}).json()["output"]
     assert [item["type"] for item in output] == ["function_call"]
     assert json.loads(output[0]["arguments"])["city"] in ("Paris", "Lyon")

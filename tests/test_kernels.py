@@ -153,8 +153,14 @@ def test_attention_sinks_take_their_share_of_each_head_s_weight(
     row = 3  # torch's fallback: one decoding row over its positions
     length = lengths[row]
     mask = (torch.arange(length) >= length - window) if window else None
-    fallback = _with_sinks(query[row : row + 1].float(), keys[row : row + 1, :, :length].float(),
-                           values[row : row + 1, :, :length].float(), mask, dim**-0.5, sinks.view(kv_heads, groups, 1))
+    fallback = _with_sinks(
+        query[row : row + 1].float(),
+        keys[row : row + 1, :, :length].float(),
+        values[row : row + 1, :, :length].float(),
+        mask,
+        dim**-0.5,
+        sinks.view(kv_heads, groups, 1),
+    )
     torch.testing.assert_close(fallback[0], want[row], atol=1e-5, rtol=1e-5)  # fmt: skip
 
 

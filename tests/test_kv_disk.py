@@ -118,6 +118,27 @@ def test_the_folder_stays_within_its_bound(tiny: PreTrainedModel, tmp_path: Path
                   prompt_ids(21, 40))[1] == 32  # fmt: skip
 
 
+def test_blocks_are_read_only_while_a_read_is_faster_than_a_prefill(tiny: PreTrainedModel, tmp_path: Path) -> None:
+    """The tier times a read at start and each prefill step of 64 rows or more; while prefilling a block is the
+    faster (a slow disk beside a fast CPU), a newcomer's prefix is prefilled, not read, to the same answer."""
+    prompt = prompt_ids(50, 150)
+    fresh = answer(engine_on(tiny, None), prompt)[0]
+    writer = engine_on(tiny, tmp_path)
+    assert writer.disk is not None and writer.disk.read_seconds > 0 and writer.disk.prefill_seconds is None
+    answer(writer, prompt)
+    writer.close()
+    assert writer.disk.prefill_seconds is not None and writer.disk.prefill_seconds > 0
+    slow = engine_on(tiny, tmp_path)
+    assert slow.disk is not None
+    slow.disk.prefill_seconds, slow.disk.read_seconds = 1e-3, 1.0  # as a network disk measures against this CPU
+    assert answer(slow, prompt) == (fresh, 0)
+    stats = slow.memory_stats().disk
+    assert stats is not None and stats["lookups_skipped"] == 1 and stats["restored_blocks"] == 0
+    fast = engine_on(tiny, tmp_path)
+    fast.disk.prefill_seconds, fast.disk.read_seconds = 1.0, 1e-3  # type: ignore[union-attr]
+    assert answer(fast, prompt) == (fresh, 144)
+
+
 def test_servers_sharing_a_folder_read_each_other_s_blocks_and_keep_one_bound(
     tiny: PreTrainedModel, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -196,6 +217,8 @@ def test_the_served_model_with_default_flags_reads_its_blocks_back(
     runs = []
     for _ in range(2):
         served = chooser.build(EngineConfig(kv_disk_dir=str(tmp_path)))
+        disk = served.engine.memory_stats().disk  # type: ignore[union-attr]
+        assert disk is not None and disk["prefill_seconds_per_block"] > 0  # the start-up probe's, before a step
         runs.append(answer(served.engine, prompt, tokens=8))  # type: ignore[arg-type]
         served.engine.close()
     assert runs[0][1] == 0 and runs[1] == (runs[0][0], 384)

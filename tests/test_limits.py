@@ -156,10 +156,16 @@ def test_completions_lists_over_their_limits_are_a_400_naming_the_field(client, 
         ("/v1/completions", {"prompt": "hi", "stop": ["ok", "x" * 257]}, "stop[1]"),
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "stop": ["y" * 300]}, "stop[0]"),
         ("/infill", {"input_prefix": "a", "stop": ["z" * 257]}, "stop[0]"),
-        ("/v1/messages", {"max_tokens": 4, "messages": [{"role": "user", "content": "hi"}],
-                          "stop_sequences": ["x"] * 250_000}, "stop_sequences"),
-        ("/v1/messages", {"max_tokens": 4, "messages": [{"role": "user", "content": "hi"}],
-                          "stop_sequences": ["x" * 257]}, "stop_sequences[0]"),
+        (
+            "/v1/messages",
+            {"max_tokens": 4, "messages": [{"role": "user", "content": "hi"}], "stop_sequences": ["x"] * 250_000},
+            "stop_sequences",
+        ),
+        (
+            "/v1/messages",
+            {"max_tokens": 4, "messages": [{"role": "user", "content": "hi"}], "stop_sequences": ["x" * 257]},
+            "stop_sequences[0]",
+        ),
     ],
 )
 def test_stop_strings_are_bounded_on_every_api(client, tokenizer, path, body, param) -> None:

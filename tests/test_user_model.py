@@ -170,8 +170,22 @@ def test_a_sentencepiece_file_s_token_ids_are_llama_cpp_s(tmp_path: Path) -> Non
 # does not recognize; the Qwen GGUF above is that converter's own qwen2 file.
 @pytest.mark.parametrize(
     "arch",
-    ["llama", "qwen3", "phi3", "gemma3", "qwen3moe", "olmoe", "qwen2moe", "gpt-oss", "granite", "granitemoe", "lfm2",
-     "smollm3", "qwen35", "qwen35moe"],
+    [
+        "llama",
+        "qwen3",
+        "phi3",
+        "gemma3",
+        "qwen3moe",
+        "olmoe",
+        "qwen2moe",
+        "gpt-oss",
+        "granite",
+        "granitemoe",
+        "lfm2",
+        "smollm3",
+        "qwen35",
+        "qwen35moe",
+    ],
 )
 def test_a_file_from_llama_cpp_s_own_converter_scores_text_as_transformers_does(arch: str, tmp_path: Path) -> None:
     """The tiny files of ``tests/gguf_files.py`` are written as the converter writes them; this runs the converter
@@ -244,16 +258,28 @@ def test_a_mixture_or_a_new_family_answers_greedy_as_llama_cpp_s_server_does(
     try:
         for text in CORPUS[:4]:
             ids = httpx.post(f"{llama_base}/tokenize", json={"content": text}).json()["tokens"]
-            answer = httpx.post(f"{llama_base}/completion", json={"prompt": ids, "n_predict": 24, "temperature": 0,
-                                                                  "top_k": 1, "cache_prompt": False, "ignore_eos": True,
-                                                                  "return_tokens": True, "n_probs": 1}).json()
+            answer = httpx.post(
+                f"{llama_base}/completion",
+                json={
+                    "prompt": ids,
+                    "n_predict": 24,
+                    "temperature": 0,
+                    "top_k": 1,
+                    "cache_prompt": False,
+                    "ignore_eos": True,
+                    "return_tokens": True,
+                    "n_probs": 1,
+                },
+            ).json()
             theirs, steps = answer["tokens"], answer["completion_probabilities"]
             body = {"model": gguf.stem, "temperature": 0, "logprobs": 1}
             if outtype == "f32":  # the same float32 products: the same tokens
                 mine = httpx.post(f"{ours_base}/v1/completions", json={**body, "prompt": ids, "max_tokens": 24,
                                                                        "ignore_eos": True}).json()  # fmt: skip
-                assert mine["choices"][0]["text"] == httpx.post(f"{llama_base}/detokenize",
-                                                                json={"tokens": theirs}).json()["content"], text
+                assert (
+                    mine["choices"][0]["text"]
+                    == httpx.post(f"{llama_base}/detokenize", json={"tokens": theirs}).json()["content"]
+                ), text
                 continue
             # 8-bit activations, each server rounding them its own way, and the router's top 2 of 8 flipping where
             # two experts nearly tie: scored on llama.cpp's tokens, its logprobs ours to 0.03 on average (measured:

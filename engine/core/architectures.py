@@ -145,8 +145,15 @@ ARCHITECTURES = {
         # Qwen3.5-MoE (35B-A3B, 122B-A10B, 397B-A17B): Qwen3.5's layers, each MLP a mixture (its chosen experts'
         # weights renormalized) beside a shared expert behind a sigmoid gate, as Qwen2-MoE's
         Architecture(
-            "qwen35moe", "qwen3_5_moe_text", qk_norm=True, norm_offset=1.0, delta_net=True, gated_attention=True,
-            experts=True, shared_expert=True, renormalized_experts=True,
+            "qwen35moe",
+            "qwen3_5_moe_text",
+            qk_norm=True,
+            norm_offset=1.0,
+            delta_net=True,
+            gated_attention=True,
+            experts=True,
+            shared_expert=True,
+            renormalized_experts=True,
         ),
         # LFM2 (350M-2.6B): short convolutions in 10 of 16 layers, attention with head norms in the others
         Architecture("lfm2", "lfm2", qk_norm=True, short_conv=True, renamed=_LFM2_NAMES),

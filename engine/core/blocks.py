@@ -22,6 +22,10 @@ from engine.core.block_pool import ROOT_HASH, BlockPool, NoFreeBlocks, block_has
 class LowerTier(Protocol):
     """Full blocks kept below the pool, by hash."""
 
+    def pays(self) -> bool:
+        """Whether reading a block from here is faster than prefilling it (else the pool's prefix is all)."""
+        ...
+
     def has(self, digest: bytes) -> bool: ...
 
     def load(self, digest: bytes, block: int) -> bool:
@@ -122,7 +126,7 @@ class BlockLedger:
         found = self.pool.match(tokens[:limit], queried=len(tokens))
         if resume is not None:
             found = self._resumable(seq.row, found, resume)
-        elif self.lower is not None:
+        elif self.lower is not None and self.lower.pays():
             found += self._from_lower(tokens[:limit], found)
         for block in found:
             self._assign(seq.row, len(seq.blocks), block)

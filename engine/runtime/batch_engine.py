@@ -179,7 +179,7 @@ class HFEngine(PlannedEngine):
             "dense_from_rows": mode.dense_from_rows, "blocks": sorted({w.qtype for w in (quantized or {}).values()}),
             "cpu": kernels.cpu_tag(),
         }  # fmt: skip
-        return DiskTier(cache, spec.directory, spec.max_bytes, fingerprint(identity))
+        return DiskTier(cache, spec.directory, spec.max_bytes, fingerprint(identity), spec.prefill_seconds_per_token)
 
     def close(self) -> None:
         if self.disk is not None:
@@ -207,6 +207,8 @@ class HFEngine(PlannedEngine):
 
     def committed(self, plan: Plan, outputs: list[StepOutput], seconds: float) -> None:
         self._keep_states(plan)
+        if self.disk is not None and plan.chunks:  # a prefill's cost, against a read from disk
+            self.disk.observe_prefill(plan.num_rows, seconds)
         if (drafts := self.planner.draft_rows) is not None and not plan.chunks:  # decoding rows only
             drafts.observe(plan.num_rows, seconds)
         if self.governor is not None:

@@ -14,9 +14,7 @@ from __future__ import annotations
 import torch
 
 
-def prepare(
-    query: torch.Tensor, key: torch.Tensor, value_heads: int, tiled: bool
-) -> tuple[torch.Tensor, torch.Tensor]:
+def prepare(query: torch.Tensor, key: torch.Tensor, value_heads: int, tiled: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Queries and keys ``[rows, key heads, dim]`` (float32, ``l2norm``-ed) as the rule reads them: the query scaled
     by 1/sqrt(dim), each key head repeated for the value heads it serves: grouped (transformers' order: value head j
     reads key head j // r) or ``tiled`` (llama.cpp's converter's order of the value heads: j reads j % key heads)."""

@@ -96,8 +96,9 @@ def _experts(name: str, blocks: np.ndarray, qtype: int, in_features: int) -> dic
     blocks lie together in the file)."""
     _, layer, kind, _ = name.split(".")
     return {
-        expert_name(layer, expert, EXPERT_PROJECTIONS[kind]):
-            QuantizedWeight(_mapped(blocks[expert]), qtype, in_features)
+        expert_name(layer, expert, EXPERT_PROJECTIONS[kind]): QuantizedWeight(
+            _mapped(blocks[expert]), qtype, in_features
+        )
         for expert in range(blocks.shape[0])
     }
 

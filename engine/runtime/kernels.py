@@ -21,8 +21,13 @@ log = logging.getLogger(__name__)
 _SOURCES = [
     Path(__file__).parent / "csrc" / name
     for name in (
-        "decode_attention.cpp", "int8_attention.cpp", "fused_ops.cpp", "quant_matmul.cpp", "llama_layer.cpp",
-        "delta_rule.cpp", "experts.cpp",
+        "decode_attention.cpp",
+        "int8_attention.cpp",
+        "fused_ops.cpp",
+        "quant_matmul.cpp",
+        "llama_layer.cpp",
+        "delta_rule.cpp",
+        "experts.cpp",
     )
 ]
 _FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]

@@ -12,6 +12,11 @@ start, and a file whose checksum does not match is removed when read, never used
 newer ones are dropped (a step never waits on the disk). The tier holds at most ``max_bytes``, least recently
 written or read dropped first; its index is rebuilt from the folder at start, oldest first by modification time.
 
+A block is read instead of prefilled while that is faster: the tier times a read of a block (a file written and
+read back at start, then each restore, as a moving average) against the engine's prefill per block (the start-up
+probe's matmuls per row at first, then each step of at least ``PREFILL_ROWS`` rows), and while prefilling is the
+faster (a slow or network disk beside a fast CPU) the prefix cache does not look below memory.
+
 Several servers on one machine (replicas, or a restart beside a draining server) may share a folder: a block one
 wrote is found by the others (a block missing from the index is looked for on disk), each writes under its own
 temporary names, and each writer takes in the folder's files again every ``_RESCAN_SECONDS`` before it evicts, so
@@ -45,6 +50,10 @@ _CHECKSUM = 4
 _HEADER = len(_MAGIC) + 8 + _CHECKSUM
 #: Blocks copied but not yet written, at most (then the newest are dropped).
 _MAX_PENDING_BYTES = 256 * 2**20
+#: The steps whose time per row is taken as a prefill's (fewer rows: a step's fixed costs weigh too much).
+PREFILL_ROWS = 64
+#: The weight of the newest measurement in the read's and the prefill's moving averages.
+_AVERAGE = 0.2
 #: How often a writer takes in the files other processes wrote to the same folder (for the bound).
 _RESCAN_SECONDS = 30.0
 #: A temporary file older than this is torn whoever wrote it (a write takes milliseconds).
@@ -61,6 +70,8 @@ class DiskSpec:
     directory: Path
     max_bytes: int
     identity: dict[str, Any] = field(default_factory=dict)
+    #: The start-up probe's matmul seconds per row of a prefill step (None: not probed; reads until a step says).
+    prefill_seconds_per_token: float | None = None
 
 
 def fingerprint(identity: dict[str, Any]) -> str:
@@ -87,7 +98,9 @@ def file_identity(source: str) -> dict[str, Any]:
 
 
 class DiskTier:
-    def __init__(self, cache: BlockKVCache, directory: Path, max_bytes: int, name: str) -> None:
+    def __init__(
+        self, cache: BlockKVCache, directory: Path, max_bytes: int, name: str, prefill_per_token: float | None = None
+    ) -> None:
         self.cache = cache
         self.directory = directory / name
         self.directory.mkdir(parents=True, exist_ok=True)
@@ -103,12 +116,27 @@ class DiskTier:
         self._pending_blocks = 0
         self._max_pending = max(1, _MAX_PENDING_BYTES // self.block_bytes)
         self.stats = {"restored_blocks": 0, "restore_seconds": 0.0, "written_blocks": 0,
-                      "dropped_writes": 0, "corrupt_files": 0}  # fmt: skip
+                      "dropped_writes": 0, "corrupt_files": 0, "lookups_skipped": 0}  # fmt: skip
+        #: Seconds to read a block in, and to prefill one (None: not known yet), as moving averages.
+        self.read_seconds = self._time_a_read()
+        self.prefill_seconds = None if prefill_per_token is None else prefill_per_token * cache.block_size
         self._evict()
         self._writer = threading.Thread(target=self._write_all, name="kv-disk", daemon=True)
         self._writer.start()
 
     # -- the LowerTier -------------------------------------------------------------------------------------
+
+    def pays(self) -> bool:
+        """Whether reading a block in is faster than prefilling it, as last measured (unknown: reading is)."""
+        if self.prefill_seconds is None or self.read_seconds < self.prefill_seconds:
+            return True
+        self.stats["lookups_skipped"] += 1
+        return False
+
+    def observe_prefill(self, rows: int, seconds: float) -> None:
+        """A step of ``rows`` rows took ``seconds``: the prefill's cost per block, if the step was a prefill's."""
+        if rows >= PREFILL_ROWS:
+            self.prefill_seconds = _averaged(self.prefill_seconds, seconds / rows * self.cache.block_size)
 
     def has(self, digest: bytes) -> bool:
         """In the index, or written since by another process sharing the folder (then taken into the index)."""
@@ -148,8 +176,10 @@ class DiskTier:
         with self._lock:
             if digest in self._index:
                 self._index.move_to_end(digest)
+        seconds = time.perf_counter() - started
         self.stats["restored_blocks"] += 1
-        self.stats["restore_seconds"] += time.perf_counter() - started
+        self.stats["restore_seconds"] += seconds
+        self.read_seconds = _averaged(self.read_seconds, seconds)
         return True
 
     def store(self, digest: bytes, block: int) -> None:
@@ -179,7 +209,8 @@ class DiskTier:
             held = {"blocks": len(self._index), "bytes": self._bytes}
         hits = self.stats["restored_blocks"] * self.cache.block_size  # each block restored is a newcomer's
         return {"directory": str(self.directory), "max_bytes": self.max_bytes, **held, **self.stats,
-                "hit_tokens": hits}  # fmt: skip
+                "hit_tokens": hits, "read_seconds_per_block": self.read_seconds,
+                "prefill_seconds_per_block": self.prefill_seconds}  # fmt: skip
 
     def flush(self) -> None:
         """Wait until every block copied so far is written."""
@@ -255,6 +286,28 @@ class DiskTier:
         if unlink:
             self._path(digest).unlink(missing_ok=True)
 
+    def _time_a_read(self) -> float:
+        """A block's read as a restore reads it (the file, its checksum, a copy into a block's bytes), timed on a
+        file written here for it: the best of three."""
+        payload = bytes(self.block_bytes)
+        path = self.directory / f"probe.{os.getpid()}.tmp"
+        path.write_bytes(_MAGIC + len(payload).to_bytes(8, "little") + _checksum(payload) + payload)
+        scratch = torch.empty(self.block_bytes, dtype=torch.uint8)
+        best = float("inf")
+        try:
+            for _ in range(3):
+                started = time.perf_counter()
+                raw = bytearray(_HEADER + self.block_bytes + 1)
+                with open(path, "rb") as handle:
+                    length = handle.readinto(raw)
+                read = _payload(memoryview(raw)[:length], self.block_bytes)
+                assert read is not None
+                scratch.copy_(torch.frombuffer(read, dtype=torch.uint8))
+                best = min(best, time.perf_counter() - started)
+        finally:
+            path.unlink(missing_ok=True)
+        return best
+
     def _path(self, digest: bytes) -> Path:
         return self.directory / f"{digest.hex()}.kv"
 
@@ -275,6 +328,10 @@ class DiskTier:
             if name.endswith(".kv") and stat.st_size == _HEADER + self.block_bytes:
                 found.append((stat.st_mtime_ns, digest, stat.st_size))
         return OrderedDict((digest, size) for _, digest, size in sorted(found))
+
+
+def _averaged(average: float | None, value: float) -> float:
+    return value if average is None else (1 - _AVERAGE) * average + _AVERAGE * value
 
 
 def _torn(entry: os.DirEntry[str]) -> bool:

@@ -230,8 +230,12 @@ class _LlamaLayer:
         """The arguments ``llama_layer`` takes for this layer's weights, up to its post-attention norm; None unless
         every projection is one matrix of packed quantized blocks."""
         projections = (self.qkv, self.o, self.gate_up, self.down)
-        if self.qk_norm_whole or self.o_bias is not None or self.sinks is not None or self.conv is not None or (
-            self.attn_gate or self.rotary
+        if (
+            self.qk_norm_whole
+            or self.o_bias is not None
+            or self.sinks is not None
+            or self.conv is not None
+            or (self.attn_gate or self.rotary)
         ):
             return None
         if not all(isinstance(p, PackedWeight) for p in projections):
@@ -279,9 +283,10 @@ class LlamaRunner:
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
-        self.scale = getattr(config, "attention_multiplier", None) or (
-            getattr(config, "query_pre_attn_scalar", None) or self.head_dim
-        ) ** -0.5
+        self.scale = (
+            getattr(config, "attention_multiplier", None)
+            or (getattr(config, "query_pre_attn_scalar", None) or self.head_dim) ** -0.5
+        )
         self.eps = getattr(config, "rms_norm_eps", None) or config.norm_eps  # (LFM2's name)
         self.softcap = getattr(config, "final_logit_softcapping", None)
         self.logits_scaling = float(getattr(config, "logits_scaling", 1.0) or 1.0)  # granite divides by it
@@ -685,7 +690,15 @@ def _delta_layer(
     output = fused(["linear_attn.out_proj"], [net.out_proj])
     conv = net.conv1d.weight.detach()[:, 0]
     return _LlamaLayer(
-        input_norm, projections, output, post_norm, gate_up, down, experts=experts, conv=conv, delta=delta  # type: ignore[arg-type]
+        input_norm,
+        projections,
+        output,
+        post_norm,
+        gate_up,
+        down,
+        experts=experts,
+        conv=conv,
+        delta=delta,  # type: ignore[arg-type]
     )
 
 

@@ -21,6 +21,8 @@ Weight = torch.Tensor | PackedWeight | PackedParts
 
 #: Row counts timed: few rows closely, for speculative decoding's row budget (``engine/core/speculation.py``).
 ROWS = (1, 2, 4, 6, 8, 16, 32, 64, 128, 256)
+
+
 def probed(model: PreTrainedModel) -> tuple[str, str]:
     """The weights the probe multiplies, by the start of their names (their dense values must be there): the first
     attention layer's (a hybrid's first layers may be convolutions) and the output layer's."""
