@@ -93,6 +93,30 @@ def test_greedy_tokens_and_logprobs_are_the_same_alone_and_in_a_batch(loaded) ->
         assert run_outputs(alone, [(0, request)])[0] == together[index]
 
 
+@pytest.mark.parametrize("kv", ["auto", "int8"])
+def test_a_prefix_read_from_disk_answers_as_a_fresh_prefill(gguf: Path, tmp_path: Path, kv: str) -> None:
+    """``make serve``'s engine on the file (default flags: its blocks, native kernels, batch invariance), a float
+    and an 8-bit KV cache: a 600-token prompt answered, the engine closed (a restart, an unload), and a new one over
+    the same folder takes the prefix from disk to the same greedy tokens and top-3 logprobs, bit for bit."""
+    from engine_helpers import run_outputs
+
+    from engine import chooser
+    from engine.core.config import EngineConfig
+
+    text = "\n".join(f"def f{i}(x):\n    return x * {i} + {i * i}" for i in range(60))
+    runs = []
+    for _ in range(2):
+        served = chooser.build(EngineConfig(model=str(gguf), kv_disk_dir=str(tmp_path), kv_cache_dtype=kv,
+                                            embedding_model="none"))  # fmt: skip
+        prompt = tuple(served.tokenizer.encode(text))[:600]
+        request = GenerationRequest(prompt, 12, ignore_eos=True, logprobs=3)
+        produced = run_outputs(served.engine, [(0, request)])[0]  # type: ignore[arg-type]
+        disk = served.engine.memory_stats().disk  # type: ignore[union-attr]
+        runs.append((produced, disk["hit_tokens"]))
+        served.engine.close()
+    assert runs[0][1] == 0 and runs[1] == (runs[0][0], 592)
+
+
 CORPUS = [
     "Hello, world!", "def add(a, b):\n    return a + b\n", "  leading spaces\ttabs\r\nand CRLF",
     "Ünïcödé: naïve café, Straße, 日本語のテキスト, 한국어, العربية, emoji 🙂👍🏽 and ZWJ 👨‍👩‍👧",
