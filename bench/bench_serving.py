@@ -5,6 +5,7 @@
     .venv/bin/python bench/bench_serving.py --step-context    # decode step time at context 128 vs 2048, batch 8
     .venv/bin/python bench/bench_serving.py --ab-tree ../old  # this tree's server against another checkout's
     .venv/bin/python bench/bench_serving.py --ab-tree ../old --sampled  # ... streams sampling (T 0.8, top_p 0.95)
+    .venv/bin/python bench/bench_serving.py --ab-flags "--kv-disk-gib 0"  # this tree against itself with flags
     .venv/bin/python bench/bench_serving.py --prefill 15 255 1000  # first token of one prompt, idle engine
     .venv/bin/python bench/bench_serving.py --constrained 8 --concurrency 32  # 8 of 32 streams JSON-constrained
     .venv/bin/python bench/bench_serving.py --max-batch-sizes 32 64 128 --concurrency 32 64 128  # candidates
@@ -25,6 +26,7 @@ import asyncio
 import json
 import re
 import resource
+import shlex
 import statistics
 import sys
 import threading
@@ -211,12 +213,16 @@ def compare(
 
 
 def compare_trees(
-    levels: list[int], new_tokens: int, server_args: list[str], repeats: int, other: Path
-) -> dict[str, dict[int, dict[str, float]]]:
-    """This tree's server and ``other``'s (another checkout: the code before a change), both up, their runs of
-    each level alternated so that both see the same drift of this machine. Returns each side's median runs."""
+    levels: list[int], new_tokens: int, server_args: list[str], repeats: int, other: Path | None,
+    other_flags: list[str] = [],  # noqa: B006 - read only
+) -> dict[str, dict[int, dict[str, float]]]:  # fmt: skip
+    """This tree's server and ``other``'s (another checkout: the code before a change; None: this tree again),
+    the second with ``other_flags`` added, both up, their runs of each level alternated so that both see the same
+    drift of this machine. Returns each side's median runs."""
     flags = ["--model", MODEL, "--max-batch-size", str(max(levels)), "--log-level", "warning", *server_args]
-    servers = {"this tree": start_server(*flags), str(other): start_server(*flags, root=other.resolve())}
+    name = " ".join([str(other or "this tree"), *other_flags])
+    root = ROOT if other is None else other.resolve()
+    servers = {"this tree": start_server(*flags), name: start_server(*flags, *other_flags, root=root)}
     results: dict[str, dict[int, dict[str, float]]] = {name: {} for name in servers}
     try:
         for _, base in servers.values():
@@ -441,6 +447,7 @@ def main() -> None:
     parser.add_argument("--prefill", type=int, nargs="+", metavar="TOKENS", help="only time-to-first-token of prompts")
     parser.add_argument("--constrained", type=int, default=0, metavar="K", help="only: K streams JSON-constrained")
     parser.add_argument("--ab-tree", type=Path, default=None, help="another checkout to serve and compare against")
+    parser.add_argument("--ab-flags", default="", help="flags for the second server of --ab-tree (or of this tree)")
     parser.add_argument("--sampled", action="store_true", help="streams sample (temperature 0.8, top_p 0.95)")
     parser.add_argument(
         "--max-batch-sizes", type=int, nargs="+", default=None, help="only: the server at each of these batch sizes"
@@ -461,8 +468,9 @@ def main() -> None:
         n = max(args.concurrency)
         compare_constrained(n, args.constrained, args.new_tokens, args.server_args, args.repeats)
         return
-    if args.ab_tree is not None:
-        ab = compare_trees(args.concurrency, args.new_tokens, args.server_args, args.repeats, args.ab_tree)
+    if args.ab_tree is not None or args.ab_flags:
+        ab = compare_trees(args.concurrency, args.new_tokens, args.server_args, args.repeats, args.ab_tree,
+                           shlex.split(args.ab_flags))  # fmt: skip
         print_ab(args.concurrency, ab)
         return
     print("serving over HTTP, alternated with plain generate on static batches:", flush=True)
