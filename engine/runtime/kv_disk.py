@@ -6,11 +6,12 @@ CRC-32) and the block's bytes as ``BlockKVCache.read_block`` gives them. The fin
 the bytes depend on (the model file's identity and config, dtypes, block size, quantization, the numeric path,
 the CPU the kernels were built for and the engine's own code), so a block is never read by another model or
 configuration. Each full block the prefix cache learns is copied on the engine thread (a memory copy); a step's
-blocks go together to a thread of its own, at the lowest CPU priority, which writes each to a temporary name (its
-process's) then renames it: a file is whole or absent; a torn temporary one whose writer is gone is removed at
-start, and a file whose checksum does not match is removed when read, never used. With 256 MB of blocks waiting,
-newer ones are dropped (a step never waits on the disk). The tier holds at most ``max_bytes``, least recently
-written or read dropped first; its index is rebuilt from the folder at start, oldest first by modification time.
+blocks go together to a thread of its own, which runs only on an idle CPU (helped by a second at nice 19 while
+more than 64 MB wait) and writes each to a temporary name (its process's) then renames it: a file is whole or
+absent; a torn temporary one whose writer is gone is removed at start, and a file whose checksum does not match is
+removed when read, never used. With 256 MB of blocks waiting, newer ones are dropped (a step never waits on the
+disk). The tier holds at most ``max_bytes`` (room is made before a file is written), least recently written or
+read dropped first; its index is rebuilt from the folder at start, oldest first by modification time.
 
 A block is read instead of prefilled while that is faster: the tier times a read of a block (a file written and
 read back at start, then each restore, as a moving average) against the engine's prefill per block (the start-up
@@ -50,6 +51,8 @@ _CHECKSUM = 4
 _HEADER = len(_MAGIC) + 8 + _CHECKSUM
 #: Blocks copied but not yet written, at most (then the newest are dropped).
 _MAX_PENDING_BYTES = 256 * 2**20
+#: Blocks waiting past these bytes: a second writer takes a small share of busy CPUs too (the first is behind).
+_CATCH_UP_BYTES = 64 * 2**20
 #: The steps whose time per row is taken as a prefill's (fewer rows: a step's fixed costs weigh too much).
 PREFILL_ROWS = 64
 #: The weight of the newest measurement in the read's and the prefill's moving averages.
@@ -120,9 +123,14 @@ class DiskTier:
         #: Seconds to read a block in, and to prefill one (None: not known yet), as moving averages.
         self.read_seconds = self._time_a_read()
         self.prefill_seconds = None if prefill_per_token is None else prefill_per_token * cache.block_size
-        self._evict()
-        self._writer = threading.Thread(target=self._write_all, name="kv-disk", daemon=True)
-        self._writer.start()
+        self._reserved = 0  # bytes of files being written: counted in _bytes, not yet in the index
+        self._reserve(0)  # a smaller bound than the last start's
+        self._behind = threading.Event()  # more than _CATCH_UP_BYTES wait
+        self._closing = False
+        self._writers = [threading.Thread(target=self._write_all, name="kv-disk", daemon=True),
+                         threading.Thread(target=self._catch_up, name="kv-disk-catch-up", daemon=True)]  # fmt: skip
+        for writer in self._writers:
+            writer.start()
 
     # -- the LowerTier -------------------------------------------------------------------------------------
 
@@ -198,8 +206,11 @@ class DiskTier:
         if self._step:
             with self._lock:
                 self._pending_blocks += len(self._step)
+                behind = self._pending_blocks * self.block_bytes > _CATCH_UP_BYTES
             self._pending.put(self._step)
             self._step = []
+            if behind:
+                self._behind.set()
 
     # -- the rest ------------------------------------------------------------------------------------------
 
@@ -218,65 +229,103 @@ class DiskTier:
         self._pending.join()
 
     def close(self) -> None:
-        """Write what is queued, then stop the writer."""
+        """Write what is queued, then stop the writers."""
         self.end_step()
+        self._closing = True
         self._pending.put(None)
-        self._writer.join()
+        self._behind.set()
+        for writer in self._writers:
+            writer.join()
 
     def _write_all(self) -> None:
-        """The writer: at the lowest CPU priority (Linux: a thread's own nice value), so that the engine's
-        threads are not the ones that wait."""
-        with contextlib.suppress(OSError, AttributeError):
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
-        while True:
-            blocks = self._pending.get()
-            try:
-                if blocks is None:
+        """The writer: it runs only on a CPU nothing else wants (Linux's ``SCHED_IDLE`` for this thread), so that
+        the engine's threads are not the ones that wait."""
+        _set_priority(idle=True)
+        while (blocks := self._pending.get()) is not None:
+            self._write_batch(blocks)
+        self._pending.task_done()
+
+    def _catch_up(self) -> None:
+        """The second writer, at nice 19 (a small share of a busy CPU), for while more than ``_CATCH_UP_BYTES``
+        wait: a CPU busy with prefills has no idle time for the first (which may not be let back from
+        ``SCHED_IDLE``: an unprivileged thread is not)."""
+        _set_priority(idle=False)
+        while self._behind.wait() and not self._closing:
+            while self._pending_blocks * self.block_bytes > _CATCH_UP_BYTES // 2:
+                try:
+                    blocks = self._pending.get_nowait()
+                except queue.Empty:
+                    break
+                if blocks is None:  # the first writer's to take
+                    self._pending.task_done()
+                    self._pending.put(None)
                     return
-                for digest, data in blocks:
-                    self._write(digest, data)
-            except OSError as exc:  # a full or read-only disk: those blocks are not kept
-                log.warning("KV disk tier: blocks were not written: %s", exc)
-            finally:
-                with self._lock:
-                    self._pending_blocks -= len(blocks or ())
-                    self._queued.difference_update(digest for digest, _ in blocks or ())
-                self._pending.task_done()
+                self._write_batch(blocks)
+            self._behind.clear()
+
+    def _write_batch(self, blocks: list[tuple[bytes, torch.Tensor]]) -> None:
+        try:
+            for digest, data in blocks:
+                self._write(digest, data)
+        except OSError as exc:  # a full or read-only disk: those blocks are not kept
+            log.warning("KV disk tier: blocks were not written: %s", exc)
+        finally:
+            with self._lock:
+                self._pending_blocks -= len(blocks)
+                self._queued.difference_update(digest for digest, _ in blocks)
+            self._pending.task_done()
 
     def _write(self, digest: bytes, data: torch.Tensor) -> None:
+        """The block's file, written once the folder has room for it within the bound (so it never holds more)."""
         payload = data.numpy()
-        header = _MAGIC + len(payload).to_bytes(8, "little") + _checksum(payload)
-        path = self._path(digest)
-        temporary = path.with_suffix(f".{os.getpid()}.tmp")
-        with open(temporary, "wb") as handle:
-            handle.write(header)
-            handle.write(memoryview(payload))
-        os.replace(temporary, path)
-        with self._lock:
-            self._index[digest] = _HEADER + len(payload)
-            self._bytes += _HEADER + len(payload)
-        self.stats["written_blocks"] += 1
+        size = _HEADER + len(payload)
         if time.monotonic() - self._scanned > _RESCAN_SECONDS:
             self._rescan()
-        self._evict()
+        if not self._reserve(size):
+            return
+        header = _MAGIC + len(payload).to_bytes(8, "little") + _checksum(payload)
+        path = self._path(digest)
+        temporary = path.with_suffix(f".{os.getpid()}.tmp")  # one writer a block: a name a process
+        try:
+            with open(temporary, "wb") as handle:
+                handle.write(header)
+                handle.write(memoryview(payload))
+            os.replace(temporary, path)
+        except OSError:
+            with self._lock:
+                self._bytes -= size
+                self._reserved -= size
+            temporary.unlink(missing_ok=True)
+            raise
+        with self._lock:
+            self._reserved -= size
+            if digest in self._index:  # a rescan found the file already, and counted it
+                self._bytes -= size
+            self._index[digest] = size
+        self.stats["written_blocks"] += 1
 
     def _rescan(self) -> None:
         """Take in the folder's files as they are now (other processes' writes and evictions), by recency."""
         found = self._scan()
         with self._lock:
             self._index = found
-            self._bytes = sum(found.values())
+            self._bytes = sum(found.values()) + self._reserved
             self._scanned = time.monotonic()
 
-    def _evict(self) -> None:
-        """Least recently used files out until the tier is within its bound."""
-        while True:
-            with self._lock:
-                if self._bytes <= self.max_bytes or not self._index:
-                    return
-                digest, size = self._index.popitem(last=False)
-                self._bytes -= size
-            self._path(digest).unlink(missing_ok=True)
+    def _reserve(self, size: int) -> bool:
+        """Room for a file of ``size`` bytes within the bound, the least recently used files removed for it, counted
+        at once (under the lock: two writers never count the same room twice); False where a block is more than
+        the bound."""
+        with self._lock:
+            if size > self.max_bytes:
+                return False
+            while self._bytes + size > self.max_bytes and self._index:
+                digest, held = self._index.popitem(last=False)
+                self._bytes -= held
+                self._path(digest).unlink(missing_ok=True)
+            self._bytes += size
+            self._reserved += size
+        return True
 
     def _drop(self, digest: bytes, unlink: bool = False) -> None:
         with self._lock:
@@ -287,25 +336,34 @@ class DiskTier:
             self._path(digest).unlink(missing_ok=True)
 
     def _time_a_read(self) -> float:
-        """A block's read as a restore reads it (the file, its checksum, a copy into a block's bytes), timed on a
-        file written here for it: the best of three."""
+        """A block's read as a restore reads it (the file, its checksum, a copy into a block's bytes): the best of
+        three, on the most recent block here, or, in an empty folder, on a file written for it (a file more would
+        take the folder past its bound)."""
+        with self._lock:
+            newest = next(reversed(self._index), None)
+        if newest is not None:
+            with contextlib.suppress(OSError):  # (removed meanwhile by a server sharing the folder)
+                return self._best_read(self._path(newest))
         payload = bytes(self.block_bytes)
         path = self.directory / f"probe.{os.getpid()}.tmp"
-        path.write_bytes(_MAGIC + len(payload).to_bytes(8, "little") + _checksum(payload) + payload)
-        scratch = torch.empty(self.block_bytes, dtype=torch.uint8)
-        best = float("inf")
         try:
-            for _ in range(3):
-                started = time.perf_counter()
-                raw = bytearray(_HEADER + self.block_bytes + 1)
-                with open(path, "rb") as handle:
-                    length = handle.readinto(raw)
-                read = _payload(memoryview(raw)[:length], self.block_bytes)
-                assert read is not None
-                scratch.copy_(torch.frombuffer(read, dtype=torch.uint8))
-                best = min(best, time.perf_counter() - started)
+            path.write_bytes(_MAGIC + len(payload).to_bytes(8, "little") + _checksum(payload) + payload)
+            return self._best_read(path)
         finally:
             path.unlink(missing_ok=True)
+
+    def _best_read(self, path: Path) -> float:
+        scratch = torch.empty(self.block_bytes, dtype=torch.uint8)
+        best = float("inf")
+        for _ in range(3):
+            started = time.perf_counter()
+            raw = bytearray(_HEADER + self.block_bytes + 1)
+            with open(path, "rb") as handle:
+                length = handle.readinto(raw)
+            read = _payload(memoryview(raw)[:length], self.block_bytes)
+            if read is not None:  # (a corrupt file is found so by its restore)
+                scratch.copy_(torch.frombuffer(read, dtype=torch.uint8))
+            best = min(best, time.perf_counter() - started)
         return best
 
     def _path(self, digest: bytes) -> Path:
@@ -328,6 +386,18 @@ class DiskTier:
             if name.endswith(".kv") and stat.st_size == _HEADER + self.block_bytes:
                 found.append((stat.st_mtime_ns, digest, stat.st_size))
         return OrderedDict((digest, size) for _, digest, size in sorted(found))
+
+
+def _set_priority(idle: bool) -> None:
+    """The calling thread at nice 19 and, if ``idle``, on ``SCHED_IDLE`` (it never preempts a thread of the
+    engine's team: at nice 19 alone the writer, woken each step, cost 32 decoding streams ~5% of their tokens a
+    second)."""
+    thread = threading.get_native_id()
+    with contextlib.suppress(OSError, AttributeError):
+        os.setpriority(os.PRIO_PROCESS, thread, 19)
+    if idle:
+        with contextlib.suppress(OSError, AttributeError):
+            os.sched_setscheduler(thread, os.SCHED_IDLE, os.sched_param(0))
 
 
 def _averaged(average: float | None, value: float) -> float:
