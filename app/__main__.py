@@ -1,4 +1,4 @@
-"""Command line: ``python -m app --model M --host H --port P`` (flags: ``app/cli.py``)."""
+"""Command line: ``python -m app --model M --host H --port P`` (flags: ``app/server/cli.py``)."""
 
 from __future__ import annotations
 
@@ -8,12 +8,12 @@ import importlib.util
 import logging
 import sys
 
-from app.cli import clustered, engine_config, parse_args, server_config
-from app.model_pool import LazyModel
-from app.serve import serve
-from app.server import create_app
-from app.state import server_state
-from app.summary import startup_summary
+from app.server.app import create_app
+from app.server.cli import clustered, engine_config, parse_args, server_config
+from app.server.serve import serve
+from app.server.state import server_state
+from app.server.summary import startup_summary
+from app.services.model_pool import LazyModel
 from engine import chooser
 from engine.chooser import ServedModel
 from engine.core.architectures import NotServedNatively

@@ -59,8 +59,10 @@ def opened(body: dict[str, Any], path: str, nonce: str) -> dict[str, Any]:
 def later(body: dict[str, Any], path: str, reply: str) -> dict[str, Any]:
     """The next turn: the model's reply, then a new user message."""
     body = copy.deepcopy(body)
-    turn: list[dict[str, Any]] = [{"role": "assistant", "content": reply or "ok"},
-                                  {"role": "user", "content": "Now reply with the single word: goodbye"}]
+    turn: list[dict[str, Any]] = [
+        {"role": "assistant", "content": reply or "ok"},
+        {"role": "user", "content": "Now reply with the single word: goodbye"},
+    ]
     if path.endswith("/responses"):  # items as Codex sends them (llama.cpp's server needs their type)
         turn = [{"type": "message", **item} for item in turn]
     key = "input" if path.endswith("/responses") else "messages"

@@ -50,8 +50,10 @@ async def uploads(base: str, pid: int, count: int, size_mb: int) -> None:
         answers = await asyncio.gather(*(client.post("/v1/files", content=multipart(size_mb), headers=headers)
                                          for _ in range(count)))  # fmt: skip
         took, after = time.perf_counter() - began, peak_rss_mb(pid)
-    print(f"{count} concurrent uploads of {size_mb} MB: statuses {sorted({a.status_code for a in answers})}, "
-          f"{took:.1f} s, peak RSS {before:.0f} -> {after:.0f} MB (+{after - before:.0f} MB)")
+    print(
+        f"{count} concurrent uploads of {size_mb} MB: statuses {sorted({a.status_code for a in answers})}, "
+        f"{took:.1f} s, peak RSS {before:.0f} -> {after:.0f} MB (+{after - before:.0f} MB)"
+    )
 
 
 def stops(base: str) -> None:
@@ -68,8 +70,10 @@ def stops(base: str) -> None:
             began = time.perf_counter()
             client.post("/v1/messages", json=small)
             plain.append(time.perf_counter() - began)
-    print(f"250,000 stop_sequences ({len(body) / MB:.1f} MB): {answer.status_code} in {min(refused) * 1000:.0f} ms "
-          f"(a one-token request: {min(plain) * 1000:.0f} ms)")
+    print(
+        f"250,000 stop_sequences ({len(body) / MB:.1f} MB): {answer.status_code} in {min(refused) * 1000:.0f} ms "
+        f"(a one-token request: {min(plain) * 1000:.0f} ms)"
+    )
 
 
 def main() -> None:

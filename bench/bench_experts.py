@@ -33,8 +33,16 @@ def main() -> None:
     began = time.perf_counter()
     loaded = loader.load(str(args.gguf), blocks=True)
     quantized = loaded.blocks
-    engine = HFEngine(loaded.model, eos_token_ids=loaded.eos_token_ids, capacity=max(args.batches), max_model_len=512,
-                      kv_cache_bytes=1 << 30, max_num_batched_tokens=512, prefix_caching=False, quantized=quantized)
+    engine = HFEngine(
+        loaded.model,
+        eos_token_ids=loaded.eos_token_ids,
+        capacity=max(args.batches),
+        max_model_len=512,
+        kv_cache_bytes=1 << 30,
+        max_num_batched_tokens=512,
+        prefix_caching=False,
+        quantized=quantized,
+    )
     print(f"loaded in {time.perf_counter() - began:.1f} s", flush=True)
     runner = engine._runner
     native = runner._moe
@@ -52,8 +60,11 @@ def main() -> None:
                 times[name].append((time.perf_counter() - start) * 1000)
         runner._moe = native
         medians = {name: statistics.median(values) for name, values in times.items()}
-        print(f"batch {batch}: decode step native {medians['native']:.1f} ms, expert by expert from Python "
-              f"{medians['python']:.1f} ms ({medians['native'] / medians['python']:.2f}x)", flush=True)
+        print(
+            f"batch {batch}: decode step native {medians['native']:.1f} ms, expert by expert from Python "
+            f"{medians['python']:.1f} ms ({medians['native'] / medians['python']:.2f}x)",
+            flush=True,
+        )
         engine.reset()
 
 

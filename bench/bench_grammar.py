@@ -22,10 +22,10 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from app.openai.messages import Tool
-from app.tools import ToolCalling
-from app.tools.grammar import tool_grammar
-from app.tools.prompt import call_text
+from app.pipeline.tools import ToolCalling
+from app.pipeline.tools.grammar import tool_grammar
+from app.pipeline.tools.prompt import call_text
+from app.wire.openai.messages import Tool
 from engine.core.grammar import JSON_STYLE, Grammars
 from engine.core.tokenizer import HFTokenizer
 from engine.runtime import loader

@@ -1,5 +1,6 @@
-"""Two chat models in one server (``--model A --model B``, ``app/model_pool.py``): by default the bundled SmolLM2
-(loaded at start) and the Qwen2.5-Coder GGUF of ``../shared/tools/user-models.sh`` (loaded when first asked for).
+"""Two chat models in one server (``--model A --model B``, ``app/services/model_pool.py``): by default the bundled
+SmolLM2 (loaded at start) and the Qwen2.5-Coder GGUF of ``../shared/tools/user-models.sh`` (loaded when first asked
+for).
 
     .venv/bin/python bench/bench_models.py [--second FILE] [--streams 8] [--tokens 64]
 

@@ -66,8 +66,11 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--long-prompt", type=int, default=2000)
-    parser.add_argument("--in-turn", action="store_true",
-                        help="one server up at a time (a file too big for both): the ratio of medians, unpaired")
+    parser.add_argument(
+        "--in-turn",
+        action="store_true",
+        help="one server up at a time (a file too big for both): the ratio of medians, unpaired",
+    )
     args = parser.parse_args()
     gguf = args.gguf or Path(subprocess.check_output(["bash", str(USER_MODELS)], text=True).strip())
     bench_serving.MODEL = gguf.stem

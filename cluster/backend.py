@@ -23,7 +23,7 @@ from ray.exceptions import RayError
 from ray.serve.exceptions import BackPressureError
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 
-from app.backend import Stream, Submission
+from app.services.backend import Stream, Submission
 from cluster.replica import REPORT_INTERVAL_S, Accepted, Failed, Rejected
 from engine.core.scheduler import QueueFullError
 from engine.core.streams import Delta, EngineError

@@ -21,10 +21,10 @@ from ray.serve import Application
 from ray.serve.config import RequestRouterConfig
 from ray.serve.handle import DeploymentHandle
 
-from app.cli import engine_config, parse_args, server_config
-from app.serve import EmbeddedServer, drain
-from app.server import create_app
-from app.state import ServerConfig, server_state
+from app.server.app import create_app
+from app.server.cli import engine_config, parse_args, server_config
+from app.server.serve import EmbeddedServer, drain
+from app.server.state import ServerConfig, server_state
 from cluster import RAY_ENV
 from cluster.backend import RayBackend
 from cluster.replica import EngineReplica, configure_logging, reports_actor

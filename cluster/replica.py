@@ -19,9 +19,9 @@ import ray
 from prometheus_client import CollectorRegistry, generate_latest
 from ray import serve
 
-from app.backend import Submission
-from app.chat_model import local_backend
-from app.state import ServerConfig
+from app.pipeline.chat_model import local_backend
+from app.server.state import ServerConfig
+from app.services.backend import Submission
 from engine import chooser
 from engine.core.config import EngineConfig
 from engine.core.grammar import Grammars
@@ -38,7 +38,7 @@ REPORT_TTL_S = 5.0
 
 @dataclass(slots=True, frozen=True)
 class ModelInfo:
-    """What the ingress needs to know of the model (``app.chat_model.Model``); the tokenizer travels whole."""
+    """What the ingress needs to know of the model (``app.pipeline.chat_model.Model``); the tokenizer travels whole."""
 
     name: str
     tokenizer: Tokenizer

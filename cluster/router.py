@@ -13,7 +13,7 @@ from ray.serve.request_router import (
     RunningReplica,
 )
 
-from app.backend import Submission
+from app.services.backend import Submission
 from cluster.routing import PrefixAffinity
 from engine.core.block_pool import prefix_hashes
 

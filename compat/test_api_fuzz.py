@@ -15,8 +15,8 @@ import schemathesis
 from hypothesis import HealthCheck, given, settings
 from schemathesis import GenerationMode
 
-from app.openapi import describe
-from app.routes import ROUTES
+from app.server.openapi import describe
+from app.server.routes import ROUTES
 from compat.conftest import start_server, stop_server
 
 KEY = "sk-fuzz"
@@ -79,8 +79,9 @@ def test_no_request_is_a_server_error(live: str, operation: Any, mode: Generatio
 
     @given(case=operation.as_strategy(mode))
     # derandomize: the same cases every run, so that a CI run is decided by the tree, not the draw.
-    @settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck), database=None,
-              derandomize=True)
+    @settings(
+        max_examples=EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck), database=None, derandomize=True
+    )
     def run(case: Any) -> None:
         response = case.call(base_url=live, headers=AUTH, timeout=60)
         _ran[operation.label] = _ran.get(operation.label, 0) + 1

@@ -4,6 +4,7 @@ same conversation's greedy text and token count through ``/api/chat`` and ``/v1/
 
 from __future__ import annotations
 
+import contextlib
 import json
 
 import httpx
@@ -70,8 +71,39 @@ def test_the_listings_name_the_served_model(client: ollama.Client) -> None:
     # SmolLM2-135M: a llama of 134.5M weights, its file's blocks Q4_1 (with the types llama.cpp keeps some in)
     assert shown.details.family == "llama" and shown.details.parameter_size.endswith("M")
     assert "Q4_1" in shown.details.quantization_level.split("/")
+    # the file's own keys, as Ollama lists them: SmolLM2-135M's 30 layers of width 576, 9 heads
+    info = shown.modelinfo
+    assert (info["llama.block_count"], info["llama.embedding_length"], info["llama.attention.head_count"]) == (
+        30,
+        576,
+        9,
+    )
+    assert info["general.architecture"] == "llama" and "tokenizer.ggml.tokens" not in info
     (listed,) = [m for m in client.list().models if m.model == f"{MODEL}:latest"]
     assert listed.details.family == "llama"
+
+
+def test_a_model_made_by_create_answers_with_its_parameters_until_deleted(client: ollama.Client) -> None:
+    """``create`` from the served model with a system prompt and options, ``copy``, ``delete``, as the client sends
+    them; the made model answers under its own name and is listed with the served one as its parent."""
+    assert client.create(model="terse", from_=MODEL, system="Answer in one word.",
+                         parameters={"num_predict": 3, "temperature": 0}).status == "success"  # fmt: skip
+    try:
+        answer = client.chat(model="terse", messages=ASK)
+        assert answer.model == "terse" and answer.eval_count == 3
+        (made,) = [m for m in client.list().models if m.model == "terse:latest"]
+        assert made.details.parent_model == f"{MODEL}:latest"
+        shown = client.show("terse")
+        assert 'SYSTEM "Answer in one word."' in shown.modelfile and "num_predict 3" in shown.parameters
+        assert client.copy("terse", "terse-copy").status == "success"
+        assert client.chat(model="terse-copy", messages=ASK).eval_count == 3
+    finally:
+        for name in ("terse", "terse-copy"):
+            with contextlib.suppress(ollama.ResponseError):  # (not made: the failure above is the one to see)
+                client.delete(name)
+    with pytest.raises(ollama.ResponseError) as gone:
+        client.chat(model="terse", messages=ASK)
+    assert gone.value.status_code == 404
 
 
 def test_embeddings_are_unit_vectors(client: ollama.Client) -> None:

@@ -95,6 +95,7 @@ def _build_hf(config: EngineConfig, engine_thread: ThreadPoolExecutor) -> Served
         governor=governor,
         draft_rows=drafts,
         kv_disk=disk_spec(config, loaded, _prefill_per_token(times, mode)),
+        file_keys=_file_keys(loaded.gguf),
     )
     tokenizer = HFTokenizer(loaded.tokenizer, loaded.eos_token_ids)
     served = ServedModel(loaded.name, hf_engine, tokenizer, engine_thread, build_encoder(config.embedding_model))
@@ -124,6 +125,21 @@ def disk_spec(config: EngineConfig, loaded: LoadedModel, prefill_per_token: floa
     source = file_identity(str(loaded.gguf) if loaded.gguf is not None else config.model)
     identity = {**source, "config": config_digest, "quantization": config.quantization}
     return DiskSpec(directory, min(wanted, room), identity, prefill_per_token)
+
+
+def _file_keys(gguf: Path | None) -> dict[str, Any]:
+    """A GGUF's keys as its description gives them: numbers, strings and short arrays (a vocabulary's and the chat
+    template, given apart, left out)."""
+    from engine.runtime.gguf_file import GGUFFile
+
+    if gguf is None:
+        return {}
+    keys = GGUFFile(gguf).keys
+    return {
+        key: value
+        for key, value in keys.items()
+        if isinstance(value, int | float | str | list) and not key.startswith("tokenizer.chat_template")
+    }
 
 
 def _prefill_per_token(times: PathTimes | None, mode: BatchMode) -> float | None:

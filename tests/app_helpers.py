@@ -7,13 +7,13 @@ from typing import Any
 
 from starlette.testclient import TestClient
 
-from app.server import create_app
-from app.state import ServerConfig
+from app.server.app import create_app
+from app.server.state import ServerConfig
 from engine.chooser import ServedModel
 from engine.core.fake_engine import FakeEngine
 from engine.core.tokenizer import ByteTokenizer
 
-#: Where test clients send requests: a loopback name, as the browser guard requires (``app/browser_guard.py``).
+#: Where test clients send requests: a loopback name, as the browser guard requires (``app/server/browser_guard.py``).
 LOCAL = "http://127.0.0.1"
 
 

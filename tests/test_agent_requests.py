@@ -14,10 +14,10 @@ from typing import Any
 
 import pytest
 
-from app.openai.response_events import ResponseEvents
-from app.openai.responses import SKIPPED_HEADER, conversation, parse_responses_request
-from app.reply import Reading
-from app.tools.syntax import HERMES
+from app.pipeline.reply import Reading
+from app.pipeline.tools.syntax import HERMES
+from app.wire.openai.response_events import ResponseEvents
+from app.wire.openai.responses import SKIPPED_HEADER, conversation, parse_responses_request
 from engine.core.fake_engine import FakeEngine
 from engine.core.tokenizer import ByteTokenizer
 from tests.app_helpers import fake_client

@@ -9,8 +9,8 @@ import pytest
 from app_helpers import fake_client, sse_chunks
 from starlette.testclient import TestClient
 
-from app.openai.chat import ChatBody
-from app.openai.completions import CompletionBody
+from app.wire.openai.chat import ChatBody
+from app.wire.openai.completions import CompletionBody
 from engine.core.fake_engine import FakeEngine
 from engine.core.tokenizer import ByteTokenizer
 

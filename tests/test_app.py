@@ -143,7 +143,7 @@ def test_max_tokens_beyond_the_context_is_clamped_on_every_api(client: TestClien
                                                                read: Any) -> None:  # fmt: skip
     """Agents ask for the whole context every turn (Qwen Code: 32,768 of a 32,768-token model): the reply stops
     where the context ends, with ``length``, as llama.cpp's server and Anthropic's API answer; it was a 400. One rule
-    decides it for every endpoint (``app/reply_budget.py``), Ollama's ``num_predict`` too."""
+    decides it for every endpoint (``app/pipeline/reply_budget.py``), Ollama's ``num_predict`` too."""
     response = client.post(path, json=body)
     assert response.status_code == 200, response.text
     expected = {

@@ -1,7 +1,7 @@
-"""OpenAI's Batch API (``app/batches.py``, ``app/batch_runner.py``) through the openai SDK over the fake engine:
-``files.create`` → ``batches.create`` → poll → ``files.content``; each line's output exactly as the endpoint answers
-it, the error file (a duplicate ``custom_id``, another url, a stream, a body the endpoint refuses), a malformed file
-failing the batch with its lines named, cancel and the window's end (unrun lines in the error file), a restart in
+"""OpenAI's Batch API (``app/api/batches.py``, ``app/services/batch_runner.py``) through the openai SDK over the fake
+engine: ``files.create`` → ``batches.create`` → poll → ``files.content``; each line's output exactly as the endpoint
+answers it, the error file (a duplicate ``custom_id``, another url, a stream, a body the endpoint refuses), a malformed
+file failing the batch with its lines named, cancel and the window's end (unrun lines in the error file), a restart in
 the middle (in process, and ``python -m app`` killed with SIGTERM: the rest run once, none lost or repeated), the
 batch's own errors, the queue on ``/metrics`` and ``/health``, and batches yielding to interactive requests."""
 
@@ -26,9 +26,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from starlette.testclient import TestClient
 
-from app.batch_runner import batch_object
-from app.batch_store import BatchStore
-from app.file_store import FileStore
+from app.services.batch_runner import batch_object
+from app.stores.batch_store import BatchStore
+from app.stores.file_store import FileStore
 from engine.core.fake_engine import FakeEngine
 from tests.app_helpers import LOCAL
 
@@ -105,8 +105,8 @@ def test_a_batch_end_to_end_through_the_sdk(sdk: openai.OpenAI, http: TestClient
 )
 def test_every_endpoint_s_lines_are_answered_as_it_answers(tmp_path: Path, endpoint: str, body: dict[str, Any],
                                                           read: Any) -> None:  # fmt: skip
-    from app.server import create_app
-    from app.state import ServerConfig
+    from app.server.app import create_app
+    from app.server.state import ServerConfig
     from engine import chooser
     from engine.core.config import EngineConfig
 
@@ -197,7 +197,7 @@ def test_cancel_stops_new_lines_and_keeps_the_finished_ones(tmp_path: Path) -> N
 def test_a_batch_past_its_window_expires_its_unrun_lines(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The completion window ends mid-batch (a 1-second window here, 24 hours served): no new line starts, the
     batch ends ``expired`` with the finished lines in the output and each other line a ``batch_expired`` error."""
-    monkeypatch.setattr("app.batch_runner.WINDOW_S", 1)
+    monkeypatch.setattr("app.services.batch_runner.WINDOW_S", 1)
     with fake_client(FakeEngine(max_model_len=256, step_delay=0.01), data_dir=tmp_path) as http:
         sdk = openai.OpenAI(base_url="http://127.0.0.1/v1", api_key="none", http_client=http, max_retries=0)
         upload = sdk.files.create(file=("in.jsonl", jsonl([chat_line(f"r{i}", 20) for i in range(300)])),

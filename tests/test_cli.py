@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from app.cli import engine_config, parse_args, server_config
+from app.server.cli import engine_config, parse_args, server_config
 
 
 def test_defaults_serve_the_default_model_on_localhost_8000() -> None:
@@ -90,7 +90,7 @@ def test_the_flag_table_in_docs_names_every_flag_and_its_default() -> None:
     import re
     from pathlib import Path
 
-    from app import cli
+    from app.server import cli
 
     actions = {opt: a for a in cli.build_parser()._actions for opt in a.option_strings if opt.startswith("--")}
     actions.pop("--help")

@@ -16,8 +16,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 from ray.exceptions import ActorDiedError
 from ray.serve.exceptions import BackPressureError
 
-from app.backend import LocalBackend, Submission
-from app.cli import clustered, parse_args
+from app.server.cli import clustered, parse_args
+from app.services.backend import LocalBackend, Submission
 from cluster.backend import RayBackend, RemoteStream, _ReplicaCollector
 from cluster.deployments import app_builder, engine_options, flags
 from cluster.replica import Accepted, Failed, Rejected

@@ -15,8 +15,8 @@ from typing import Any
 import pytest
 from starlette.testclient import TestClient
 
-from app.server import create_app
-from app.state import ServerConfig
+from app.server.app import create_app
+from app.server.state import ServerConfig
 from engine.chooser import ServedModel
 from engine.core.embedding_batcher import IDLE_BUDGET, MIN_BUDGET, YIELD, EmbeddingBatcher
 from engine.core.encoder import FakeEncoder, read_spec

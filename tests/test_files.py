@@ -1,6 +1,6 @@
-"""OpenAI's Files API (``app/files.py``, ``app/file_store.py``) through the openai SDK: upload, list (purpose,
-order, pages), retrieve, content, delete; the files outlive the server (a new app over the same ``--data-dir``);
-the size limit (413), unknown purposes and fields (400), unknown ids (404)."""
+"""OpenAI's Files API (``app/api/files.py``, ``app/stores/file_store.py``) through the openai SDK: upload, list
+(purpose, order, pages), retrieve, content, delete; the files outlive the server (a new app over the same
+``--data-dir``); the size limit (413), unknown purposes and fields (400), unknown ids (404)."""
 
 from __future__ import annotations
 
@@ -80,7 +80,7 @@ def test_closing_the_store_waits_for_a_statement_in_progress(tmp_path: Path) -> 
     import sqlite3
     import threading
 
-    from app.file_store import FileStore
+    from app.stores.file_store import FileStore
 
     store = FileStore(tmp_path)
     closed = threading.Event()
@@ -99,7 +99,7 @@ def test_a_full_disk_is_a_507_and_leaves_nothing(tmp_path: Path, monkeypatch: py
     store's count of bytes as before; the next upload, with room again, is kept."""
     import errno
 
-    from app import file_store
+    from app.stores import file_store
 
     with fake_client(data_dir=tmp_path) as client:
         assert client.post("/v1/files", files={"file": ("a", LINES)}, data={"purpose": "batch"}).status_code == 200
@@ -153,7 +153,7 @@ def test_concurrent_first_uploads_open_one_store(tmp_path: Path, monkeypatch: py
     import threading
     import time
 
-    from app import state as state_module
+    from app.server import state as state_module
 
     opened: list[object] = []
     real = state_module.FileStore

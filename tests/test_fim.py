@@ -81,7 +81,7 @@ def test_a_cut_prompt_fits_its_room_and_keeps_the_text_nearest_the_gap(
 def test_the_cutter_stops_at_a_shallower_line_and_after_the_time_limit() -> None:
     """llama.cpp's ``n_indent``: after the first line break, a line indented less ends the text where its
     indentation ends; ``t_max_predict_ms``: a token with a line break after the limit ends it."""
-    from app.infill import Cutter
+    from app.api.infill import Cutter
 
     cutter = Cutter(4, 0)
     sent = [cutter.feed(piece) for piece in ["x = 1\n", "    y", " = 2\n", "\n", "  z", "never"]]
@@ -102,8 +102,8 @@ def fim_client(tmp_path_factory: pytest.TempPathFactory):
     from gguf_files import QWEN_FIM, tiny_model, write_gguf
     from starlette.testclient import TestClient
 
-    from app.server import create_app
-    from app.state import ServerConfig
+    from app.server.app import create_app
+    from app.server.state import ServerConfig
     from engine.chooser import build
     from engine.core.config import EngineConfig
     from engine.runtime import loader

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from app.openai.chat import ChatFormat
-from app.openai.choices import Choice, token_string
-from app.openai.completions import CompletionFormat
+from app.wire.openai.chat import ChatFormat
+from app.wire.openai.choices import Choice, token_string
+from app.wire.openai.completions import CompletionFormat
 from engine.core.streams import Delta
 from engine.core.tokenizer import ByteTokenizer
 from engine.core.types import TokenLogprob

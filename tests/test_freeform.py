@@ -1,4 +1,4 @@
-"""Custom (freeform) tools: a grammar's texts held inside a call's JSON string (``app/tools/freeform.py``), the
+"""Custom (freeform) tools: a grammar's texts held inside a call's JSON string (``app/pipeline/tools/freeform.py``), the
 Responses API's ``custom`` tools and ``custom_tool_call`` items around them, and chat completions' ``custom`` tools."""
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from app_helpers import fake_client, named_events, sse_chunks
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from app.openai.errors import APIError
-from app.tools.freeform import escaped_lark, escaped_regex
+from app.pipeline.tools.freeform import escaped_lark, escaped_regex
+from app.wire.openai.errors import APIError
 from engine.core.fake_engine import FakeEngine
 from engine.core.grammar import Grammars
 from engine.core.tokenizer import ByteTokenizer

@@ -28,8 +28,8 @@ from openai_harmony import (
     ToolDescription,
 )
 
-from app.harmony import encoding as harmony_encoding
-from app.harmony.reader import HarmonyReader
+from app.pipeline.harmony import encoding as harmony_encoding
+from app.pipeline.harmony.reader import HarmonyReader
 
 CITY = {"type": "object", "properties": {"city": {"enum": ["Paris", "Lyon"]}}, "required": ["city"]}
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "The weather", "parameters": CITY}}
@@ -45,8 +45,8 @@ def harmony_server(tmp_path_factory: pytest.TempPathFactory):
     from gguf_files import HARMONY_VOCAB, harmony_tokenizer, tiny_model, write_gguf
     from starlette.testclient import TestClient
 
-    from app.server import create_app
-    from app.state import ServerConfig
+    from app.server.app import create_app
+    from app.server.state import ServerConfig
     from engine.chooser import build
     from engine.core.config import EngineConfig
 
@@ -169,7 +169,7 @@ def allowed(matcher, token: int) -> bool:
 
 def test_a_reasoning_budget_ends_the_analysis_channel_at_its_token(harmony_server) -> None:
     """``thinking.budget_tokens``'s grammar: after the budget's tokens of reasoning only ``<|end|>`` may come."""
-    from app.harmony.grammar import reply_grammar
+    from app.pipeline.harmony.grammar import reply_grammar
     from engine.core.grammar import Grammars
 
     _, harmony, tokenizer = harmony_server

@@ -219,9 +219,9 @@ def test_served_with_default_flags_it_answers_and_says_what_a_sequence_costs(lfm
     asked for): the summary says the state's memory and what is off; a completion and a streamed one say the same."""
     from starlette.testclient import TestClient
 
-    from app.server import create_app
-    from app.state import ServerConfig, server_state
-    from app.summary import startup_summary
+    from app.server.app import create_app
+    from app.server.state import ServerConfig, server_state
+    from app.server.summary import startup_summary
     from engine import chooser
     from engine.core.config import EngineConfig
     from tests.app_helpers import LOCAL

@@ -13,7 +13,7 @@ import engine.core
 def test_app_and_scheduler_do_not_import_torch() -> None:
     code = (
         "import sys\n"
-        "import app.server, app.__main__, engine.core.scheduler, engine.chooser, engine.core.fake_engine\n"
+        "import app.server.app, app.__main__, engine.core.scheduler, engine.chooser, engine.core.fake_engine\n"
         "from engine import chooser\n"
         "from engine.core.config import EngineConfig\n"
         "chooser.build(EngineConfig(model='fake'))\n"

@@ -14,9 +14,9 @@ from typing import Any
 import pytest
 from starlette.testclient import TestClient
 
-from app.limits import BodyLimitMiddleware, RequestLimits
-from app.server import create_app
-from app.state import ServerConfig
+from app.server.app import create_app
+from app.server.limits import BodyLimitMiddleware, RequestLimits
+from app.server.state import ServerConfig
 from engine.chooser import ServedModel
 from engine.core.fake_engine import FakeEngine
 from engine.core.tokenizer import HFTokenizer

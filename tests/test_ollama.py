@@ -1,4 +1,4 @@
-"""Ollama's API (``app/ollama/``) over the fake engine: the newline-delimited stream, whole answers, options and
+"""Ollama's API (``app/wire/ollama/``) over the fake engine: the newline-delimited stream, whole answers, options and
 fields refused by name, ``keep_alive`` (a duration; 0 unloads), errors in Ollama's envelope. The official client on
 the real model: ``compat/test_ollama_client.py``."""
 
@@ -12,7 +12,7 @@ import pytest
 from app_helpers import fake_client
 from test_several_models import Builds, _lifespan, served
 
-from app.ollama.request import keep_alive
+from app.wire.ollama.request import keep_alive
 
 ASK = [{"role": "user", "content": "hi"}]
 
@@ -114,8 +114,8 @@ def test_pull_of_a_served_model_succeeds_and_of_any_other_is_a_404() -> None:
         assert client.post("/api/pull", json={"model": "fake", "stream": False}).json() == {"status": "success"}
         missing = client.post("/api/pull", json={"model": "llama3.2"})
         assert missing.status_code == 404 and "local files" in missing.json()["error"]
-        refused = client.post("/api/create", json={"model": "mine", "from": "fake"})
-        assert refused.status_code == 400 and "create" in refused.json()["error"]
+        refused = client.post("/api/push", json={"model": "fake"})
+        assert refused.status_code == 400 and "registry" in refused.json()["error"]
         assert tuple(map(int, client.get("/api/version").json()["version"].split("."))) >= (0, 13, 4)
 
 
@@ -127,3 +127,75 @@ def test_suffix_on_a_model_without_fim_tokens_is_a_400_saying_why() -> None:
     assert response.status_code == 400 and "fill-in-the-middle" in response.json()["error"]
     assert at_start.status_code == 400 and "fill-in-the-middle" in at_start.json()["error"]
     assert thinking.status_code == 400 and "does not support thinking" in thinking.json()["error"]
+
+
+def _made(client, name: str) -> dict[str, Any] | None:
+    return next((m for m in client.get("/api/tags").json()["models"] if m["name"] == f"{name}:latest"), None)
+
+
+def test_a_made_model_answers_with_its_own_options_and_system_prompt_and_outlives_a_restart(tmp_path) -> None:
+    """``/api/create`` from a served model: listed with it as the parent, answering under its own name with its
+    parameters (a request's own options win) and system prompt; shown with its Modelfile; copied; deleted; kept
+    in ``--data-dir`` across a restart."""
+    made = {"model": "terse", "from": "fake:latest", "system": "Answer in one word.",
+            "parameters": {"num_predict": 3, "stop": ["zz"]}}  # fmt: skip
+    with fake_client(data_dir=tmp_path) as client:
+        lines = [json.loads(line) for line in client.post("/api/create", json=made).text.splitlines()]
+        assert lines[-1] == {"status": "success"}
+        assert _made(client, "terse")["details"]["parent_model"] == "fake:latest"  # type: ignore[index]
+        answer = chat(client, model="terse", stream=False).json()
+        plain = chat(client, stream=False, options={"num_predict": 3}).json()
+        assert answer["model"] == "terse" and answer["eval_count"] == 3 and answer["done_reason"] == "length"
+        assert answer["prompt_eval_count"] > plain["prompt_eval_count"]  # its system prompt
+        assert chat(client, model="terse", stream=False, options={"num_predict": 2}).json()["eval_count"] == 2
+        own_system = [{"role": "system", "content": "x"}, *ASK]
+        assert chat(client, model="terse", stream=False, messages=own_system).json()["prompt_eval_count"] < \
+            answer["prompt_eval_count"]  # fmt: skip
+        generated = client.post("/api/generate", json={"model": "terse", "prompt": "hi", "stream": False}).json()
+        assert generated["model"] == "terse" and generated["eval_count"] == 3
+        shown = client.post("/api/show", json={"model": "terse"}).json()
+        assert shown["modelfile"].startswith("FROM fake\nSYSTEM ") and "num_predict 3" in shown["parameters"]
+        assert shown["system"] == "Answer in one word." and 'stop "zz"' in shown["parameters"]
+        assert client.post("/api/copy", json={"source": "terse", "destination": "terse2"}).status_code == 200
+        assert chat(client, model="terse2", stream=False).json()["eval_count"] == 3
+        assert client.request("DELETE", "/api/delete", json={"model": "terse2"}).status_code == 200
+        assert _made(client, "terse2") is None
+        gone = chat(client, model="terse2", stream=False)
+        assert gone.status_code == 404 and gone.json() == {"error": "model 'terse2' not found"}
+    with fake_client(data_dir=tmp_path) as client:  # a restart over the same --data-dir
+        assert (
+            _made(client, "terse") is not None and chat(client, model="terse", stream=False).json()["eval_count"] == 3
+        )
+
+
+def test_an_older_client_s_modelfile_makes_the_same_model(tmp_path) -> None:
+    modelfile = 'FROM fake\n# a comment\nPARAMETER num_predict 4\nPARAMETER stop "zz"\nSYSTEM """Be\nbrief."""\n'
+    with fake_client(data_dir=tmp_path) as client:
+        made = client.post("/api/create", json={"model": "old", "modelfile": modelfile, "stream": False})
+        assert made.json() == {"status": "success"}
+        shown = client.post("/api/show", json={"model": "old"}).json()
+        assert shown["system"] == "Be\nbrief." and "num_predict 4" in shown["parameters"]
+        assert chat(client, model="old", stream=False).json()["eval_count"] == 4
+
+
+@pytest.mark.parametrize(("body", "status", "named"), [
+    ({"model": "m", "from": "fake", "files": {"a.gguf": "sha256:00"}}, 400, "files"),
+    ({"model": "m", "from": "fake", "quantize": "q4_K_M"}, 400, "quantize"),
+    ({"model": "m", "from": "fake", "template": "{{ .Prompt }}"}, 400, "template"),
+    ({"model": "m", "from": "fake", "colour": "blue"}, 400, "colour"),
+    ({"model": "m", "from": "llama3.2"}, 404, "llama3.2"),
+    ({"model": "m"}, 400, "from"),
+    ({"model": "fake", "from": "fake"}, 400, "local file"),
+    ({"model": "m", "from": "fake", "parameters": {"mirostat": 2}}, 400, "parameters.mirostat"),
+    ({"model": "m", "from": "fake", "parameters": {"num_ctx": 10**6}}, 400, "parameters.num_ctx"),
+    ({"model": "m", "modelfile": "FROM fake\nADAPTER ./lora.gguf"}, 400, "ADAPTER"),
+    ({"model": "m", "from": "fake", "messages": [{"role": "tool", "content": "x"}]}, 400, "messages[0]"),
+])  # fmt: skip
+def test_what_a_made_model_cannot_be_is_refused_naming_it(tmp_path, body: dict[str, Any], status: int,
+                                                          named: str) -> None:  # fmt: skip
+    with fake_client(data_dir=tmp_path) as client:
+        response = client.post("/api/create", json=body)
+        assert response.status_code == status and named in response.json()["error"]
+        assert client.get("/api/tags").json()["models"][1:] == []  # nothing made
+        served = client.request("DELETE", "/api/delete", json={"model": "fake"})
+        assert served.status_code == 400 and "local file" in served.json()["error"]

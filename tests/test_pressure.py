@@ -17,8 +17,8 @@ import httpx
 import pytest
 import uvicorn
 
-from app.server import create_app
-from app.state import ServerConfig
+from app.server.app import create_app
+from app.server.state import ServerConfig
 from engine.chooser import ServedModel
 from engine.core.fake_engine import FakeEngine
 from engine.core.scheduler import Scheduler

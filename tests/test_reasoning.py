@@ -1,4 +1,4 @@
-"""Reasoning split out of replies (``app/reasoning.py``): the parser in any split, which templates reason, and
+"""Reasoning split out of replies (``app/pipeline/reasoning.py``): the parser in any split, which templates reason, and
 over HTTP on a tiny model with Qwen3's and an R1 distill's templates and ``<think>`` tokens: ``reasoning_content``
 in the message and in stream deltas, ``chat_template_kwargs`` reaching the template."""
 
@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from app.reasoning import ReasoningParser, budget_grammar, reasons, starts_inside
+from app.pipeline.reasoning import ReasoningParser, budget_grammar, reasons, starts_inside
 from tests.app_helpers import LOCAL
 
 TEMPLATES = Path(__file__).parent / "templates"
@@ -71,8 +71,8 @@ def thinker(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFac
     from gguf_files import tiny_model, write_gguf
     from starlette.testclient import TestClient
 
-    from app.server import create_app
-    from app.state import ServerConfig
+    from app.server.app import create_app
+    from app.server.state import ServerConfig
     from engine.chooser import build
     from engine.core.config import EngineConfig
     from engine.runtime import loader

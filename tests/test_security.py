@@ -11,10 +11,10 @@ import pytest
 from starlette.routing import Route
 from starlette.testclient import TestClient
 
-from app.browser_guard import host_name, is_loopback
-from app.cli import parse_args, server_config
-from app.middleware import OPEN_PATHS
-from app.routes import ROUTES
+from app.server.browser_guard import host_name, is_loopback
+from app.server.cli import parse_args, server_config
+from app.server.middleware import OPEN_PATHS
+from app.server.routes import ROUTES
 from tests.app_helpers import LOCAL, fake_client
 
 KEY = "sk-test"

@@ -1,8 +1,8 @@
-"""Several chat models in one server (``app/model_pool.py``): routing by ``model``, load on first use (one load for
-concurrent first requests, a failure named and the other models going on), unload when idle (``--keep-alive``),
-at most ``--max-loaded-models`` (least recently used idle first), llama.cpp's ``/models/load`` and
-``/models/unload``, statuses in ``/v1/models`` and ``/health``, per-model metrics. Over fake engines here; two real
-GGUFs in a subprocess server: ``test_two_gguf_models_in_one_server``."""
+"""Several chat models in one server (``app/services/model_pool.py``): routing by ``model``, load on first use (one load
+for concurrent first requests, a failure named and the other models going on), unload when idle (``--keep-alive``), at
+most ``--max-loaded-models`` (least recently used idle first), llama.cpp's ``/models/load`` and ``/models/unload``,
+statuses in ``/v1/models`` and ``/health``, per-model metrics. Over fake engines here; two real GGUFs in a subprocess
+server: ``test_two_gguf_models_in_one_server``."""
 
 from __future__ import annotations
 
@@ -17,9 +17,9 @@ from typing import Any
 import httpx
 import pytest
 
-from app.model_pool import LazyModel
-from app.server import create_app
-from app.state import ServerConfig
+from app.server.app import create_app
+from app.server.state import ServerConfig
+from app.services.model_pool import LazyModel
 from engine.chooser import ServedModel
 from engine.core.fake_engine import FakeEngine
 from engine.core.tokenizer import ByteTokenizer
@@ -204,7 +204,7 @@ def test_one_loaded_model_at_a_time_takes_turns_by_request() -> None:
 
 
 def test_a_busy_model_is_never_unloaded_and_a_load_that_cannot_fit_waits(monkeypatch: pytest.MonkeyPatch) -> None:
-    from app import model_pool
+    from app.services import model_pool
 
     monkeypatch.setattr(model_pool, "LOAD_WAIT_S", 0.5)
     builds = Builds()

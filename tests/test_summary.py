@@ -11,9 +11,9 @@ import time
 
 import httpx
 
-from app.server import create_app
-from app.state import ServerConfig, server_state
-from app.summary import startup_summary
+from app.server.app import create_app
+from app.server.state import ServerConfig, server_state
+from app.server.summary import startup_summary
 from engine import chooser
 from engine.core.config import EngineConfig
 from tests.app_helpers import LOCAL

@@ -1,4 +1,4 @@
-"""Each family's tool-call syntax (``app/tools/syntax.py``): found from the makers' chat templates
+"""Each family's tool-call syntax (``app/pipeline/tools/syntax.py``): found from the makers' chat templates
 (``tests/templates/``), read back out of replies in any split, forced by the grammar with the family's marker
 tokens as tokens, and end to end over HTTP on tiny models whose vocabularies and templates are each family's:
 the markers the model writes as special tokens reach the parser, calls are never left in the content, every call
@@ -16,10 +16,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_tools import parse as parse_split
 
-from app.tools import ToolCalling
-from app.tools.grammar import tool_grammar
-from app.tools.parser import ToolCallParser
-from app.tools.syntax import DEFAULT, HERMES, LLAMA3, MISTRAL, UNSUPPORTED, ToolSyntax, detect
+from app.pipeline.tools import ToolCalling
+from app.pipeline.tools.grammar import tool_grammar
+from app.pipeline.tools.parser import ToolCallParser
+from app.pipeline.tools.syntax import DEFAULT, HERMES, LLAMA3, MISTRAL, UNSUPPORTED, ToolSyntax, detect
 from tests.app_helpers import LOCAL
 
 TEMPLATES = Path(__file__).parent / "templates"
@@ -121,7 +121,7 @@ def allowed(matcher, token: int) -> bool:
 
 
 def test_marker_tokens_are_forced_as_tokens_and_their_spelling_is_refused(tokenizer) -> None:
-    from app.openai.messages import Tool
+    from app.wire.openai.messages import Tool
     from engine.core.grammar import Grammars
 
     tool = Tool.model_validate({"type": "function", "function": {"name": "now"}})
@@ -174,8 +174,8 @@ def _client(name: str, tmp_path_factory: pytest.TempPathFactory):
     from gguf_files import tiny_model, write_gguf
     from starlette.testclient import TestClient
 
-    from app.server import create_app
-    from app.state import ServerConfig
+    from app.server.app import create_app
+    from app.server.state import ServerConfig
     from engine.chooser import build
     from engine.core.config import EngineConfig
     from engine.runtime import loader
@@ -330,7 +330,7 @@ def whole_reply_allowed(grammars, grammar: str, text: str) -> bool:
 
 
 def test_auto_holds_a_bare_call_to_the_schema() -> None:
-    from app.openai.messages import Tool
+    from app.wire.openai.messages import Tool
     from engine.core.grammar import Grammars
     from engine.core.tokenizer import ByteTokenizer
 
@@ -348,7 +348,7 @@ def test_auto_holds_a_bare_call_to_the_schema() -> None:
 
 def test_a_bare_call_in_a_json_code_fence_is_a_call() -> None:
     """Qwen2.5-Coder's other habit: the object in a code fence. Read as a call, and held to the schema."""
-    from app.openai.messages import Tool
+    from app.wire.openai.messages import Tool
     from engine.core.grammar import Grammars
     from engine.core.tokenizer import ByteTokenizer
 

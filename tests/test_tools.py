@@ -11,12 +11,12 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from app.openai.messages import Message, Tool
-from app.tools import ToolCalling
-from app.tools.grammar import tool_grammar
-from app.tools.parser import ToolCallParser
-from app.tools.prompt import TOOL_PROMPT, call_text, render
-from app.tools.syntax import CLOSE, DEFAULT, HERMES, OPEN, ToolSyntax
+from app.pipeline.tools import ToolCalling
+from app.pipeline.tools.grammar import tool_grammar
+from app.pipeline.tools.parser import ToolCallParser
+from app.pipeline.tools.prompt import TOOL_PROMPT, call_text, render
+from app.pipeline.tools.syntax import CLOSE, DEFAULT, HERMES, OPEN, ToolSyntax
+from app.wire.openai.messages import Message, Tool
 from engine.core.grammar import Grammars
 from engine.core.tokenizer import ByteTokenizer
 

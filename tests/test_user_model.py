@@ -425,6 +425,71 @@ def test_tool_calls_in_qwen_s_own_syntax_through_the_openai_sdk(gguf: Path) -> N
         stop_server(server)
 
 
+def test_ollama_s_python_and_javascript_clients_on_the_file(gguf: Path) -> None:
+    """Ollama's official Python client (chat whole and streamed, generate with its context, a JSON schema, a tool
+    call in Qwen's syntax with object arguments and its result sent back, the file's keys in ``show``, a model made
+    by ``create``) and the JavaScript library's script (``compat/ollama_js/client.mjs``, where node and the library
+    are installed) on a server of the Qwen GGUF."""
+    import subprocess
+
+    import ollama
+
+    from compat.conftest import start_server, stop_server
+    from compat.test_ollama_js import MODULES, ROOT
+
+    server, base = start_server("--model", str(gguf), "--kv-cache-gib", "1")
+    name, ask = gguf.stem, [{"role": "user", "content": "Name a color in one word."}]
+    try:
+        client = ollama.Client(host=base, timeout=600)
+        whole = client.chat(model=name, messages=ask, options={"temperature": 0, "num_predict": 8})
+        streamed = "".join(
+            p.message.content
+            for p in client.chat(model=name, messages=ask, stream=True, options={"temperature": 0, "num_predict": 8})
+        )
+        assert whole.message.content == streamed and whole.model == name
+        first = client.generate(model=name, prompt="def add(a, b):", raw=True, options={"num_predict": 8})
+        again = client.generate(model=name, prompt="\n", raw=True, context=first.context, options={"num_predict": 2})
+        assert again.prompt_eval_count == len(first.context) + 1
+        schema = {"type": "object", "properties": {"color": {"type": "string"}}, "required": ["color"]}
+        assert isinstance(
+            json.loads(client.chat(model=name, messages=ask, format=schema).message.content)["color"], str
+        )
+        weather = {
+            "type": "function",
+            "function": {
+                "name": "get_weather",
+                "description": "The weather in a city",
+                "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+            },
+        }
+        question = [{"role": "user", "content": "What's the weather like in Paris today?"}]
+        called = client.chat(model=name, messages=question, tools=[weather], options={"temperature": 0})
+        [call] = called.message.tool_calls or []
+        assert call.function.name == "get_weather" and call.function.arguments == {"city": "Paris"}
+        result = {"role": "tool", "tool_name": "get_weather", "content": "sunny, 21 C"}
+        after = client.chat(model=name, messages=[*question, called.message, result], tools=[weather],
+                            options={"temperature": 0, "num_predict": 24})  # fmt: skip
+        assert after.done and (after.message.content or after.message.tool_calls)  # the 0.5B model may call again
+        info = client.show(name).modelinfo
+        assert (info["general.architecture"], info["qwen2.block_count"], info["qwen2.embedding_length"]) == \
+            ("qwen2", 24, 896)  # fmt: skip
+        client.create(model="coder-terse", from_=name, system="Answer in one word.", parameters={"num_predict": 2})
+        assert client.chat(model="coder-terse", messages=ask).eval_count == 2
+        client.delete("coder-terse")
+        if MODULES.joinpath("ollama").is_dir():
+            run = subprocess.run(["node", str(ROOT / "compat" / "ollama_js" / "client.mjs"), base, name,
+                                  "all-MiniLM-L6-v2"], capture_output=True, text=True, timeout=900,
+                                 env={**os.environ, "OLLAMA_JS_MODULES": str(MODULES)})  # fmt: skip
+            assert run.returncode == 0, run.stderr
+            out = json.loads(run.stdout)
+            print("javascript library:", json.dumps({k: out[k] for k in ("chat", "tools", "create", "made")}))
+            assert out["chat"]["whole"] == out["chat"]["streamed"] and out["show"]["info"]["qwen2.block_count"] == 24
+            assert out["tools"]["calls"] and out["tools"]["calls"][0]["function"]["arguments"] == {"city": "Paris"}
+            assert 1 <= out["made"] <= 3 and out["error"]["status"] == 404  # (its own end may come first)
+    finally:
+        stop_server(server)
+
+
 def test_the_bundled_model_and_the_user_s_in_one_server(gguf: Path) -> None:
     """``--model SmolLM2 --model qwen.gguf`` with ``--max-loaded-models 1``: both listed (the Qwen file's context
     read before it loads), each answers by name through the openai SDK, each request for the other model unloads

@@ -105,13 +105,13 @@ class HFEngine(PlannedEngine):
         governor: ThreadGovernor | None = None,
         draft_rows: DraftBudget | None = None,
         kv_disk: DiskSpec | None = None,
+        file_keys: dict[str, Any] | None = None,
     ) -> None:
         """``quantized``: weight matrices to multiply in their GGUF blocks (``engine/runtime/gguf_weights.py``);
-        ``batch_mode``: one numeric path for every row count, or the fastest for each step
-        (``engine/core/batch_mode.py``); ``governor``: resizes the thread team between steps as other processes take
-        or leave CPUs; ``draft_rows``: how many tokens each decoding sequence drafts
-        (speculative decoding, ``engine/core/speculation.py``; None: no drafts); ``kv_disk``: the prefix cache's disk
-        tier (``engine/runtime/kv_disk.py``; None: none)."""
+        ``batch_mode``: one numeric path for every row count, or the fastest each step (``engine/core/batch_mode.py``);
+        ``governor``: resizes the thread team between steps as other processes take or leave CPUs; ``draft_rows``:
+        tokens each decoding sequence drafts (``engine/core/speculation.py``; None: none); ``kv_disk``: the prefix
+        cache's disk tier (``kv_disk.py``; None: none); ``file_keys``: the GGUF's keys, for the model's description."""
         config = model.config
         self._runner = make_runner(model, max_model_len, quantized, batch_mode.invariant, batch_mode.dense_from_rows)
         self.batch_mode = batch_mode
@@ -146,6 +146,7 @@ class HFEngine(PlannedEngine):
             resume_state=self.states.resume if self.states is not None and prefix_caching else None,
         )
         self._facts = self._describe(quantized, model)
+        self._facts["model"]["file_keys"] = dict(file_keys or {})
 
     def _recurrent(
         self, model: PreTrainedModel, block_size: int, kv_cache_bytes: int, draft_rows: DraftBudget | None

@@ -247,21 +247,25 @@ class DiskTier:
 
     def _catch_up(self) -> None:
         """The second writer, at nice 19 (a small share of a busy CPU), for while more than ``_CATCH_UP_BYTES``
-        wait: a CPU busy with prefills has no idle time for the first (which may not be let back from
-        ``SCHED_IDLE``: an unprivileged thread is not)."""
+        wait (a CPU busy with prefills has no idle time for the first, which may not be let back from ``SCHED_IDLE``:
+        an unprivileged thread is not), and for all that waits once the tier closes (an unload beside a busy model
+        must not wait for an idle CPU)."""
         _set_priority(idle=False)
-        while self._behind.wait() and not self._closing:
-            while self._pending_blocks * self.block_bytes > _CATCH_UP_BYTES // 2:
+        while True:
+            self._behind.wait()
+            self._behind.clear()
+            while self._closing or self._pending_blocks * self.block_bytes > _CATCH_UP_BYTES // 2:
                 try:
                     blocks = self._pending.get_nowait()
                 except queue.Empty:
                     break
-                if blocks is None:  # the first writer's to take
+                if blocks is None:  # the first writer's to take, once all before it is written
                     self._pending.task_done()
                     self._pending.put(None)
                     return
                 self._write_batch(blocks)
-            self._behind.clear()
+            if self._closing:
+                return
 
     def _write_batch(self, blocks: list[tuple[bytes, torch.Tensor]]) -> None:
         try:

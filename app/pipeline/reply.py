@@ -1,0 +1,102 @@
+"""A reply read as its model's family writes it: the reasoning first (``app/pipeline/reasoning.py``), then the answer,
+whose tool calls become calls (``app/pipeline/tools/parser.py``) and the rest content. Chat completions and the
+Responses API shape the same pieces. Torch-free."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from app.pipeline.reasoning import ReasoningParser
+from app.pipeline.tools.parser import ParsedCall, ToolCallParser
+from app.pipeline.tools.syntax import ToolSyntax
+
+
+@dataclass(slots=True, frozen=True)
+class Reading:
+    """How a request's replies are read."""
+
+    #: The syntax of the tool calls a reply may hold; None: it holds none (its text is content).
+    calls: ToolSyntax | None = None
+    #: Whether the model reasons between ``<think>`` tags first; ``inside``: the prompt opened them.
+    reasons: bool = False
+    inside: bool = False
+    #: A reader of the model's own reply format where it has one (gpt-oss's harmony: ``app/pipeline/harmony/``).
+    own: Callable[[], Reader] | None = None
+
+    def reader(self) -> Reader:
+        if self.own is not None:
+            return self.own()
+        return ReplyReader(
+            ReasoningParser(self.inside) if self.reasons else None,
+            ToolCallParser(self.calls) if self.calls is not None else None,
+        )
+
+
+@dataclass(slots=True)
+class Piece:
+    """What the next text of a reply released."""
+
+    reasoning: str = ""
+    content: str = ""
+    #: ``tool_calls`` stream deltas (``ToolCallParser.feed``).
+    calls: list[dict[str, Any]] = field(default_factory=list)
+
+
+class Reader(Protocol):
+    """Reads a reply fed piece by piece into reasoning, content and calls."""
+
+    def feed(self, text: str) -> Piece: ...
+
+    def finish(self) -> Piece: ...
+
+    @property
+    def content(self) -> str | None: ...
+
+    @property
+    def reasoning(self) -> str | None: ...
+
+    @property
+    def calls(self) -> list[ParsedCall]: ...
+
+
+@dataclass(slots=True)
+class ReplyReader:
+    thinker: ReasoningParser | None
+    tools: ToolCallParser | None
+    _content: list[str] = field(default_factory=list)
+
+    def feed(self, text: str) -> Piece:
+        reasoning, answer = self.thinker.feed(text) if self.thinker is not None else ("", text)
+        return self._answer(reasoning, answer)
+
+    def finish(self) -> Piece:
+        """At the end of the reply: what was held back, in the order it came."""
+        reasoning, answer = self.thinker.finish() if self.thinker is not None else ("", "")
+        piece = self._answer(reasoning, answer)
+        if self.tools is not None:
+            rest, more = self.tools.finish()
+            piece.content += rest
+            piece.calls += more
+        return piece
+
+    def _answer(self, reasoning: str, answer: str) -> Piece:
+        if self.tools is None:
+            self._content.append(answer)
+            return Piece(reasoning, answer)
+        content, calls = self.tools.feed(answer)
+        return Piece(reasoning, content, calls)
+
+    @property
+    def content(self) -> str | None:
+        """The reply's content: None when it made calls and said nothing else."""
+        return self.tools.text if self.tools is not None else "".join(self._content)
+
+    @property
+    def reasoning(self) -> str | None:
+        return self.thinker.text if self.thinker is not None else None
+
+    @property
+    def calls(self) -> list[ParsedCall]:
+        return self.tools.calls if self.tools is not None else []

@@ -1,0 +1,107 @@
+"""The grammar that holds a reply's calls to the offered tools' schemas, in the model's family's syntax
+(llguidance's Lark dialect). A marker the vocabulary has as a token is forced as that token (``<[id]>``), never
+spelled out in text the model was not trained to write."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from app.pipeline.tools import ToolCalling
+from app.pipeline.tools.syntax import DEFAULT, ToolSyntax
+from app.wire.openai.messages import Tool
+from engine.core.grammar import JSON_STYLE
+
+
+def call_schema(tool: Tool, arguments_key: str = "arguments") -> dict[str, Any]:
+    """A JSON schema for one call of ``tool``: ``{"name": <its name>, <arguments_key>: <its parameters>}``, in
+    that order. The parameters' ``$defs`` move to the root, where their ``#/$defs/...`` references point."""
+    parameters = dict(tool.function.parameters)
+    hoisted = {key: parameters.pop(key) for key in ("$defs", "definitions") if key in parameters}
+    parameters.setdefault("type", "object")  # the API's arguments are an object
+    return {
+        "type": "object",
+        "properties": {"name": {"const": tool.function.name}, arguments_key: parameters},
+        "required": ["name", arguments_key],
+        "additionalProperties": False,
+        # As the tool prompt and call_text write calls; keywords llguidance does not implement (propertyNames, in
+        # Claude Code's tools) are not enforced, not a 400: the arguments still follow the rest of the schema.
+        "x-guidance": {**JSON_STYLE, "lenient": True},
+        **hoisted,
+    }
+
+
+def no_calls(syntax: ToolSyntax) -> str:
+    """``tool_choice: "none"``: any text without the call marker's spelling. The tools stay in the prompt, as
+    OpenAI and vLLM show them, but no call can start (a marker token is no text: the text rule cannot make it)."""
+    return f"start: TEXT\nTEXT: /(?s:.*)/ & ~/(?s:.*{_escaped(syntax.open)}.*)/\n"
+
+
+def tool_grammar(calling: ToolCalling, syntax: ToolSyntax = DEFAULT) -> str:
+    """The Lark grammar (llguidance's dialect) the reply must follow."""
+    if not calling.calls_allowed:
+        return "%llguidance {}\n" + no_calls(syntax)
+    bodies = [_body(i, tool, calling, syntax) for i, tool in enumerate(calling.offered())]
+    parallel = calling.parallel and syntax.parallel and calling.choice in ("auto", "required")
+    rules = [*_calls(syntax, parallel), *_start(calling.choice == "auto", syntax)]
+    rules += ["body: " + " | ".join(f"fn_{i}" for i in range(len(bodies))), *bodies]
+    return "%llguidance {}\n" + "\n".join(rules) + "\n"
+
+
+def _body(index: int, tool: Tool, calling: ToolCalling, syntax: ToolSyntax) -> str:
+    """Rule ``fn_<index>``: a call of ``tool``, as JSON of its schema; a custom tool's ``input`` string held to its
+    grammar (written as ``call_schema`` writes the call)."""
+    name = tool.function.name
+    if name not in calling.freeform:
+        return f"fn_{index}: %json {json.dumps(call_schema(tool, syntax.arguments_key))}"
+    head = json.dumps(f'{{"name": {json.dumps(name)}, "{syntax.arguments_key}": {{"input": "')
+    return f'fn_{index}: {head} input_{index} "\\"}}}}"\ninput_{index}: %lark {{\n{calling.freeform[name]}\n}}'
+
+
+def _calls(syntax: ToolSyntax, parallel: bool) -> list[str]:
+    """``calls``: what follows the first marker, one call or several; ``bare``: calls that begin the reply without
+    it (``ToolSyntax.at_start``)."""
+    more = f" ({json.dumps(syntax.separator)} body)*" if parallel else ""
+    if syntax.array:  # mistral: [TOOL_CALLS][{...}, {...}]
+        return [f'calls: "[" body{more} "]"']
+    if not syntax.close:  # llama3: the calls are the reply
+        return [f"calls: body{more}"]
+    # hermes: each call in its own block; a line may end the last (the model may then stop or open another).
+    call = f'"\\n" body "\\n" {_marker(syntax.close, syntax.close_id)}'
+    again = f' ("\\n" {_marker(syntax.open, syntax.open_id)} call)*' if parallel else ""
+    # Without the marker, one call (a model that drops it does not write several alike).
+    return [f'calls: call{again} "\\n"?', f"call: {call}", f'bare: (body | {_FENCED}) "\\n"?']
+
+
+def _start(auto: bool, syntax: ToolSyntax) -> list[str]:
+    """Calls only; or (``auto``) text, calls after text (hermes, mistral), or calls as the whole reply (llama3,
+    and hermes without its marker). Text that begins as a call's object must be one."""
+    opener = _marker(syntax.open, syntax.open_id)
+    if syntax.at_start and not syntax.close:  # llama3: the reply is a call (the tag before it optional)
+        if not auto:
+            return ["start: calls"]
+        return [f"start: TEXT | {opener}? calls | {_FENCED}", f"TEXT: /(?s:.*)/ & {_NOT_A_CALL}"]
+    if not auto:
+        return [f"start: {opener} calls"]
+    bare, not_a_call = (" | bare", f" & {_NOT_A_CALL}") if syntax.at_start else ("", "")
+    if syntax.open_id is not None:  # a token ends the text: the calls follow it
+        return [f"start: TEXT | TEXT? {opener} calls{bare}", f"TEXT: /(?s:.+)/{not_a_call}"]
+    # Text, or text up to the trigger and then calls: the lazy trigger ends at the first spelling of the marker.
+    return [f"start: TEXT | trigger calls{bare}", f"trigger[lazy]: TEXT {opener}", f"TEXT: /(.|\\n)*/{not_a_call}"]
+
+
+#: A bare call in a JSON code fence, as Qwen2.5-Coder often writes it.
+_FENCED = '"```json\\n" body "\\n```"'
+#: Text that does not begin as a call's object would, with ``{`` or a JSON code fence: the grammar's lexer takes
+#: the longest lexeme, so text that could begin ``{"name"`` would shadow the call's first lexeme. A reply that
+#: begins so is a call.
+_NOT_A_CALL = "~/(?s:\\s*(\\{|```json).*)/"
+
+
+def _marker(text: str, token: int | None) -> str:
+    return f"<[{token}]>" if token is not None else json.dumps(text)
+
+
+def _escaped(text: str) -> str:
+    """``text`` as a regex inside Lark's ``/.../``."""
+    return "".join(f"\\{char}" if char in r"\/.^$|?*+()[]{}" else char for char in text)

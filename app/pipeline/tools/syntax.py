@@ -1,0 +1,98 @@
+"""Each model family's tool-call syntax, and which one a model speaks: read from its chat template and its
+vocabulary's added tokens. Torch-free.
+
+=========  ====================================================  ==========================================
+family     a call as the model writes it                         models
+=========  ====================================================  ==========================================
+hermes     ``<tool_call>\\n{"name": ..., "arguments": {..}}\\n``   Qwen 2.5/3, Hermes 2/3, SmolLM3; and any
+           ``</tool_call>``, one block per call                  template without tools (the default tool
+                                                                 prompt teaches it: SmolLM2)
+llama3     ``{"name": ..., "parameters": {...}}`` as the whole   Llama 3.1, 3.2, 3.3 (one call a turn; its
+           reply (``<|python_tag|>`` before it optional)        template refuses several)
+mistral    ``[TOOL_CALLS][{"name": ..., "arguments": {...}},``   Mistral 7B v0.3, Nemo, Small (before 3.2)
+           `` ...]``                                             (call ids of 9 letters and digits)
+=========  ====================================================  ==========================================
+
+Markers that are tokens of the vocabulary are read and forced as tokens (``open_id``, ``close_id``): the
+generated text keeps their spelling (``GenerationRequest.kept_special``) so the parser sees them where the
+model wrote them, and the grammar names them by id. A template that renders tools in a syntax not in this table
+(Command R, Granite, Functionary, Mistral's ``[ARGS]`` format, ...) has ``UNSUPPORTED``: ``tools`` is a 400.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+
+@dataclass(slots=True, frozen=True)
+class ToolSyntax:
+    family: str
+    #: What begins a call (hermes), or the calls (mistral; llama3's optional ``<|python_tag|>``).
+    open: str
+    #: What ends a call (hermes); "" where the calls run to the end of the reply.
+    close: str = ""
+    #: The key the call's arguments go under.
+    arguments_key: str = "arguments"
+    #: Between two calls: hermes writes each in its own block; mistral's are items of one JSON array.
+    separator: str = "\n"
+    #: Whether the chat template renders the tools and the tool traffic itself; else the default prompt does.
+    native: bool = True
+    #: The tokens that spell ``open`` and ``close``, where the vocabulary has them as single tokens.
+    open_id: int | None = None
+    close_id: int | None = None
+    #: Whether several calls may come in one reply (Llama 3.1's template refuses to render more than one).
+    parallel: bool = True
+    #: Call ids as the template requires them (mistral: 9 letters and digits); 0: any.
+    id_length: int = 0
+
+    @property
+    def kept_special(self) -> frozenset[int]:
+        """The marker tokens whose spelling the generated text keeps."""
+        return frozenset(t for t in (self.open_id, self.close_id) if t is not None)
+
+    @property
+    def array(self) -> bool:
+        """The calls are one JSON array after ``open`` (mistral)."""
+        return self.family == "mistral"
+
+    @property
+    def at_start(self) -> bool:
+        """A call may also begin the reply without ``open``, its JSON object as the reply (llama3's own form;
+        Qwen2.5-Coder writes its calls so, without ``<tool_call>``, when the choice is the model's)."""
+        return self.family in ("llama3", "hermes")
+
+
+OPEN, CLOSE = "<tool_call>", "</tool_call>"
+HERMES = ToolSyntax("hermes", OPEN, CLOSE)
+LLAMA3 = ToolSyntax("llama3", "<|python_tag|>", arguments_key="parameters", separator="; ", parallel=False)
+MISTRAL = ToolSyntax("mistral", "[TOOL_CALLS]", separator=", ", id_length=9)
+#: A template without tools: the default prompt (``app/pipeline/tools/prompt.py``) teaches the Hermes syntax, as text.
+DEFAULT = ToolSyntax("hermes", OPEN, CLOSE, native=False)
+#: A template that renders tools in a syntax this server cannot read back.
+UNSUPPORTED = ToolSyntax("unsupported", "", native=False, parallel=False)
+
+#: What in a template shows its syntax, most specific first: XML-style arguments (Qwen3-Coder, GLM, Nemotron) and
+#: Mistral's ``[ARGS]`` format come before the markers they share.
+_SIGNS = (
+    ("<function=", UNSUPPORTED), ("<arg_key>", UNSUPPORTED), ("[ARGS]", UNSUPPORTED), ("[TOOL_CALLS]", MISTRAL),
+    ("<tool_call>", HERMES), ("<|python_tag|>", LLAMA3), ("<|start_header_id|>", LLAMA3),
+)  # fmt: skip
+#: A Hermes template writes a call as JSON with a name (GLM's and Laguna's ``<tool_call>name...`` do not).
+_JSON_NAME = ('{"name"', '{\\"name\\"')
+
+
+def detect(template: str | None, added: dict[str, int]) -> ToolSyntax:
+    """The syntax a chat template speaks; ``added``: the vocabulary's added tokens by spelling."""
+    template = template or ""
+    signed = [syntax for sign, syntax in _SIGNS if sign in template]
+    # Without a sign: a template that renders tools in a syntax not in the table, or one without tools.
+    syntax = signed[0] if signed else UNSUPPORTED if "tools" in template else DEFAULT
+    if syntax is HERMES and not any(sign in template for sign in _JSON_NAME):
+        syntax = UNSUPPORTED
+    if syntax is LLAMA3 and '"parameters": ' not in template:  # a Llama 3 template without tools
+        syntax = UNSUPPORTED if "tools" in template else DEFAULT
+    if syntax in (UNSUPPORTED, DEFAULT):
+        return syntax
+    close_id = added.get(syntax.close) if syntax.close else None
+    return dataclasses.replace(syntax, open_id=added.get(syntax.open), close_id=close_id)
