@@ -144,6 +144,7 @@ def test_a_made_model_answers_with_its_own_options_and_system_prompt_and_outlive
         assert lines[-1] == {"status": "success"}
         assert _made(client, "terse")["details"]["parent_model"] == "fake:latest"  # type: ignore[index]
         answer = chat(client, model="terse", stream=False).json()
+        assert chat(client, model="terse:latest", stream=False).json()["model"] == "terse:latest"  # echoed as given
         plain = chat(client, stream=False, options={"num_predict": 3}).json()
         assert answer["model"] == "terse" and answer["eval_count"] == 3 and answer["done_reason"] == "length"
         assert answer["prompt_eval_count"] > plain["prompt_eval_count"]  # its system prompt

@@ -70,7 +70,7 @@ async def chat(request: Request) -> Response:
     if not body.get("messages"):  # Ollama's way to load a model: an empty conversation
         return await _loaded(state, body, {"message": {"role": "assistant", "content": ""}})
     model, req, prompt = await state.prepare(lambda: _prepare_chat(state, body), len(raw))
-    return await _answer(request, state, (model, wire.model_name(body)), req, prompt, arrived, generate=False)
+    return await _answer(request, state, (model, str(body["model"])), req, prompt, arrived, generate=False)
 
 
 def _prepare_generate(state: ServerState, body: dict[str, Any]) -> tuple[ChatModel, ChatRequest, list[int]]:
@@ -107,12 +107,12 @@ async def generate(request: Request) -> Response:
     if not any(body.get(field) for field in ("prompt", "suffix", "context")):  # Ollama's preload, or unload
         return await _loaded(state, body, {"response": ""})
     model, req, prompt = await state.prepare(lambda: _prepare_generate(state, body), len(raw))
-    return await _answer(request, state, (model, wire.model_name(body)), req, prompt, arrived, generate=True)
+    return await _answer(request, state, (model, str(body["model"])), req, prompt, arrived, generate=True)
 
 
 async def _answer(request: Request, state: ServerState, named: tuple[ChatModel, str], req: ChatRequest,
                   prompt: list[int], arrived: float, generate: bool) -> Response:  # fmt: skip
-    """The answer, under the name the request gave (a made model's, ``app/api/ollama_models.py``)."""
+    """The answer, under the name the request gave, as Ollama echoes it (``:latest`` or not; a made model's too)."""
     model, name = named
     options = model.up_to_context(req.options, prompt)
     generation = await model.generation(
