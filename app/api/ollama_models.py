@@ -52,7 +52,7 @@ async def create(request: Request) -> Response:
     body = state.parse_body(await request.body())
     made = creation(body)
     _check_name(state, made.name)
-    base = _base(state, made.source)
+    base = _base(state, made.target)
     alias = Alias(made.name, base.target, {**base.parameters, **made.parameters}, made.system or base.system,
                   [*base.messages, *made.messages], made.license or base.license)  # fmt: skip
     _check_options(state, alias)

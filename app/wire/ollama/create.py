@@ -9,9 +9,9 @@ from __future__ import annotations
 import json
 import re
 import shlex
-from dataclasses import dataclass, field
 from typing import Any
 
+from app.stores.model_aliases import Alias
 from app.wire.ollama.request import model_name
 from app.wire.openai.errors import bad_request
 
@@ -32,19 +32,9 @@ _REFUSED_LINES = {"TEMPLATE": "TEMPLATE: the model's own chat template is used",
 MAX_MESSAGES = 64
 
 
-@dataclass(slots=True)
-class Creation:
-    """What ``/api/create`` asks for."""
-
-    name: str
-    source: str
-    parameters: dict[str, Any] = field(default_factory=dict)
-    system: str | None = None
-    messages: list[dict[str, Any]] = field(default_factory=list)
-    license: str = ""
-
-
-def creation(body: dict[str, Any]) -> Creation:
+def creation(body: dict[str, Any]) -> Alias:
+    """The model ``/api/create`` asks for, its ``target`` the model it is made from as the body names it (a served
+    model, or one made before: ``app/api/ollama_models.py`` resolves it)."""
     unknown = sorted(set(body) - _CREATE_FIELDS - set(_STORE_FIELDS))
     if unknown:
         raise bad_request(f"{unknown[0]}: not a field of /api/create", unknown[0])
@@ -52,16 +42,16 @@ def creation(body: dict[str, Any]) -> Creation:
         if body.get(name):
             raise bad_request(why, name)
     name = model_name({"model": body.get("model") or body.get("name")})
-    made = _from_modelfile(body["modelfile"], name) if body.get("modelfile") else Creation(name, "")
-    source = body.get("from") or made.source
+    made: dict[str, Any] = _from_modelfile(body["modelfile"]) if body.get("modelfile") else {}
+    source = body.get("from") or made.get("target")
     if not isinstance(source, str) or not source:
         raise bad_request("from: the served model (or one made before) the new one answers with", "from")
-    made.source = source.removesuffix(":latest")
-    made.parameters.update(_parameters(body.get("parameters")))
-    made.system = _text(body.get("system"), "system") or made.system
-    made.messages += _messages(body.get("messages"))
-    made.license = _license(body.get("license")) or made.license
-    return made
+    return Alias(
+        name, source.removesuffix(":latest"), {**made.get("parameters", {}), **_parameters(body.get("parameters"))},
+        _text(body.get("system"), "system") or made.get("system"),
+        [*made.get("messages", []), *_messages(body.get("messages"))],
+        _license(body.get("license")) or made.get("license", ""),
+    )  # fmt: skip
 
 
 def copied(body: dict[str, Any]) -> tuple[str, str]:
@@ -112,26 +102,23 @@ def _messages(value: Any) -> list[dict[str, Any]]:
 _INSTRUCTION = re.compile(r"^([A-Za-z]+)\s+(.*?)\s*$", re.S)
 
 
-def _from_modelfile(text: Any, name: str) -> Creation:
-    """An older client's ``modelfile``: its instructions, ``\"\"\"``-quoted values over several lines."""
+def _from_modelfile(text: Any) -> dict[str, Any]:
+    """An older client's ``modelfile``: its instructions (triple-quoted values over several lines), as ``Alias``'
+    fields."""
     if not isinstance(text, str):
         raise bad_request("modelfile must be a string", "modelfile")
-    made = Creation(name, "")
+    made: dict[str, Any] = {"parameters": {}, "messages": []}
     for instruction, value in _instructions(text):
         if instruction in _REFUSED_LINES:
             raise bad_request(_REFUSED_LINES[instruction], "modelfile")
-        if instruction == "FROM":
-            made.source = value
-        elif instruction == "SYSTEM":
-            made.system = value
-        elif instruction == "LICENSE":
-            made.license = value
+        if instruction in ("FROM", "SYSTEM", "LICENSE"):
+            made[{"FROM": "target", "SYSTEM": "system", "LICENSE": "license"}[instruction]] = value
         elif instruction == "PARAMETER":
             key, _, raw = value.partition(" ")
-            _add_parameter(made.parameters, key, raw.strip())
+            _add_parameter(made["parameters"], key, raw.strip())
         elif instruction == "MESSAGE":
             role, _, content = value.partition(" ")
-            made.messages += _messages([{"role": role, "content": _unquoted(content.strip())}])
+            made["messages"] += _messages([{"role": role, "content": _unquoted(content.strip())}])
         else:
             raise bad_request(f"modelfile: {instruction} is not a Modelfile instruction", "modelfile")
     return made
