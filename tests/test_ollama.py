@@ -135,8 +135,8 @@ def _made(client, name: str) -> dict[str, Any] | None:
 
 def test_a_made_model_answers_with_its_own_options_and_system_prompt_and_outlives_a_restart(tmp_path) -> None:
     """``/api/create`` from a served model: listed with it as the parent, answering under its own name with its
-    parameters (a request's own options win) and system prompt; shown with its Modelfile; copied; deleted; kept
-    in ``--data-dir`` across a restart."""
+    parameters (a request's own options win) and system prompt, on ``/api/chat``, ``/api/generate`` and
+    ``/v1/chat/completions``; shown with its Modelfile; copied; deleted; kept in ``--data-dir`` across a restart."""
     made = {"model": "terse", "from": "fake:latest", "system": "Answer in one word.",
             "parameters": {"num_predict": 3, "stop": ["zz"]}}  # fmt: skip
     with fake_client(data_dir=tmp_path) as client:
@@ -152,6 +152,11 @@ def test_a_made_model_answers_with_its_own_options_and_system_prompt_and_outlive
         own_system = [{"role": "system", "content": "x"}, *ASK]
         assert chat(client, model="terse", stream=False, messages=own_system).json()["prompt_eval_count"] < \
             answer["prompt_eval_count"]  # fmt: skip
+        openai = client.post("/v1/chat/completions", json={"model": "terse", "messages": ASK}).json()
+        assert openai["model"] == "terse" and openai["usage"]["completion_tokens"] == 3  # as Ollama's /v1 serves it
+        assert openai["usage"]["prompt_tokens"] == answer["prompt_eval_count"]  # the same system prompt
+        capped = {"model": "terse", "messages": ASK, "max_tokens": 2}
+        assert client.post("/v1/chat/completions", json=capped).json()["usage"]["completion_tokens"] == 2
         generated = client.post("/api/generate", json={"model": "terse", "prompt": "hi", "stream": False}).json()
         assert generated["model"] == "terse" and generated["eval_count"] == 3
         shown = client.post("/api/show", json={"model": "terse"}).json()

@@ -1,8 +1,8 @@
 """Ollama's model store, where it has a local meaning: ``/api/create`` and ``/api/copy`` make a model that answers
 with a served one under its own default options, system prompt and opening messages (``app/stores/model_aliases.py``);
 ``/api/delete`` removes one; ``/api/chat``, ``/api/generate``, ``/api/show`` and ``/api/tags`` know them
-(``aliased``). A served model's file is never copied, changed or deleted; ``/api/push`` is a 400 (no registry).
-The ``/v1/*`` routes serve the files' models only. Torch-free."""
+(``aliased``), as does ``/v1/chat/completions`` (``as_chat_completions``). A served model's file is never copied,
+changed or deleted; ``/api/push`` is a 400 (no registry). Torch-free."""
 
 from __future__ import annotations
 
@@ -45,6 +45,19 @@ def aliased(state: ServerState, body: dict[str, Any], generate: bool) -> dict[st
     opening = [{"role": "system", "content": alias.system}] if alias.system and not has_system else []
     out["messages"] = [*opening, *alias.messages, *messages]
     return out
+
+
+def as_chat_completions(state: ServerState, body: dict[str, Any]) -> tuple[dict[str, Any], str | None]:
+    """A ``/v1/chat/completions`` body naming a made model, as Ollama serves it there too: the served model's body
+    with the made model's options (as chat completions' fields) where the body sets none, its system prompt where
+    the body has none, its opening messages first; and the made model's name to answer under (None: not one)."""
+    name = body.get("model")
+    alias = state.aliases.get(name.removesuffix(":latest")) if isinstance(name, str) and name else None
+    if alias is None or not isinstance(body.get("messages"), list):
+        return body, None
+    sampling = wire.options({k: v for k, v in alias.parameters.items() if k != "num_ctx"}, 1 << 62)
+    ollama = aliased(state, {"model": name, "messages": body["messages"]}, generate=False)
+    return {**sampling, **body, "model": alias.target, "messages": ollama["messages"]}, name
 
 
 async def create(request: Request) -> Response:
