@@ -196,6 +196,7 @@ def test_an_older_client_s_modelfile_makes_the_same_model(tmp_path) -> None:
     ({"model": "m", "from": "fake", "parameters": {"num_ctx": 10**6}}, 400, "parameters.num_ctx"),
     ({"model": "m", "modelfile": "FROM fake\nADAPTER ./lora.gguf"}, 400, "ADAPTER"),
     ({"model": "m", "from": "fake", "messages": [{"role": "tool", "content": "x"}]}, 400, "messages[0]"),
+    ({"model": "m", "from": "fake", "system": "x" * 70_000}, 400, "at most 65536 bytes"),
 ])  # fmt: skip
 def test_what_a_made_model_cannot_be_is_refused_naming_it(tmp_path, body: dict[str, Any], status: int,
                                                           named: str) -> None:  # fmt: skip

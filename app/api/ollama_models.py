@@ -131,5 +131,7 @@ def _store(state: ServerState, alias: Alias) -> None:
         state.aliases.put(alias)
     except AliasFull as exc:
         raise APIError(507, str(exc), code="storage_full") from None
+    except ValueError as exc:
+        raise bad_request(str(exc), "model") from None
     except OSError as exc:
         raise APIError(503, f"the made models cannot be kept: {exc}", code="storage_unavailable") from None

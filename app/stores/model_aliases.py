@@ -14,8 +14,10 @@ from pathlib import Path
 from typing import Any
 
 FILE = "ollama-models.json"
-#: The most models made by ``/api/create`` and ``/api/copy`` one server keeps (each a few KB at most).
+#: The most models made by ``/api/create`` and ``/api/copy`` one server keeps, and the most bytes each may take
+#: (its system prompt, messages, license and options as JSON): 16 MiB in all at most.
 MAX_ALIASES = 256
+MAX_ALIAS_BYTES = 64 * 1024
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,6 +70,11 @@ class AliasStore:
         return sorted(self._aliases.values(), key=lambda alias: alias.name)
 
     def put(self, alias: Alias) -> None:
+        """Keep ``alias`` (replacing one of its name); ``AliasFull`` past ``MAX_ALIASES``, ``ValueError`` past
+        ``MAX_ALIAS_BYTES``."""
+        if len(json.dumps(asdict(alias))) > MAX_ALIAS_BYTES:
+            raise ValueError(f"a made model's system prompt, messages, license and options: at most {MAX_ALIAS_BYTES} "
+                             "bytes together")  # fmt: skip
         with self._lock:
             if alias.name not in self._aliases and len(self._aliases) >= MAX_ALIASES:
                 raise AliasFull(f"this server keeps at most {MAX_ALIASES} models made by /api/create or /api/copy")
