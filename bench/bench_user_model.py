@@ -66,6 +66,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--long-prompt", type=int, default=2000)
+    parser.add_argument("--llama-context", type=int, default=4096, help="llama.cpp's positions per slot (a 16k prompt)")
     parser.add_argument(
         "--in-turn",
         action="store_true",
@@ -80,7 +81,7 @@ def main() -> None:
     ours, ours_base = start_server("--model", str(gguf), "--embedding-model", "none")
     startup = time.perf_counter() - started
     slots = max(args.levels, default=1)
-    llama, llama_base = start_llama(args.llama_server, slots, context=4096, gguf=gguf)
+    llama, llama_base = start_llama(args.llama_server, slots, context=args.llama_context, gguf=gguf)
     servers = {"smolserve": ours_base, "llama.cpp": llama_base}
     try:
         rss = RssSampler(ours.pid).rss_kib() / 1024
@@ -118,7 +119,8 @@ def in_turn(gguf: Path, args: argparse.Namespace) -> None:
         if name == "smolserve":
             proc, base = start_server("--model", str(gguf), "--embedding-model", "none")
         else:
-            proc, base = start_llama(args.llama_server, max(args.levels, default=1), context=4096, gguf=gguf)
+            proc, base = start_llama(args.llama_server, max(args.levels, default=1), context=args.llama_context,
+                                     gguf=gguf)  # fmt: skip
         ready = time.perf_counter() - started
         try:
             rss = RssSampler(proc.pid).rss_kib() / 1024
