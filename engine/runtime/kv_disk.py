@@ -166,15 +166,12 @@ class DiskTier:
     def load(self, digest: bytes, block: int) -> bool:
         started = time.perf_counter()
         path = self._path(digest)
-        raw = bytearray(_HEADER + self.block_bytes + 1)  # one more: a longer file does not fit
         try:
-            with open(path, "rb") as handle:
-                length = handle.readinto(raw)
+            payload = self._read(path)
             os.utime(path)  # recency survives a restart
         except OSError:
             self._drop(digest)
             return False
-        payload = _payload(memoryview(raw)[:length], self.block_bytes)
         if payload is None:
             log.warning("KV disk tier: %s is torn or corrupt; removed, not used", path.name)
             self.stats["corrupt_files"] += 1
@@ -361,14 +358,18 @@ class DiskTier:
         best = float("inf")
         for _ in range(3):
             started = time.perf_counter()
-            raw = bytearray(_HEADER + self.block_bytes + 1)
-            with open(path, "rb") as handle:
-                length = handle.readinto(raw)
-            read = _payload(memoryview(raw)[:length], self.block_bytes)
-            if read is not None:  # (a corrupt file is found so by its restore)
-                scratch.copy_(torch.frombuffer(read, dtype=torch.uint8))
+            payload = self._read(path)
+            if payload is not None:  # (a corrupt file is found so by its restore)
+                scratch.copy_(torch.frombuffer(payload, dtype=torch.uint8))
             best = min(best, time.perf_counter() - started)
         return best
+
+    def _read(self, path: Path) -> memoryview | None:
+        """A block file's payload, if whole and as written (``_payload``); OSError where it cannot be read."""
+        raw = bytearray(_HEADER + self.block_bytes + 1)  # one more: a longer file does not fit
+        with open(path, "rb") as handle:
+            length = handle.readinto(raw)
+        return _payload(memoryview(raw)[:length], self.block_bytes)
 
     def _path(self, digest: bytes) -> Path:
         return self.directory / f"{digest.hex()}.kv"
