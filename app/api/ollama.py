@@ -13,7 +13,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 
 from app.api import infill
-from app.api.ollama_models import aliased
+from app.api.ollama_models import aliased, served_names
 from app.pipeline.chat_model import ChatModel
 from app.server.limits import check_text
 from app.server.state import ServerState, server_state
@@ -139,7 +139,7 @@ async def _loaded(state: ServerState, body: dict[str, Any], empty: dict[str, Any
 
 def _model_entry(state: ServerState, name: str) -> str:
     """``name`` if a chat model is served under it, else Ollama's 404."""
-    if not any(name in entry.names for entry in state.pool.entries):
+    if name not in served_names(state):
         raise _not_found(name)
     return name
 
@@ -200,8 +200,9 @@ async def tags(request: Request) -> Response:
     state = server_state(request)
     modified = _modified(state)
     models = [listed(e, modified, await _facts(e)) for e in state.pool.entries]
+    served = served_names(state)
     for alias in state.aliases.all():
-        if any(alias.target in entry.names for entry in state.pool.entries):
+        if alias.target in served:
             entry = state.pool.entry(alias.target)
             models.append(listed(entry, timestamp(alias.created), await _facts(entry), alias))
     return JSONResponse({"models": models})
@@ -255,7 +256,7 @@ async def pull(request: Request) -> Response:
     name = wire.model_name({"model": body.get("model") or body.get("name")})
     alias = state.aliases.get(name)
     name = alias.target if alias is not None else name  # a made model: its served one
-    if any(name in entry.names for entry in state.pool.entries):
+    if name in served_names(state):
         await state.prepare(lambda: _model(state, name), 0)
     elif state.embeddings is None or name not in state.embeddings.entry.names:
         raise _not_found(name, ": this server pulls nothing; its models are local files (--model, --models-dir)")
