@@ -11,8 +11,9 @@ a token) typed as ``llama-quantize Q4_K_M`` types it (Q4_K, with Q6_K for the va
 rows of half the layers, its ``use_more_bits`` ones, and for the output layer; an 18.6 GB file); ``lfm2-1.2b``
 (LiquidAI/LFM2-1.2B: 10 short-convolution and 6 attention layers) and ``qwen3.5-0.8b`` (Qwen3.5's layout at about
 0.8B: 24 layers, 18 of them Gated DeltaNet, hidden 1,024; its vocabulary and RoPE base as Qwen3.5's, its linear
-attention's heads as Qwen3-Next's; the small size's own config was not at hand offline), their matrices Q8_0 (as
-``llama-quantize Q8_0`` writes them), norms, convolutions and the delta rule's vectors F32.
+attention's heads as Qwen3-Next's; the small size's own config was not at hand offline) and ``granite-4.0-h-1b``
+(ibm-granite/granite-4.0-h-1b: 36 Mamba-2 and 4 attention layers, hidden 1,536), their matrices Q8_0 (as
+``llama-quantize Q8_0`` writes them), norms, convolutions and the recurrent layers' vectors F32.
 """
 
 from __future__ import annotations
@@ -51,6 +52,14 @@ QWEN35_0_8B = {
     "vocab": 248320, "context": 262144, "rope_theta": 1e7, "eps": 1e-6, "span": 4, "key_heads": 16,
     "value_heads": 16, "key_dim": 128, "value_dim": 128,
 }  # fmt: skip
+#: ibm-granite/granite-4.0-h-1b's config: 40 layers, attention (12 heads of 128, 4 KV heads, no RoPE) at 5, 15, 25
+#: and 35, the others Mamba-2 (48 heads of 64, B and C of 128 in one group); tied; Granite 4.0-H-350M's multipliers.
+#: Its vocabulary is the borrowed tokenizer's 151,936 (Granite's own: 100,352): both servers pay the larger output.
+GRANITE_40_H_1B = {
+    "arch": "granitehybrid", "layers": 40, "hidden": 1536, "heads": 12, "kv_heads": 4, "head_dim": 128, "ff": 4096,
+    "vocab": 151936, "context": 131072, "rope_theta": 10000.0, "eps": 1e-5, "span": 4, "attention": (5, 15, 25, 35),
+    "ssm_heads": 48, "ssm_head_dim": 64, "state": 128, "groups": 1,
+}  # fmt: skip
 #: Qwen/Qwen3-30B-A3B's config: 48 layers of 128 experts of 768, 8 a token, their weights renormalized.
 QWEN3_30B_A3B = {
     "arch": "qwen3moe", "layers": 48, "hidden": 2048, "heads": 32, "kv_heads": 4, "head_dim": 128, "experts": 128,
@@ -58,6 +67,7 @@ QWEN3_30B_A3B = {
 }  # fmt: skip
 SHAPES = {
     "gpt-oss-20b": GPT_OSS_20B, "qwen3-30b-a3b": QWEN3_30B_A3B, "lfm2-1.2b": LFM2_1_2B, "qwen3.5-0.8b": QWEN35_0_8B,
+    "granite-4.0-h-1b": GRANITE_40_H_1B,
 }  # fmt: skip
 
 
@@ -71,6 +81,9 @@ def tensors(shape: dict) -> Iterator[tuple[str, tuple[int, ...], GGMLQuantizatio
         return
     if shape.get("arch") == "qwen3moe":
         yield from _qwen3moe_tensors(shape)
+        return
+    if shape.get("arch") == "granitehybrid":
+        yield from _granite_hybrid_tensors(shape)
         return
     hidden, heads, kv, dim = shape["hidden"], shape["heads"], shape["kv_heads"], shape["head_dim"]
     experts, ff = shape["experts"], shape["expert_ff"]
@@ -153,6 +166,30 @@ def _qwen35_tensors(shape: dict) -> Iterator[tuple[str, tuple[int, ...], GGMLQua
     yield "output.weight", (shape["vocab"], hidden), T.Q8_0
 
 
+def _granite_hybrid_tensors(shape: dict) -> Iterator[tuple[str, tuple[int, ...], GGMLQuantizationType]]:
+    hidden, heads, dim = shape["hidden"], shape["heads"], shape["head_dim"]
+    inner, shared = shape["ssm_heads"] * shape["ssm_head_dim"], shape["groups"] * shape["state"]
+    yield "token_embd.weight", (shape["vocab"], hidden), T.Q8_0  # tied: the output layer too
+    for i in range(shape["layers"]):
+        blk = f"blk.{i}"
+        yield from _dense_layer(blk, shape, "ffn_norm")
+        if i in shape["attention"]:
+            for name, rows in (("attn_q", heads * dim), ("attn_k", shape["kv_heads"] * dim),
+                               ("attn_v", shape["kv_heads"] * dim)):  # fmt: skip
+                yield f"{blk}.{name}.weight", (rows, hidden), T.Q8_0
+            yield f"{blk}.attn_output.weight", (hidden, heads * dim), T.Q8_0
+            continue
+        yield f"{blk}.ssm_in.weight", (2 * inner + 2 * shared + shape["ssm_heads"], hidden), T.Q8_0
+        yield f"{blk}.ssm_conv1d.weight", (inner + 2 * shared, shape["span"]), T.F32
+        yield f"{blk}.ssm_conv1d.bias", (inner + 2 * shared,), T.F32
+        yield f"{blk}.ssm_dt.bias", (shape["ssm_heads"],), T.F32
+        yield f"{blk}.ssm_a", (shape["ssm_heads"], 1), T.F32
+        yield f"{blk}.ssm_d", (shape["ssm_heads"], 1), T.F32
+        yield f"{blk}.ssm_norm.weight", (shape["groups"], inner // shape["groups"]), T.F32
+        yield f"{blk}.ssm_out.weight", (hidden, inner), T.Q8_0
+    yield "output_norm.weight", (hidden,), T.F32
+
+
 def _more_bits(layer: int, layers: int) -> bool:
     """llama.cpp's ``use_more_bits``: the layers whose value rows and down rows Q4_K_M keeps in Q6_K."""
     return layer < layers // 8 or layer >= 7 * layers // 8 or (layer - layers // 8) % 3 == 2
@@ -208,7 +245,9 @@ def values(name: str, dims: tuple[int, ...], kind: GGMLQuantizationType, rng: np
 def write(shape: dict, out: Path, tokenizer_from: Path, seed: int = 0) -> None:
     arch = shape.get("arch", "gpt-oss")
     writer = GGUFWriter(out, arch)
-    {"gpt-oss": _keys, "qwen3moe": _qwen3moe_keys, "lfm2": _hybrid_keys, "qwen35": _hybrid_keys}[arch](writer, shape)
+    keys = {"gpt-oss": _keys, "qwen3moe": _qwen3moe_keys, "lfm2": _hybrid_keys, "qwen35": _hybrid_keys,
+            "granitehybrid": _hybrid_keys}  # fmt: skip
+    keys[arch](writer, shape)
     _tokenizer(writer, GGUFReader(tokenizer_from), shape["vocab"])
     rng = np.random.default_rng(seed)
     listed = list(tensors(shape))
@@ -273,9 +312,13 @@ def _hybrid_keys(writer: GGUFWriter, shape: dict) -> None:
     writer.add_layer_norm_rms_eps(shape["eps"])
     writer.add_vocab_size(shape["vocab"])
     writer.add_file_type(7)  # MOSTLY_Q8_0
-    if arch == "lfm2":
+    if arch in ("lfm2", "granitehybrid"):
         writer.add_head_count_kv([shape["kv_heads"] if i in shape["attention"] else 0 for i in range(layers)])
+    if arch == "lfm2":
         writer.add_uint32("lfm2.shortconv.l_cache", shape["span"])
+        return
+    if arch == "granitehybrid":
+        _granite_hybrid_keys(writer, shape)
         return
     writer.add_head_count_kv(shape["kv_heads"])
     writer.add_uint32(f"{arch}.ssm.conv_kernel", shape["span"])
@@ -287,6 +330,20 @@ def _hybrid_keys(writer: GGUFWriter, shape: dict) -> None:
     writer.add_array(f"{arch}.attention.recurrent_layers", [(i + 1) % 4 != 0 for i in range(layers)])
     writer.add_rope_dimension_count(shape["head_dim"] // 4)
     writer.add_array(f"{arch}.rope.dimension_sections", [11, 11, 10, 0])
+
+
+def _granite_hybrid_keys(writer: GGUFWriter, shape: dict) -> None:
+    """Granite 4.0-H's: the Mamba-2 shapes (its heads as ``time_step_rank``), no RoPE, its multipliers."""
+    writer.add_ssm_conv_kernel(shape["span"])
+    writer.add_ssm_state_size(shape["state"])
+    writer.add_ssm_group_count(shape["groups"])
+    writer.add_ssm_inner_size(shape["ssm_heads"] * shape["ssm_head_dim"])
+    writer.add_ssm_time_step_rank(shape["ssm_heads"])
+    writer.add_rope_scaling_finetuned(False)
+    writer.add_embedding_scale(12.0)
+    writer.add_attention_scale(0.015625)
+    writer.add_residual_scale(0.246)
+    writer.add_logit_scale(3.0)
 
 
 def _tokenizer(writer: GGUFWriter, reader: GGUFReader, vocab: int) -> None:

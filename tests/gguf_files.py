@@ -23,6 +23,8 @@ from transformers import (
     GraniteForCausalLM,
     GraniteMoeConfig,
     GraniteMoeForCausalLM,
+    GraniteMoeHybridConfig,
+    GraniteMoeHybridForCausalLM,
     Lfm2Config,
     Lfm2ForCausalLM,
     LlamaConfig,
@@ -55,6 +57,7 @@ _MODELS = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen
            "gpt-oss": (GptOssConfig, GptOssForCausalLM), "granite": (GraniteConfig, GraniteForCausalLM),
            "granitemoe": (GraniteMoeConfig, GraniteMoeForCausalLM), "lfm2": (Lfm2Config, Lfm2ForCausalLM),
            "smollm3": (SmolLM3Config, SmolLM3ForCausalLM),
+           "granitehybrid": (GraniteMoeHybridConfig, GraniteMoeHybridForCausalLM),
            "qwen35": (Qwen3_5TextConfig, Qwen3_5ForCausalLM),
            "qwen35moe": (Qwen3_5MoeTextConfig, Qwen3_5MoeForCausalLM)}  # fmt: skip
 _LAYER = {
@@ -70,7 +73,7 @@ MIXTURES = ("qwen3moe", "olmoe", "qwen2moe", "gpt-oss", "granitemoe", "qwen35moe
 #: Qwen3.5's families: its linear attention, dense or with a mixture of experts.
 QWEN35 = ("qwen35", "qwen35moe")
 #: The architectures whose converter permutes the query's and key's rows (llama.cpp's ``LlamaModel`` and its heirs).
-PERMUTED = ("llama", "granite", "granitemoe", "smollm3")
+PERMUTED = ("llama", "granite", "granitemoe", "smollm3", "granitehybrid")
 #: Granite's multipliers in the tiny models: far enough from 1 (and from 1/sqrt(head size)) that each counts.
 GRANITE_MULTIPLIERS = {"embedding_multiplier": 3.0, "attention_multiplier": 0.3, "residual_multiplier": 0.5,
                        "logits_scaling": 4.0}  # fmt: skip
@@ -102,6 +105,14 @@ QWEN35_LINEAR = {"linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear
                  "linear_value_head_dim": 32, "linear_conv_kernel_dim": 4}  # fmt: skip
 #: LFM2's layers in the tiny model: convolutions first and last, as LFM2-1.2B's (10 of its 16 layers).
 LFM2_LAYERS = ["conv", "conv", "full_attention", "conv"]
+#: Granite 4.0-H's layers in the tiny model: Mamba-2 first and last (Micro: 36 of its 40), attention without RoPE.
+GRANITE_HYBRID_LAYERS = ["linear_attention", "linear_attention", "full_attention", "linear_attention"]
+#: ... and its Mamba-2 shapes: 8 heads of 32 (twice the hidden size, as released), B and C of 16 in 2 groups.
+GRANITE_MAMBA = {"mamba_n_heads": 8, "mamba_d_head": 32, "mamba_d_state": 16, "mamba_n_groups": 2, "mamba_d_conv": 4,
+                 "mamba_expand": 2, "mamba_conv_bias": True, "mamba_proj_bias": False}  # fmt: skip
+#: Granite 4.0-H's modules, as its converter names them.
+_GRANITE_HYBRID_LAYER = {**_LAYER, "mamba.in_proj": "ssm_in", "mamba.out_proj": "ssm_out",
+                         "shared_mlp.output_linear": "ffn_down"}  # fmt: skip
 #: gpt-oss's window in the tiny model (every other layer, from the first): short, so that a prompt slides past it.
 OAI_WINDOW = 12
 #: gpt-oss's YaRN as its config gives it, its pretraining context shortened to the tiny model's, and the
@@ -125,7 +136,7 @@ def tiny_model(arch: str, vocab: int, seed: int = 0, long_rope: bool = False, po
     ``positions``: its context length."""
     config_class, model_class = _MODELS[arch]
     extra: dict = {"head_dim": 48} if arch in ("qwen3", "qwen3moe") else {}  # the file's key_length is read
-    if arch in ("granite", "granitemoe"):
+    if arch in ("granite", "granitemoe", "granitehybrid"):
         extra.update(GRANITE_MULTIPLIERS)
     if arch == "granitemoe":  # 8 experts of 64 rows, 2 a row (granite-3.0-1b-a400m: 32 of 512, 8 a row)
         extra.update(num_local_experts=8, num_experts_per_tok=2, intermediate_size=64)
@@ -169,6 +180,9 @@ def tiny_model(arch: str, vocab: int, seed: int = 0, long_rope: bool = False, po
     if arch == "lfm2":  # the MLP's size as given (the file's is adjusted already); a span of 3, as released
         extra.update(layer_types=LFM2_LAYERS, num_hidden_layers=4, block_auto_adjust_ff_dim=False, conv_L_cache=3,
                      norm_eps=1e-6)  # fmt: skip
+    if arch == "granitehybrid":  # dense (its MLP the shared one), NoPE attention, as Granite 4.0-H Micro
+        extra.update(GRANITE_MAMBA, layer_types=GRANITE_HYBRID_LAYERS, num_hidden_layers=4, num_local_experts=0,
+                     num_experts_per_tok=0, shared_intermediate_size=256, position_embedding_type=None)  # fmt: skip
     extra.setdefault("intermediate_size", 256)
     config = config_class(
         vocab_size=vocab, hidden_size=128, num_attention_heads=4,
@@ -220,7 +234,9 @@ def write_gguf(
         _phi3_keys(model, writer)
     if arch in QWEN35:
         _qwen35_keys(config, writer, arch)
-    if arch in ("granite", "granitemoe"):
+    if arch == "granitehybrid":
+        _granite_hybrid_keys(config, writer)
+    if arch in ("granite", "granitemoe", "granitehybrid"):
         writer.add_embedding_scale(config.embedding_multiplier)
         writer.add_attention_scale(config.attention_multiplier)
         writer.add_residual_scale(config.residual_multiplier)
@@ -234,9 +250,11 @@ def write_gguf(
     writer.add_embedding_length(config.hidden_size)
     writer.add_feed_forward_length(config.intermediate_size)
     writer.add_head_count(config.num_attention_heads)
-    if arch == "lfm2":  # a KV head count per layer, 0 in a convolution layer
-        writer.add_head_count_kv([0 if kind == "conv" else config.num_key_value_heads for kind in config.layer_types])
-        writer.add_shortconv_l_cache(config.conv_L_cache)
+    if arch in ("lfm2", "granitehybrid"):  # a KV head count per layer, 0 in a recurrent layer
+        recurrent = ("conv", "linear_attention")
+        writer.add_head_count_kv([0 if k in recurrent else config.num_key_value_heads for k in config.layer_types])
+        if arch == "lfm2":
+            writer.add_shortconv_l_cache(config.conv_L_cache)
     else:
         writer.add_head_count_kv(config.num_key_value_heads)
     writer.add_rope_freq_base(rope["rope_theta"])
@@ -291,6 +309,8 @@ def _tensors(name: str, parameter: torch.Tensor, arch: str) -> list[tuple[str, n
         return _oai_experts(name, parameter, layer)
     if arch in QWEN35 and ".linear_attn." in name:
         return _qwen35_tensors(name, parameter, layer)
+    if arch == "granitehybrid" and (".mamba." in name or "shared_mlp.input_linear" in name):
+        return _granite_hybrid_tensors(name, parameter, layer)
     if name.endswith("conv.conv.weight"):  # LFM2's depthwise convolution: [channels, span], as the converter has it
         return [(f"blk.{layer}.shortconv.conv.weight", parameter.detach()[:, 0].float().numpy(), parameter.data)]
     if name.endswith("self_attn.sinks"):
@@ -332,7 +352,8 @@ def _gguf_name(name: str, arch: str) -> str:
     _, _, index, rest = name.split(".", 3)
     module, kind = rest.rsplit(".", 1)
     names = {"gemma3": _GEMMA_LAYER, "phi3": _PHI3_LAYER, "gpt-oss": _OAI_LAYER, "granitemoe": _GRANITE_MOE_LAYER,
-             "lfm2": _LFM2_LAYER, "qwen35": _QWEN35_LAYER, "qwen35moe": _QWEN35_LAYER}.get(arch, _LAYER)  # fmt: skip
+             "lfm2": _LFM2_LAYER, "qwen35": _QWEN35_LAYER, "qwen35moe": _QWEN35_LAYER,
+             "granitehybrid": _GRANITE_HYBRID_LAYER}.get(arch, _LAYER)  # fmt: skip
     return f"blk.{index}.{names[module]}.{kind}"
 
 
@@ -347,6 +368,39 @@ def _qwen35_keys(config: Any, writer: GGUFWriter, arch: str) -> None:
     writer.add_uint32(f"{arch}.full_attention_interval", 4)
     writer.add_rope_dimension_count(int(config.head_dim * config.rope_parameters["partial_rotary_factor"]))
     writer.add_array(f"{arch}.rope.dimension_sections", [11, 11, 10, 0])
+
+
+def _granite_hybrid_keys(config: Any, writer: GGUFWriter) -> None:
+    """What llama.cpp's converter adds for Granite 4.0-H: the Mamba-2 shapes (its heads as ``time_step_rank``), and
+    that its attention does not rotate."""
+    writer.add_ssm_conv_kernel(config.mamba_d_conv)
+    writer.add_ssm_state_size(config.mamba_d_state)
+    writer.add_ssm_group_count(config.mamba_n_groups)
+    writer.add_ssm_inner_size(config.mamba_n_heads * config.mamba_d_head)
+    writer.add_ssm_time_step_rank(config.mamba_n_heads)
+    writer.add_rope_scaling_finetuned(config.position_embedding_type == "rope")
+
+
+def _granite_hybrid_tensors(name: str, parameter: torch.Tensor, layer: str) -> list[tuple[str, np.ndarray, Any]]:
+    """A Granite 4.0-H Mamba-2 tensor (or its MLP's stacked gate and up) as its converter writes it: ``A_log`` as
+    ``-exp(A_log)``, ``A`` and ``D`` as ``[heads, 1]``, ``dt_bias`` as ``ssm_dt.bias``, the convolution squeezed,
+    the gated norm's weights by group; the gate's and up's rows apart."""
+    values = parameter.detach().float().numpy().copy()
+    part = name.rsplit(f".{layer}.", 1)[1]
+    if part == "shared_mlp.input_linear.weight":
+        gate, up = parameter.data.chunk(2, dim=0)
+        return [(f"blk.{layer}.ffn_{kind}.weight", half.float().numpy().copy(), half)
+                for kind, half in (("gate", gate), ("up", up))]  # fmt: skip
+    groups = GRANITE_MAMBA["mamba_n_groups"]
+    simple = {"mamba.A_log": ("ssm_a", lambda v: -np.exp(v)[:, None]), "mamba.D": ("ssm_d", lambda v: v[:, None]),
+              "mamba.dt_bias": ("ssm_dt.bias", None), "mamba.conv1d.weight": ("ssm_conv1d.weight", lambda v: v[:, 0]),
+              "mamba.conv1d.bias": ("ssm_conv1d.bias", None),
+              "mamba.norm.weight": ("ssm_norm.weight", lambda v: v.reshape(groups, -1))}  # fmt: skip
+    if part in simple:
+        gguf_name, shaped = simple[part]
+        written = values if shaped is None else shaped(values)
+        return [(f"blk.{layer}.{gguf_name}", np.ascontiguousarray(written), parameter.data)]
+    return [(_gguf_name(name, "granitehybrid"), values, parameter.data)]
 
 
 def _qwen35_tensors(name: str, parameter: torch.Tensor, layer: str) -> list[tuple[str, np.ndarray, torch.Tensor]]:
@@ -491,6 +545,9 @@ def save_checkpoint(
         config.sliding_window = 512
     if arch == "phi3":
         config.sliding_window = 2047
+    if arch == "granitehybrid":  # dense: its one MLP is the shared one; Mamba-2 twice the hidden size wide
+        config.shared_intermediate_size = config.intermediate_size
+        config.mamba_d_head = 2 * hidden // config.mamba_n_heads
     torch.manual_seed(0)
     model = _MODELS[arch][1](config).to(dtype).eval()
     with torch.no_grad():
@@ -506,6 +563,11 @@ def save_checkpoint(
     tokenizer_class = "GPT2Tokenizer" if arch == "phi3" else "PreTrainedTokenizerFast"
     settings = directory / "tokenizer_config.json"
     settings.write_text(json.dumps({**json.loads(settings.read_text()), "tokenizer_class": tokenizer_class}))
+    if arch == "granitehybrid":  # the layers' kinds as released checkpoints name them (the converter reads those)
+        saved = directory / "config.json"
+        legacy = {"linear_attention": "mamba", "full_attention": "attention"}
+        written = json.loads(saved.read_text())
+        saved.write_text(json.dumps({**written, "layer_types": [legacy[k] for k in written["layer_types"]]}))
     if arch == "qwen35moe":  # transformers loads Qwen3.5-MoE's own tokenizer whatever the class named (its
         # pre-tokenizer over the bundled vocabulary: one the converter does not know); the converter picks its
         # model's class by `architectures`, so the model type may be the dense family's, whose class is honoured

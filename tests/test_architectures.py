@@ -262,7 +262,7 @@ def test_an_architecture_not_served_natively_is_refused_naming_those_that_are(
     renamed = other_architecture(tokenizer_file, tmp_path)
     served = (
         "llama, qwen2, qwen3, qwen3moe, qwen2moe, olmoe, gpt-oss, granite, smollm3, granitemoe, phi3, qwen35, "
-        "qwen35moe, lfm2, gemma3"
+        "qwen35moe, lfm2, granitehybrid, gemma3"
     )
     with pytest.raises(NotServedNatively, match=rf"'xllam' is not served natively .*{served}"):
         load(renamed, tmp_path / "cache")

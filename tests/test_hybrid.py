@@ -24,7 +24,7 @@ from engine.runtime.kv_cache import BlockKVCache
 #: The mix of ``test_architectures``: the convolutions' projections in blocks of 5 and 8 bits.
 MIX = {"attn_q": T.Q5_0, "attn_k": T.Q5_0, "attn_v": T.Q8_0, "attn_output": T.Q5_1, "ffn_gate": T.Q4_0,
        "ffn_up": T.Q4_0, "ffn_down": T.Q4_1, "token_embd": T.Q5_0, "output": T.Q8_0, "in_proj": T.Q5_0,
-       "out_proj": T.Q8_0, "attn_qkv": T.Q5_0, "attn_gate": T.Q8_0, "ssm_out": T.Q5_0}  # fmt: skip
+       "out_proj": T.Q8_0, "attn_qkv": T.Q5_0, "attn_gate": T.Q8_0, "ssm_out": T.Q5_0, "ssm_in": T.Q8_0}  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -51,10 +51,11 @@ def files(tmp_path_factory: pytest.TempPathFactory):
     return get
 
 
-@pytest.fixture(params=["lfm2", "qwen35", "qwen35moe"])
+@pytest.fixture(params=["lfm2", "qwen35", "qwen35moe", "granitehybrid"])
 def hybrid(request: pytest.FixtureRequest, files):
     """``hybrid(mix)``: each hybrid family's tiny model and file (LFM2's short convolutions; Qwen3.5's linear
-    attention: a convolution and a gated delta rule; Qwen3.5-MoE's, beside a mixture of experts)."""
+    attention: a convolution and a gated delta rule; Qwen3.5-MoE's, beside a mixture of experts; Granite 4.0-H's
+    Mamba-2 layers: a convolution with a bias and a selective scan)."""
     return lambda mix: files(request.param, mix)
 
 
@@ -179,6 +180,22 @@ def test_a_qwen35_sequence_s_state_is_its_convolutions_and_its_matrices(files) -
     assert engine.cache.num_layers == 1
 
 
+def test_a_granite_hybrid_sequence_s_state_is_its_convolutions_and_its_scan_s_matrices(files) -> None:
+    """Granite 4.0-H: per Mamba-2 layer, the convolution's last three inputs (``x``, ``B`` and ``C``'s channels) and
+    each head's state-by-head-dim matrix in float32; the KV cache holds its one attention layer."""
+    from gguf_files import GRANITE_HYBRID_LAYERS, GRANITE_MAMBA
+
+    _, loaded = files("granitehybrid", "mixed")
+    engine = make_engine(loaded.model, loaded.eos_token_ids, quantized=loaded.blocks)
+    state = engine.runtime_info()["recurrent_state"]
+    heads, head, size = (GRANITE_MAMBA[f"mamba_{name}"] for name in ("n_heads", "d_head", "d_state"))
+    channels = heads * head + 2 * GRANITE_MAMBA["mamba_n_groups"] * size
+    layers = GRANITE_HYBRID_LAYERS.count("linear_attention")
+    assert state["kind"] == "Mamba-2 scan" and state["layers"] == layers
+    assert state["bytes_per_sequence"] == layers * (3 * channels * 4 + heads * size * head * 4)
+    assert engine.cache.num_layers == len(GRANITE_HYBRID_LAYERS) - layers
+
+
 def test_a_shared_prefix_resumes_from_the_state_kept_at_its_last_block(hybrid) -> None:
     """An agent's second turn: the first's prompt and answer, then more. Its prefix comes from the cache (whole
     blocks), its state from the one kept at the last of them; its stream is the one computed from nothing."""
@@ -258,10 +275,11 @@ def test_a_fresh_sequence_never_reads_what_its_slot_held(hybrid) -> None:
     assert run_outputs(engine, [(0, request)]) == run_outputs(clean, [(0, request)])
 
 
-def test_the_native_delta_rule_is_torch_s_to_rounding_and_the_same_bits_however_cut() -> None:
+@pytest.mark.parametrize("correct", [True, False], ids=["delta rule", "mamba-2 scan"])
+def test_the_native_delta_rule_is_torch_s_to_rounding_and_the_same_bits_however_cut(correct: bool) -> None:
     """``csrc/delta_rule.cpp`` against ``delta_rule.step`` position by position (float32, 4 heads of 32 x 16, decays
-    and betas over their ranges): equal to rounding; and a sequence's positions in one call or cut in three give the
-    same bits, its matrix the same too."""
+    and betas over their ranges; ``correct`` False: Mamba-2's scan, Granite 4.0-H's): equal to rounding; and a
+    sequence's positions in one call or cut in three give the same bits, its matrix the same too."""
     from engine.runtime import delta_rule, kernels
 
     ops = kernels.native_ops()
@@ -277,16 +295,22 @@ def test_the_native_delta_rule_is_torch_s_to_rounding_and_the_same_bits_however_
     state, reads = start[None].clone(), []
     for t in range(positions):
         state, read = delta_rule.step(state, query[t : t + 1], key[t : t + 1], value[t : t + 1], decay[t : t + 1],
-                                      beta[t : t + 1])  # fmt: skip
+                                      beta[t : t + 1], correct)  # fmt: skip
         reads.append(read)
     whole = start.clone()
-    native = ops.delta_rule(whole, query, key, value, decay, beta)
+    native = ops.delta_rule(whole, query, key, value, decay, beta, correct)
     torch.testing.assert_close(native, torch.cat(reads), atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(whole, state[0], atol=1e-5, rtol=1e-5)
     cut, pieces = start.clone(), []
     for first, last in ((0, 1), (1, 17), (17, positions)):
-        pieces.append(ops.delta_rule(cut, *(x[first:last].contiguous() for x in (query, key, value, decay, beta))))
+        parts = (x[first:last].contiguous() for x in (query, key, value, decay, beta))
+        pieces.append(ops.delta_rule(cut, *parts, correct))
     assert torch.equal(torch.cat(pieces), native) and torch.equal(cut, whole)
+    if not correct:  # the scan's own form: S = exp(g) S + k (v beta)^T, read by q
+        plain = start.clone()
+        for t in range(positions):
+            plain = plain * decay[t].exp()[:, None, None] + key[t][..., None] * (value[t] * beta[t][:, None])[:, None]
+        torch.testing.assert_close(whole, plain, atol=1e-5, rtol=1e-5)
 
 
 def test_a_hybrid_the_native_runner_does_not_serve_is_refused_not_run_without_its_state(files) -> None:
@@ -302,7 +326,7 @@ def test_a_hybrid_the_native_runner_does_not_serve_is_refused_not_run_without_it
         make_runner(model, 64)
 
 
-@pytest.mark.parametrize("arch", ["lfm2", "qwen35", "qwen35moe"])
+@pytest.mark.parametrize("arch", ["lfm2", "qwen35", "qwen35moe", "granitehybrid"])
 def test_a_hybrid_in_bfloat16_scores_a_prompt_as_in_float32_to_its_rounding(arch: str, files) -> None:
     """`--dtype auto` serves in bfloat16 on CPUs with BF16 (Zen 4, Sapphire Rapids): every op of a hybrid's layers
     takes it (Qwen3.5's gated delta rule was given its gates in bfloat16 and refused them: every step failed there).

@@ -209,6 +209,7 @@ def test_a_sentencepiece_file_s_token_ids_are_llama_cpp_s(tmp_path: Path) -> Non
         "smollm3",
         "qwen35",
         "qwen35moe",
+        "granitehybrid",
     ],
 )
 def test_a_file_from_llama_cpp_s_own_converter_scores_text_as_transformers_does(arch: str, tmp_path: Path) -> None:
@@ -235,7 +236,7 @@ def test_a_file_from_llama_cpp_s_own_converter_scores_text_as_transformers_does(
 
 @pytest.mark.parametrize(("arch", "outtype"), [
     *((arch, outtype) for arch in ("qwen3moe", "olmoe", "qwen2moe", "gpt-oss", "granitemoe", "lfm2", "smollm3",
-                                          "qwen35", "qwen35moe")
+                                          "qwen35", "qwen35moe", "granitehybrid")
       for outtype in ("f32", "q8_0")),
     ("gpt-oss", "mxfp4"),
 ])  # fmt: skip

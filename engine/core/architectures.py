@@ -77,6 +77,15 @@ class Architecture:
     #: Every n-th layer (the n-th, the 2n-th, ...) attends without RoPE (SmolLM3's NoPE layers: llama.cpp's graph of
     #: the family fixes the period at 4, and its files carry no key for it).
     nope_period: int = 0
+    #: Mamba-2 layers (Granite 4.0-H) among the attention ones, by the config's ``layer_types``
+    #: ("linear_attention"): the input projected to ``z``, ``x``, ``B``, ``C`` and a step per head; ``x``, ``B``,
+    #: ``C`` through a short convolution with a bias (SiLU); each head's ``[state, head dim]`` matrix decayed by
+    #: ``exp(dt A)`` and moved by ``dt x B^T``, read by ``C``, plus ``D x``; a grouped RMSNorm of it times
+    #: ``silu(z)``, projected out. Each sequence keeps the convolution's last inputs and the matrices as its state.
+    mamba: bool = False
+    #: transformers' module holding the MLP's gate and up rows as one matrix (gate first) where the file holds them
+    #: apart (``ffn_gate``, ``ffn_up``): Granite 4.0-H's ``shared_mlp.input_linear``.
+    stacked_mlp: str = ""
     #: transformers' names of this family's modules where they are not llama's (``input_layernorm``,
     #: ``self_attn.o_proj``, ``mlp.gate_proj``, ``model.norm``, ...): pairs of llama's name and the family's.
     renamed: tuple[tuple[str, str], ...] = ()
@@ -91,7 +100,7 @@ class Architecture:
     @property
     def recurrent(self) -> bool:
         """Some layers keep a state per sequence beside (or instead of) its KV blocks."""
-        return self.short_conv or self.delta_net
+        return self.short_conv or self.delta_net or self.mamba
 
 
 #: LFM2's names of llama's modules.
@@ -157,6 +166,17 @@ ARCHITECTURES = {
         ),
         # LFM2 (350M-2.6B): short convolutions in 10 of 16 layers, attention with head norms in the others
         Architecture("lfm2", "lfm2", qk_norm=True, short_conv=True, renamed=_LFM2_NAMES),
+        # Granite 4.0-H (350M, 1B, Micro): Mamba-2 layers (36 of Micro's 40) beside attention layers without RoPE;
+        # Granite's multipliers; the MLP as its converter writes a dense one
+        Architecture(
+            "granitehybrid",
+            "granitemoehybrid",
+            permuted_qk=True,
+            multipliers=True,
+            mamba=True,
+            stacked_mlp="shared_mlp.input_linear",
+            renamed=(("mlp.down_proj", "shared_mlp.output_linear"),),
+        ),
         # Gemma 3 (text): 5 local layers of 512-1024 positions for each global one
         Architecture(
             "gemma3",

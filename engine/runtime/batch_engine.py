@@ -61,6 +61,10 @@ def _state_shape(config: Any) -> tuple[int, int, tuple[int, int, int] | None]:
     (heads, key and value dims; None: no delta rule)."""
     if config.model_type == "lfm2":
         return config.hidden_size, config.conv_L_cache, None
+    if config.model_type == "granitemoehybrid":  # Mamba-2: x, B, C convolved; a [state, head dim] matrix a head
+        shared = config.mamba_n_groups * config.mamba_d_state
+        channels = config.mamba_n_heads * config.mamba_d_head + 2 * shared
+        return channels, config.mamba_d_conv, (config.mamba_n_heads, config.mamba_d_state, config.mamba_d_head)
     keys, values = config.linear_num_key_heads * config.linear_key_head_dim, config.linear_num_value_heads
     channels = 2 * keys + values * config.linear_value_head_dim
     matrix = (values, config.linear_key_head_dim, config.linear_value_head_dim)
@@ -296,10 +300,10 @@ class HFEngine(PlannedEngine):
             },
             "max_batch_size": self.capacity, "max_num_batched_tokens": self.max_num_batched_tokens,
             "max_model_len": self.max_model_len, "prefix_caching": self.tables.caching,
-            **self._describe_states(),
+            **self._describe_states(model.config.model_type),
         }  # fmt: skip
 
-    def _describe_states(self) -> dict[str, Any]:
+    def _describe_states(self, model_type: str) -> dict[str, Any]:
         """A hybrid model's recurrent states: what a sequence's costs beside its KV blocks, and what is off."""
         states = self.states
         if states is None:
@@ -307,7 +311,8 @@ class HFEngine(PlannedEngine):
         per_sequence = RecurrentStates.bytes_per_sequence(
             states.layers, states.channels, states.span, states.dtype, states.matrix
         )
-        kind = "short convolution" if states.matrix is None else "gated delta rule"
+        kind = ("short convolution" if states.matrix is None
+                else "Mamba-2 scan" if model_type == "granitemoehybrid" else "gated delta rule")  # fmt: skip
         return {
             "recurrent_state": {
                 "layers": states.layers, "kind": kind, "bytes_per_sequence": per_sequence,

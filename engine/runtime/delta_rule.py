@@ -30,13 +30,15 @@ def prepare(query: torch.Tensor, key: torch.Tensor, value_heads: int, tiled: boo
 
 def step(
     matrix: torch.Tensor, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, decay: torch.Tensor,
-    beta: torch.Tensor,
+    beta: torch.Tensor, correct: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """One position of ``n`` sequences: ``matrix`` ``[n, heads, key dim, value dim]``, ``query``/``key`` ``[n, heads,
     key dim]`` (``prepare``), ``value`` ``[n, heads, value dim]``, ``decay`` (g) and ``beta`` ``[n, heads]``, all
-    float32. The matrix after it, and what the query reads ``[n, heads, value dim]``."""
+    float32. The matrix after it, and what the query reads ``[n, heads, value dim]``. Without the correction
+    (``correct`` False) it is Mamba-2's selective scan: ``S = exp(g) S + k (v beta)^T`` (the key ``B``, the value
+    ``x``, beta the step ``dt``, the query ``C``)."""
     matrix = matrix * decay.exp()[..., None, None]
-    read = (matrix * key[..., None]).sum(dim=-2)
+    read = (matrix * key[..., None]).sum(dim=-2) if correct else torch.zeros_like(value)
     delta = (value - read) * beta[..., None]
     matrix = matrix + key[..., None] * delta[..., None, :]
     return matrix, (matrix * query[..., None]).sum(dim=-2)

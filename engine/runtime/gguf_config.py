@@ -80,6 +80,8 @@ def config_of(reader: GGUFFile) -> PretrainedConfig:
         values.update(_lfm2(reader, values))
     if row.delta_net:
         values.update(_qwen35(reader, values, rope))
+    if row.mamba:
+        values.update(_granitehybrid(reader, values))
     if row.nope_period:  # which layers rotate (1) and which do not (0), as llama.cpp's graph takes them
         period = row.nope_period
         values["no_rope_layers"] = [int((i + 1) % period != 0) for i in range(values["num_hidden_layers"])]
@@ -139,6 +141,31 @@ def _qwen35(reader: GGUFFile, values: dict, rope: dict) -> dict:
         "rope_parameters": {**rope, "partial_rotary_factor": int(keys.get(f"{arch}.rope.dimension_count", head_dim))
                             / head_dim},
         "linear_v_tiled": True,
+    }  # fmt: skip
+
+
+def _granitehybrid(reader: GGUFFile, values: dict) -> dict:
+    """Granite 4.0-H's layers as its converter writes them: a KV head count per layer, 0 in a Mamba-2 layer; the
+    Mamba-2 shapes (``ssm.*``: the heads are ``time_step_rank``); RoPE only where ``rope.scaling.finetuned`` says
+    so (Granite 4.0-H's attention has none; llama.cpp's default is RoPE); its MLP dense (a mixture is refused)."""
+    arch, keys = architecture(reader), reader.keys
+    if f"{arch}.expert_count" in keys and int(keys[f"{arch}.expert_count"]):
+        raise NotServedNatively(
+            f"this {arch} file's MLP is a mixture of experts beside a shared one (Granite 4.0-H Tiny, Small), which "
+            "the native path does not serve (its dense sizes, 350M, 1B and Micro, are); --quantization none serves "
+            "it through transformers"
+        )
+    heads = values.pop("num_key_value_heads")
+    heads = [int(h) for h in heads] if isinstance(heads, list) else [int(heads)] * values["num_hidden_layers"]
+    inner, ssm_heads = int(keys[f"{arch}.ssm.inner_size"]), int(keys[f"{arch}.ssm.time_step_rank"])
+    return {
+        "num_key_value_heads": max(heads), "shared_intermediate_size": values["intermediate_size"],
+        "layer_types": ["full_attention" if h else "linear_attention" for h in heads], "num_local_experts": 0,
+        "mamba_n_heads": ssm_heads, "mamba_d_head": inner // ssm_heads, "mamba_expand": inner // values["hidden_size"],
+        "mamba_d_state": int(keys[f"{arch}.ssm.state_size"]), "mamba_n_groups": int(keys[f"{arch}.ssm.group_count"]),
+        "mamba_d_conv": int(keys[f"{arch}.ssm.conv_kernel"]), "mamba_proj_bias": False,
+        "mamba_conv_bias": any(t.name.endswith(".ssm_conv1d.bias") for t in reader.tensors),
+        "position_embedding_type": "rope" if keys.get(f"{arch}.rope.scaling.finetuned", True) else None,
     }  # fmt: skip
 
 

@@ -60,7 +60,8 @@ def build(
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     model.to_empty(device="cpu")  # allocated, never written: the pages stay unmapped until something writes them
-    model.model.rotary_emb = type(model.model.rotary_emb)(config=model.config)  # its buffers are computed, not read
+    if model.model.rotary_emb is not None:  # (None: no layer rotates, Granite 4.0-H)
+        model.model.rotary_emb = type(model.model.rotary_emb)(config=model.config)  # its buffers are computed
     embedding = model.model.embed_tokens
     if hasattr(embedding, "scalar_embed_scale"):  # Gemma's sqrt(hidden) factor: a buffer, computed too
         embedding.embed_scale = torch.tensor(embedding.scalar_embed_scale)
@@ -70,7 +71,7 @@ def build(
     _rope_factors(model, reader)
     quantized = read(reader, config.num_attention_heads, config.num_key_value_heads)
     parameters = dict(model.named_parameters(remove_duplicate=False))
-    written = set(quantized) | _experts_in_blocks(quantized, arch)
+    written = set(quantized) | _experts_in_blocks(quantized, arch) | _stacked_in_blocks(quantized, arch)
     for name, values in _dense_tensors(reader, config, written):
         name, _, part = name.partition(":")  # an expert tensor: its part of transformers' 3-D parameter
         if name not in parameters:  # a tensor the family's transformers model has no place for (a shared expert)
@@ -100,6 +101,27 @@ def _experts_in_blocks(quantized: dict[str, QuantizedWeight], arch: Architecture
     return covered
 
 
+def _stacked_in_blocks(quantized: dict[str, QuantizedWeight], arch: Architecture) -> set[str]:
+    """transformers' stacked gate-and-up parameters (``Architecture.stacked_mlp``) whose halves are both in blocks."""
+    if not arch.stacked_mlp:
+        return set()
+    layers = {name.split(".")[2] for name in quantized if name.endswith(".mlp.gate_proj.weight")}
+    return {
+        f"model.layers.{layer}.{arch.stacked_mlp}.weight"
+        for layer in layers
+        if f"model.layers.{layer}.mlp.up_proj.weight" in quantized
+    }
+
+
+def _half(name: str, arch: Architecture) -> tuple[str, str] | None:
+    """A gate's or up's matrix (llama's name) that transformers holds in one stacked parameter
+    (``Architecture.stacked_mlp``): that parameter's name and the half ("0": the gate's, "1": the up's); else None."""
+    parts = name.split(".")
+    if not arch.stacked_mlp or len(parts) != 6 or parts[3] != "mlp" or parts[4] not in ("gate_proj", "up_proj"):
+        return None
+    return f"model.layers.{parts[2]}.{arch.stacked_mlp}.weight", "0" if parts[4] == "gate_proj" else "1"
+
+
 def _rope_factors(model: PreTrainedModel, reader: GGUFFile) -> None:
     """Llama 3.1+ files carry their RoPE scaling as a tensor of per-frequency divisors (``rope_freqs.weight``, which
     llama.cpp's converter computes from the checkpoint's ``rope_scaling``), not as keys: divide RoPE's frequencies
@@ -117,15 +139,19 @@ def densify(model: PreTrainedModel, quantized: dict[str, QuantizedWeight], names
     """Write the dense values of the matrices ``names`` (all the quantized ones when None) into ``model``, as the
     native dequantizer computes them from the blocks (GGUF's own ``d * q (+ m)``)."""
     parameters = dict(model.named_parameters(remove_duplicate=False))
+    arch = by_model_type(model.config.model_type)
+    assert arch is not None
     done: set[int] = set()  # a tied output layer is the embedding's matrix: dequantized once
     for name in quantized if names is None else names:
         weight = quantized[name]
-        if id(weight) in done or name not in parameters:  # an expert's matrix: read from its blocks only
+        half = _half(name, arch)
+        if id(weight) in done or (name not in parameters and half is None):  # an expert's: read from its blocks
             continue
         done.add(id(weight))
+        target = parameters[name].data if half is None else _place(parameters[half[0]].data, half[1], arch)
         rows = torch.arange(weight.out_features)
         with torch.inference_mode():
-            parameters[name].data.copy_(weight.pack().rows(rows, parameters[name].dtype))
+            target.copy_(weight.pack().rows(rows, target.dtype))
 
 
 def densify_all(model: PreTrainedModel, quantized: dict[str, QuantizedWeight]) -> None:
@@ -146,6 +172,9 @@ def densify_all(model: PreTrainedModel, quantized: dict[str, QuantizedWeight]) -
 
 def _dense_target(parameters: dict[str, torch.nn.Parameter], name: str, arch: Architecture) -> torch.Tensor:
     """Where a quantized matrix's values go: its parameter, or an expert's rows of a 3-D one."""
+    half = _half(name, arch)
+    if half is not None:
+        return _place(parameters[half[0]].data, half[1], arch)
     parsed = parse_expert_name(name)
     if parsed is None:
         return parameters[name].data
@@ -158,11 +187,12 @@ def _dense_target(parameters: dict[str, torch.nn.Parameter], name: str, arch: Ar
 
 def _place(parameter: torch.Tensor, part: str, arch: Architecture) -> torch.Tensor:
     """The view of a parameter that a file's tensor fills: the whole of it, or (``part`` "0" or "1") the gate's or
-    the up's half of a mixture's ``gate_up_proj`` (and of gpt-oss's ``gate_up_proj_bias``). The file holds each
+    the up's half of a mixture's ``gate_up_proj`` (and of gpt-oss's ``gate_up_proj_bias``), or of a stacked MLP's
+    matrix (``Architecture.stacked_mlp``). The file holds each
     expert's matrix ``[out, in]``; gpt-oss's transformers model holds them ``[in, out]``, gate and up columns
     interleaved."""
     if not arch.oai_experts:
-        return parameter if not part else parameter.chunk(2, dim=1)[int(part)]
+        return parameter if not part else parameter.chunk(2, dim=-2)[int(part)]  # (the rows: [.., out, in])
     view = parameter if not part else parameter[..., int(part) :: 2]
     return view.transpose(-1, -2) if view.dim() == 3 else view
 
@@ -196,6 +226,10 @@ def _dense_tensors(reader: GGUFFile, config: PretrainedConfig, skip: set[str]) -
 
 #: Qwen3.5's linear attention's other tensors (``blk.N.<name>...``): transformers' parameter in ``linear_attn``.
 _DELTA_PARAMETERS = {"ssm_a": "A_log", "ssm_dt": "dt_bias", "ssm_conv1d": "conv1d.weight", "ssm_norm": "norm.weight"}
+#: ... Granite 4.0-H's Mamba-2 layers' (``blk.N.<name>[.weight|.bias]``): transformers' parameter in ``mamba``
+#: (``{}``: the tensor's own suffix: the convolution's weight and bias).
+_MAMBA_PARAMETERS = {"ssm_a": "A_log", "ssm_d": "D", "ssm_dt": "dt_bias", "ssm_conv1d": "conv1d.{}",
+                     "ssm_norm": "norm.weight"}  # fmt: skip
 #: A dense expert tensor's place in transformers' 3-D parameters: ``name:part`` (the gate's half, the up's).
 _DENSE_EXPERTS = {"ffn_gate_exps": "gate_up_proj:0", "ffn_up_exps": "gate_up_proj:1", "ffn_down_exps": "down_proj"}
 
@@ -208,8 +242,12 @@ def _name(gguf_name: str, arch: Architecture) -> str | None:
         place = _DENSE_EXPERTS[parts[2]]
         place = place.replace("_proj", "_proj_bias") if parts[3] == "bias" else place
         return f"model.layers.{parts[1]}.{arch.mlp}.experts.{place}"
+    if len(parts) >= 3 and parts[0] == "blk" and arch.mamba and parts[2] in _MAMBA_PARAMETERS:  # Granite 4.0-H's
+        return f"model.layers.{parts[1]}.mamba.{_MAMBA_PARAMETERS[parts[2]].format(parts[-1])}"
     if len(parts) >= 3 and parts[0] == "blk" and parts[2] in _DELTA_PARAMETERS:  # Qwen3.5's linear attention's
         return f"model.layers.{parts[1]}.linear_attn.{_DELTA_PARAMETERS[parts[2]]}"
+    if len(parts) == 4 and arch.stacked_mlp and parts[2] in ("ffn_gate", "ffn_up"):  # a half of a stacked matrix
+        return f"model.layers.{parts[1]}.{arch.stacked_mlp}.weight:{0 if parts[2] == 'ffn_gate' else 1}"
     norms = _OUTPUT_NORMS if arch.output_norms else _NORMS
     if len(parts) == 4 and parts[0] == "blk" and parts[2] in norms:
         return f"model.layers.{parts[1]}.{arch.name(norms[parts[2]])}.weight"

@@ -45,6 +45,8 @@ _DELTA_NAMES = {
     **_LAYER_NAMES, "attn_qkv": "linear_attn.in_proj_qkv", "attn_gate": "linear_attn.in_proj_z",
     "ssm_beta": "linear_attn.in_proj_b", "ssm_alpha": "linear_attn.in_proj_a", "ssm_out": "linear_attn.out_proj",
 }  # fmt: skip
+#: ... in Granite 4.0-H (``Architecture.mamba``): its Mamba-2 layers' projections.
+_MAMBA_NAMES = {**_LAYER_NAMES, "ssm_in": "mamba.in_proj", "ssm_out": "mamba.out_proj"}
 #: A mixture of experts' matrices (3-D: one matrix an expert, ``expert_name``).
 EXPERT_PROJECTIONS = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
 
@@ -136,7 +138,7 @@ def hf_name(name: str, arch: Architecture) -> str | None:
     if len(parts) == 5 and parts[0] == "blk" and parts[2] == "shortconv":  # LFM2's short convolution
         return f"model.layers.{parts[1]}.conv.{parts[3]}.{parts[4]}"
     names = (_FUSED_NAMES if arch.fused_projections else _OAI_NAMES if arch.oai_experts
-             else _DELTA_NAMES if arch.delta_net else _LAYER_NAMES)  # fmt: skip
+             else _DELTA_NAMES if arch.delta_net else _MAMBA_NAMES if arch.mamba else _LAYER_NAMES)  # fmt: skip
     if len(parts) == 4 and parts[0] == "blk" and parts[2] in names and parts[3] in ("weight", "bias"):
         suffix = "" if parts[2] == "attn_sinks" else f".{parts[3]}"  # a parameter of its own, not a layer's weight
         module, _, rest = names[parts[2]].partition(".")

@@ -187,6 +187,22 @@ class _DeltaNet:
 
 
 @dataclass(slots=True)
+class _Mamba:
+    """A Mamba-2 layer's shapes and vectors (Granite 4.0-H; its matrices are the layer's ``qkv``: its input
+    projection, ``z``, ``x``, ``B``, ``C`` and a step per head; ``conv``; ``o``)."""
+
+    heads: int
+    head_dim: int
+    state: int  # B's and C's size a group
+    groups: int  # heads share B and C by groups: head h reads group h // (heads / groups)
+    decay: torch.Tensor  # A = -exp(A_log), float32 [heads]
+    dt_bias: torch.Tensor  # float32 [heads]
+    skip: torch.Tensor  # D, float32 [heads]
+    conv_bias: torch.Tensor | None  # [channels]
+    norm: torch.Tensor  # the grouped gated norm's weights [heads * head dim]
+
+
+@dataclass(slots=True)
 class _LlamaLayer:
     input_norm: torch.Tensor
     qkv: Weight  # q, k, v stacked: [(heads + 2 * kv_heads) * dim, hidden]
@@ -216,6 +232,9 @@ class _LlamaLayer:
     #: query, key and value, then z; ``o`` its output projection).
     delta: _DeltaNet | None = None
     attn_gate: bool = False  # a gate beside each query head (Qwen3.5)
+    #: Granite 4.0-H's Mamba-2 layer in the attention's place (with ``conv``; ``qkv`` its input projection, ``o`` its
+    #: output projection).
+    mamba: _Mamba | None = None
     rotary: int = 0  # the dims of each head RoPE turns (0: all)
 
     def extras(self) -> dict[str, torch.Tensor | int | bool | None]:
@@ -379,17 +398,12 @@ class LlamaRunner:
             return _norm_weight(layer.get_submodule(arch.name(name)).weight, arch.norm_offset)
 
         sandwich = arch.output_norms  # Gemma 3 names the norm of the attention's output "post attention"
-        mlp = layer.get_submodule(arch.name(arch.mlp))
-        experts, gate_up, down = None, None, None
-        if arch.experts:
-            experts = _experts(mlp, prefix, quantized, fused, arch)
-        else:
-            names = ["mlp.gate_up_proj"] if arch.fused_projections else ["mlp.gate_proj", "mlp.up_proj"]
-            gate_up = fused(names, [layer.get_submodule(arch.name(name)) for name in names])
-            down = fused(["mlp.down_proj"], [layer.get_submodule(arch.name("mlp.down_proj"))])
+        experts, gate_up, down = _mlp(layer, prefix, quantized, fused, arch)
         post_norm = norm("pre_feedforward_layernorm" if sandwich else "post_attention_layernorm")
         if getattr(layer, "linear_attn", None) is not None:  # Qwen3.5's linear attention in the attention's place
             return _delta_layer(layer.linear_attn, fused, norm("input_layernorm"), post_norm, gate_up, down, experts)
+        if getattr(layer, "mamba", None) is not None:  # Granite 4.0-H's Mamba-2 layer in the attention's place
+            return _mamba_layer(layer, fused, norm("input_layernorm"), post_norm, gate_up, down)
         if getattr(layer, "conv", None) is not None:  # LFM2's short convolution in the attention's place
             mixer = fused(["conv.in_proj"], [layer.conv.in_proj]), fused(["conv.out_proj"], [layer.conv.out_proj])
             conv = layer.conv.conv.weight.detach()[:, 0]  # [channels, span]
@@ -471,6 +485,8 @@ class LlamaRunner:
         tile = self.tile
         if layer.delta is not None:
             output = self._delta_net(layer, normed, batch)
+        elif layer.mamba is not None:
+            output = self._mamba(layer, normed, batch)
         elif layer.conv is not None:
             output = self._short_conv(layer, normed, batch)
         else:
@@ -549,6 +565,28 @@ class LlamaRunner:
         z = z.reshape(rows, net.value_heads, -1).float()
         gated = _by_rows(lambda x: _rms_norm(x, net.norm, eps), read) * _by_rows(F.silu, z)
         return linear(gated.to(normed.dtype).reshape(rows, -1), layer.o, self.tile)
+
+    def _mamba(self, layer: _LlamaLayer, normed: torch.Tensor, batch: StepBatch) -> torch.Tensor:
+        """Granite 4.0-H's Mamba-2 layer: ``x``, ``B``, ``C`` through the short convolution (its bias, SiLU); each
+        head's matrix decayed by ``exp(dt A)``, moved by ``dt x B^T`` and read by ``C`` (the delta rule's op without
+        its correction), plus ``D x``; times ``silu(z)``, RMS-normalized by groups; projected out. Its element-wise
+        functions run as ``_by_rows`` runs them."""
+        net = layer.mamba
+        assert net is not None and layer.conv is not None and batch.states is not None
+        rows, inner, shared = normed.shape[0], net.heads * net.head_dim, net.groups * net.state
+        z, xbc, dt = linear(normed, layer.qkv, self.tile).split([inner, inner + 2 * shared, net.heads], dim=-1)
+        xbc = batch.states.convolve(layer.cache_index, xbc, layer.conv)
+        xbc = _by_rows(F.silu, xbc if net.conv_bias is None else xbc + net.conv_bias)
+        x, b, c = xbc.float().split([inner, shared, shared], dim=-1)
+        b, c = (t.reshape(rows, net.groups, 1, net.state).expand(-1, -1, net.heads // net.groups, -1)
+                .reshape(rows, net.heads, net.state) for t in (b, c))  # fmt: skip
+        step = _by_rows(F.softplus, dt.float() + net.dt_bias)  # [rows, heads]
+        x = x.reshape(rows, net.heads, net.head_dim)
+        read = batch.states.delta_rule(layer.cache_index, c, b, x, step * net.decay, step, correct=False)
+        y = (read + x * net.skip[:, None]).reshape(rows, inner) * _by_rows(F.silu, z.float())
+        groups = y.reshape(rows, net.groups, -1)
+        y = _by_rows(lambda g: F.rms_norm(g, (g.shape[-1],), eps=self.eps), groups).reshape(rows, inner) * net.norm
+        return linear(y.to(normed.dtype), layer.o, self.tile)
 
     def _short_conv(self, layer: _LlamaLayer, normed: torch.Tensor, batch: StepBatch) -> torch.Tensor:
         """LFM2's short convolution: ``C * conv(B * x)`` over each sequence's last positions, projected out."""
@@ -702,6 +740,37 @@ def _delta_layer(
     )
 
 
+def _mlp(
+    layer: torch.nn.Module, prefix: str, quantized: dict[str, QuantizedWeight],
+    fused: Callable[[list[str], list[torch.nn.Module]], Weight], arch: Architecture,
+) -> tuple[_Experts | None, Weight | None, Weight | None]:  # fmt: skip
+    """A layer's mixture of experts, or its gated MLP's gate-and-up and down weights."""
+    if arch.experts:
+        return _experts(layer.get_submodule(arch.name(arch.mlp)), prefix, quantized, fused, arch), None, None
+    names = ["mlp.gate_up_proj"] if arch.fused_projections else ["mlp.gate_proj", "mlp.up_proj"]
+    stacked = [layer.get_submodule(arch.stacked_mlp)] if arch.stacked_mlp else None  # (Granite 4.0-H's)
+    gate_up = fused(names, stacked or [layer.get_submodule(arch.name(name)) for name in names])
+    return None, gate_up, fused(["mlp.down_proj"], [layer.get_submodule(arch.name("mlp.down_proj"))])
+
+
+def _mamba_layer(
+    layer: torch.nn.Module, fused: Callable[[list[str], list[torch.nn.Module]], Weight], input_norm: torch.Tensor,
+    post_norm: torch.Tensor, gate_up: Weight | None, down: Weight | None,
+) -> _LlamaLayer:  # fmt: skip
+    """A Granite 4.0-H Mamba-2 layer's weights: its input and output projections, its convolution's weights
+    ``[channels, span]`` and bias, its decay, step bias, skip and gated norm; its MLP's; its residual multiplier."""
+    net, residual_scale = layer.mamba, float(layer.residual_multiplier)
+    projections = fused(["mamba.in_proj"], [net.in_proj]), fused(["mamba.out_proj"], [net.out_proj])
+    mamba = _Mamba(
+        net.num_heads, net.head_dim, net.ssm_state_size, net.n_groups, -net.A_log.detach().float().exp(),
+        net.dt_bias.detach().float(), net.D.detach().float(),
+        None if net.conv1d.bias is None else net.conv1d.bias.detach(), net.norm.weight.detach().float(),
+    )  # fmt: skip
+    conv = net.conv1d.weight.detach()[:, 0]
+    return _LlamaLayer(input_norm, *projections, post_norm, gate_up, down, residual_scale=residual_scale, conv=conv,
+                       mamba=mamba)  # fmt: skip
+
+
 def _rotary(config: object) -> int:
     """The dims of each head RoPE turns where it turns only part of them (Qwen3.5's partial rotary factor), else 0."""
     factor = (getattr(config, "rope_parameters", None) or {}).get("partial_rotary_factor", 1.0)
@@ -817,6 +886,11 @@ def _rope_tables(model: PreTrainedModel, max_positions: int) -> dict[str | None,
     positions = torch.arange(max_positions, device=model.device)[None]
     dummy = torch.empty(0, dtype=model.dtype, device=model.device)
     rotary = model.model.rotary_emb
+    if rotary is None:  # no layer rotates (Granite 4.0-H): a rotation by 0 everywhere, x * 1 + rotated * 0 = x
+        config = model.config
+        width = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        ones = torch.ones(max_positions, width, dtype=model.dtype, device=model.device)
+        return {None: (ones, torch.zeros_like(ones))}
     kinds = sorted(set(model.config.layer_types)) if _rope_by_kind(model.config) else [None]
     tables = {}
     for kind in kinds:

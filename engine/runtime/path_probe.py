@@ -30,7 +30,7 @@ def probed(model: PreTrainedModel) -> tuple[str, str]:
 
 
 def _attention_layer(model: PreTrainedModel) -> int:
-    return next(i for i, layer in enumerate(model.model.layers) if hasattr(layer, "self_attn"))
+    return next(i for i, layer in enumerate(model.model.layers) if getattr(layer, "self_attn", None) is not None)
 
 
 def probe(

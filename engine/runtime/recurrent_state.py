@@ -152,9 +152,10 @@ class StepStates:
 
     def delta_rule(
         self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, decay: torch.Tensor,
-        beta: torch.Tensor,
+        beta: torch.Tensor, correct: bool = True,
     ) -> torch.Tensor:  # fmt: skip
-        """Layer ``layer``'s gated delta rule over the step's rows (``delta_rule.step``'s inputs, a row each), each
+        """Layer ``layer``'s gated delta rule (``correct`` False: Mamba-2's scan) over the step's rows
+        (``delta_rule.step``'s inputs, a row each), each
         sequence from its matrices; what each row's query reads, ``[rows, heads, value dim]`` float32. Sequences of
         one row each (decoding) and a chunk's rows alike: one sequence at a time (a product over several sequences
         summed in another order: a row's logprob moved by one ulp with its batchmates)."""
@@ -174,7 +175,7 @@ class StepStates:
                 rows_of = slice(segment.row + first, segment.row + last)
                 if last > first:
                     out[rows_of] = self._rule(matrix, query[rows_of], key[rows_of], value[rows_of], decay[rows_of],
-                                              beta[rows_of])  # fmt: skip
+                                              beta[rows_of], correct)  # fmt: skip
                 if first == 0 and index in ends:
                     kept[index, ends[index]] = matrix.clone()
         self.matrices_at_boundaries.append(kept)
@@ -183,18 +184,18 @@ class StepStates:
     @staticmethod
     def _rule(
         matrix: torch.Tensor, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, decay: torch.Tensor,
-        beta: torch.Tensor,
+        beta: torch.Tensor, correct: bool,
     ) -> torch.Tensor:  # fmt: skip
         """One sequence's positions through the rule, ``matrix`` moved on in place: the native op
         (``csrc/delta_rule.cpp``), else ``delta_rule.step`` a position at a time."""
         ops = kernels.native_ops() if matrix.device.type == "cpu" else None
         if ops is not None:
             return ops.delta_rule(matrix, query.contiguous(), key.contiguous(), value.contiguous(),
-                                  decay.contiguous(), beta.contiguous())  # fmt: skip
+                                  decay.contiguous(), beta.contiguous(), correct)  # fmt: skip
         state, reads = matrix[None], []
         for t in range(query.shape[0]):
             rows = slice(t, t + 1)
-            state, read = rule.step(state, query[rows], key[rows], value[rows], decay[rows], beta[rows])
+            state, read = rule.step(state, query[rows], key[rows], value[rows], decay[rows], beta[rows], correct)
             reads.append(read)
         matrix.copy_(state[0])
         return torch.cat(reads)

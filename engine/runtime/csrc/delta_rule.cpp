@@ -8,6 +8,9 @@
 //
 // Two passes over S a position: decay it and read the key's value; then move it and read the query's. S is 64 KiB
 // a head at 128 x 128: it stays in the core's cache between the passes.
+//
+// Without the correction (correct = false) it is Mamba-2's selective scan (Granite 4.0-H) in the same form: S
+// decays by exp(g) and moves by k (v beta)^T, the key B, the value x, beta the step dt, the query C.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -30,8 +33,21 @@ void check(const at::Tensor& t, const char* name, int64_t dims) {
 
 // One head, one position: S [keys][values], the position's query and key [keys], value [values]; out [values].
 inline void head_step(float* S, const float* q, const float* k, const float* v, float decay, float beta,
-                      float* out, float* read, int64_t keys, int64_t values) {
+                      float* out, float* read, int64_t keys, int64_t values, bool correct) {
   const float g = std::exp(decay);
+  if (!correct) {  // Mamba-2: one pass, S = g S + k (v beta)^T, read by q
+    for (int64_t j = 0; j < values; ++j) read[j] = v[j] * beta;
+    for (int64_t j = 0; j < values; ++j) out[j] = 0.0f;
+    for (int64_t i = 0; i < keys; ++i) {
+      float* row = S + i * values;
+      const float ki = k[i], qi = q[i];
+      for (int64_t j = 0; j < values; ++j) {
+        row[j] = row[j] * g + ki * read[j];
+        out[j] += row[j] * qi;
+      }
+    }
+    return;
+  }
   for (int64_t j = 0; j < values; ++j) read[j] = 0.0f;
   for (int64_t i = 0; i < keys; ++i) {
     float* row = S + i * values;
@@ -56,9 +72,10 @@ inline void head_step(float* S, const float* q, const float* k, const float* v, 
 }  // namespace
 
 // matrix [heads, keys, values] (updated in place); query, key [positions, heads, keys]; value [positions, heads,
-// values]; decay, beta [positions, heads]. Returns what each position's query reads, [positions, heads, values].
+// values]; decay, beta [positions, heads]; correct: the delta rule's correction (else Mamba-2's scan). Returns
+// what each position's query reads, [positions, heads, values].
 at::Tensor delta_rule(at::Tensor matrix, const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
-                      const at::Tensor& decay, const at::Tensor& beta) {
+                      const at::Tensor& decay, const at::Tensor& beta, bool correct) {
   check(matrix, "matrix", 3);
   check(query, "query", 3);
   check(key, "key", 3);
@@ -84,7 +101,7 @@ at::Tensor delta_rule(at::Tensor matrix, const at::Tensor& query, const at::Tens
       for (int64_t t = 0; t < positions; ++t) {
         const int64_t row = t * heads + h;
         head_step(S + h * keys * values, q + row * keys, k + row * keys, v + row * values, g[row], b[row],
-                  o + row * values, read.data(), keys, values);
+                  o + row * values, read.data(), keys, values, correct);
       }
     }
   });
@@ -94,7 +111,7 @@ at::Tensor delta_rule(at::Tensor matrix, const at::Tensor& query, const at::Tens
 }  // namespace smolserve
 
 TORCH_LIBRARY_FRAGMENT(smolserve, m) {
-  m.def("delta_rule(Tensor(a!) matrix, Tensor query, Tensor key, Tensor value, Tensor decay, Tensor beta) -> Tensor");
+  m.def("delta_rule(Tensor(a!) matrix, Tensor query, Tensor key, Tensor value, Tensor decay, Tensor beta, bool correct=True) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(smolserve, CPU, m) { m.impl("delta_rule", &smolserve::delta_rule); }

@@ -62,6 +62,6 @@ at::Tensor moe_mixture(const at::Tensor& x, const at::Tensor& weights, const at:
 
 // delta_rule.cpp
 at::Tensor delta_rule(at::Tensor matrix, const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
-                      const at::Tensor& decay, const at::Tensor& beta);
+                      const at::Tensor& decay, const at::Tensor& beta, bool correct);
 
 }  // namespace smolserve
