@@ -155,21 +155,55 @@ class StepStates:
         beta: torch.Tensor, correct: bool = True,
     ) -> torch.Tensor:  # fmt: skip
         """Layer ``layer``'s gated delta rule (``correct`` False: Mamba-2's scan) over the step's rows
-        (``delta_rule.step``'s inputs, a row each), each
-        sequence from its matrices; what each row's query reads, ``[rows, heads, value dim]`` float32. Sequences of
-        one row each (decoding) and a chunk's rows alike: one sequence at a time (a product over several sequences
-        summed in another order: a row's logprob moved by one ulp with its batchmates)."""
+        (``delta_rule.step``'s inputs, a row each), each sequence from its matrices; what each row's query reads,
+        ``[rows, heads, value dim]`` float32. Every sequence in one native call (two where a kept block end splits
+        some), each head of each sequence its own task, its positions in order: a head's sums are the same whatever
+        its batchmates (a product over several sequences would sum in another order: a row's logprob moved by one
+        ulp with its batchmates)."""
         matrices = self._states.matrices
         assert matrices is not None
         matrices = matrices[layer]
+        ops = kernels.native_ops() if matrices.device.type == "cpu" else None
+        if ops is None:
+            return self._one_at_a_time(matrices, (query, key, value, decay, beta), correct)
         out = torch.empty_like(value)
-        ends = {index: end for index, end in self.boundaries}
+        inputs = [x.contiguous() for x in (query, key, value, decay, beta)]
+        fresh = [segment.slot for segment in self._segments if not segment.start]
+        if fresh:
+            matrices[fresh] = 0
+        ends = dict(self.boundaries)
+        splits = [ends[i] - s.start if i in ends else s.length for i, s in enumerate(self._segments)]
+        # Up to each kept block end (the matrices there kept), then the rest: each piece's positions in order.
+        first = [(s.slot, s.row, split) for s, split in zip(self._segments, splits, strict=True) if split]
+        self._rules(ops, matrices, first, inputs, correct, out)
+        self.matrices_at_boundaries.append(
+            {(i, end): matrices[self._segments[i].slot].clone() for i, end in ends.items()}
+        )
+        rest = [(s.slot, s.row + split, s.length - split) for s, split in zip(self._segments, splits, strict=True)
+                if s.length > split]  # fmt: skip
+        self._rules(ops, matrices, rest, inputs, correct, out)
+        return out
+
+    @staticmethod
+    def _rules(
+        ops: object, matrices: torch.Tensor, pieces: list[tuple[int, int, int]], inputs: list[torch.Tensor],
+        correct: bool, out: torch.Tensor,
+    ) -> None:  # fmt: skip
+        """Several sequences' pieces in one native call (``csrc/delta_rule.cpp``'s ``delta_rules``)."""
+        if pieces:
+            table = torch.tensor(pieces, dtype=torch.long)
+            ops.delta_rules(matrices, table, *inputs, correct, out)  # type: ignore[attr-defined]
+
+    def _one_at_a_time(self, matrices: torch.Tensor, inputs: tuple[torch.Tensor, ...], correct: bool) -> torch.Tensor:
+        """Where the native ops do not build: one sequence at a time, a position at a time (``delta_rule.step``)."""
+        query, key, value, decay, beta = inputs
+        out = torch.empty_like(value)
+        ends = dict(self.boundaries)
         kept: dict[tuple[int, int], torch.Tensor] = {}
-        for index, segment in enumerate(self._segments):  # one at a time: every position's sums of one shape
+        for index, segment in enumerate(self._segments):
             matrix = matrices[segment.slot]  # [heads, keys, values], moved on in place
             if not segment.start:
                 matrix.zero_()
-            # Up to the block end whose state is kept, then the rest.
             split = ends[index] - segment.start if index in ends else segment.length
             for first, last in ((0, split), (split, segment.length)):
                 rows_of = slice(segment.row + first, segment.row + last)
@@ -186,12 +220,8 @@ class StepStates:
         matrix: torch.Tensor, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, decay: torch.Tensor,
         beta: torch.Tensor, correct: bool,
     ) -> torch.Tensor:  # fmt: skip
-        """One sequence's positions through the rule, ``matrix`` moved on in place: the native op
-        (``csrc/delta_rule.cpp``), else ``delta_rule.step`` a position at a time."""
-        ops = kernels.native_ops() if matrix.device.type == "cpu" else None
-        if ops is not None:
-            return ops.delta_rule(matrix, query.contiguous(), key.contiguous(), value.contiguous(),
-                                  decay.contiguous(), beta.contiguous(), correct)  # fmt: skip
+        """One sequence's positions through the rule, ``matrix`` moved on in place: ``delta_rule.step`` a position
+        at a time."""
         state, reads = matrix[None], []
         for t in range(query.shape[0]):
             rows = slice(t, t + 1)

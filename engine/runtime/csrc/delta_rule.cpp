@@ -108,10 +108,64 @@ at::Tensor delta_rule(at::Tensor matrix, const at::Tensor& query, const at::Tens
   return out;
 }
 
+// Several sequences' positions in one call: matrices [slots, heads, keys, values] (each piece's slot updated in
+// place); pieces [n, 3] int64: a slot, its first row and its rows (no slot twice); query, key [rows, heads, keys];
+// value [rows, heads, values]; decay, beta [rows, heads]; out [rows, heads, values], written for the pieces' rows.
+// Each (piece, head) is one task, its positions in order: a head's sums are those of delta_rule, whatever else
+// the call holds.
+void delta_rules(at::Tensor matrices, const at::Tensor& pieces, const at::Tensor& query, const at::Tensor& key,
+                 const at::Tensor& value, const at::Tensor& decay, const at::Tensor& beta, bool correct,
+                 at::Tensor out) {
+  check(matrices, "matrices", 4);
+  check(query, "query", 3);
+  check(key, "key", 3);
+  check(value, "value", 3);
+  check(decay, "decay", 2);
+  check(beta, "beta", 2);
+  check(out, "out", 3);
+  TORCH_CHECK(pieces.scalar_type() == at::kLong && pieces.dim() == 2 && pieces.size(1) == 3 && pieces.is_contiguous(),
+              "pieces must be [n, 3] int64: slot, first row, rows");
+  const int64_t slots = matrices.size(0), heads = matrices.size(1), keys = matrices.size(2), values = matrices.size(3);
+  const int64_t rows = query.size(0), n = pieces.size(0);
+  TORCH_CHECK(query.size(1) == heads && query.size(2) == keys && key.sizes() == query.sizes(),
+              "query and key must be [rows, heads, keys] of the matrices' heads and keys");
+  TORCH_CHECK(value.size(0) == rows && value.size(1) == heads && value.size(2) == values && out.sizes() == value.sizes(),
+              "value and out must be [rows, heads, values]");
+  TORCH_CHECK(decay.size(0) == rows && decay.size(1) == heads && beta.sizes() == decay.sizes(),
+              "decay and beta must be [rows, heads]");
+  const int64_t* piece = pieces.data_ptr<int64_t>();
+  for (int64_t i = 0; i < n; ++i) {
+    TORCH_CHECK(piece[3 * i] >= 0 && piece[3 * i] < slots, "a piece's slot is out of range");
+    TORCH_CHECK(piece[3 * i + 1] >= 0 && piece[3 * i + 2] >= 0 && piece[3 * i + 1] + piece[3 * i + 2] <= rows,
+                "a piece's rows are out of range");
+  }
+  float* S = matrices.data_ptr<float>();
+  const float *q = query.data_ptr<float>(), *k = key.data_ptr<float>(), *v = value.data_ptr<float>();
+  const float *g = decay.data_ptr<float>(), *b = beta.data_ptr<float>();
+  float* o = out.data_ptr<float>();
+  at::parallel_for(0, n * heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> read(values);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t i = task / heads, h = task % heads;
+      float* matrix = S + (piece[3 * i] * heads + h) * keys * values;
+      for (int64_t t = piece[3 * i + 1]; t < piece[3 * i + 1] + piece[3 * i + 2]; ++t) {
+        const int64_t row = t * heads + h;
+        head_step(matrix, q + row * keys, k + row * keys, v + row * values, g[row], b[row], o + row * values,
+                  read.data(), keys, values, correct);
+      }
+    }
+  });
+}
+
 }  // namespace smolserve
 
 TORCH_LIBRARY_FRAGMENT(smolserve, m) {
   m.def("delta_rule(Tensor(a!) matrix, Tensor query, Tensor key, Tensor value, Tensor decay, Tensor beta, bool correct=True) -> Tensor");
+  m.def("delta_rules(Tensor(a!) matrices, Tensor pieces, Tensor query, Tensor key, Tensor value, Tensor decay, "
+        "Tensor beta, bool correct, Tensor(b!) out) -> ()");
 }
 
-TORCH_LIBRARY_IMPL(smolserve, CPU, m) { m.impl("delta_rule", &smolserve::delta_rule); }
+TORCH_LIBRARY_IMPL(smolserve, CPU, m) {
+  m.impl("delta_rule", &smolserve::delta_rule);
+  m.impl("delta_rules", &smolserve::delta_rules);
+}
