@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 from test_tools import parse as parse_split
 
@@ -32,13 +32,13 @@ def template(name: str) -> str:
 @pytest.mark.parametrize(
     ("name", "family", "native"),
     [("qwen2.5", "hermes", True), ("qwen3", "hermes", True), ("llama3.1", "llama3", True),
-     ("mistral-nemo", "mistral", True), ("qwen3-coder", "unsupported", False),
-     ("r1-distill-qwen", "hermes", False)],
+     ("mistral-nemo", "mistral", True), ("qwen3-coder", "qwen-xml", True), ("qwen3.5", "qwen-xml", True),
+     ("granite-4.0", "hermes", True), ("glm-4.6", "unsupported", False), ("r1-distill-qwen", "hermes", False)],
 )  # fmt: skip
 def test_each_template_s_family_is_found(name: str, family: str, native: bool) -> None:
     syntax = detect(template(name), {"<tool_call>": 7, "</tool_call>": 8, "[TOOL_CALLS]": 9, "<|python_tag|>": 10})
     assert (syntax.family, syntax.native) == (family, native)
-    if family in ("hermes", "mistral", "llama3") and native:
+    if family in ("hermes", "mistral", "llama3", "qwen-xml") and native:
         assert syntax.open_id is not None  # the vocabulary's marker token is used as a token
 
 
@@ -91,6 +91,73 @@ def test_each_family_s_calls_come_back_whole_in_any_split(family: ToolSyntax, ca
     ids = [delta["id"] for delta in deltas if "id" in delta]
     if family is MISTRAL:  # as its template requires
         assert all(len(i) == 9 and i.isalnum() for i in ids)
+
+
+def xml_written(calls: list[tuple[str, dict[str, Any]]], before: str = "") -> str:
+    """Calls as Qwen3-Coder and Qwen3.5 write them (their template's spelling of each value: a string as it is,
+    anything else as JSON)."""
+    blocks = []
+    for name, arguments in calls:
+        values = "".join(f"<parameter={key}>\n{value if isinstance(value, str) else json.dumps(value)}\n</parameter>\n"
+                         for key, value in arguments.items())  # fmt: skip
+        blocks.append(f"<tool_call>\n<function={name}>\n{values}</function>\n</tool_call>")
+    return before + "\n".join(blocks)
+
+
+xml_values = st.one_of(
+    st.text(alphabet=st.sampled_from('ab<>/="\\{} é\n'), max_size=12).filter(lambda t: "</" not in t),
+    st.integers(),
+    st.booleans(),
+    st.lists(st.integers(), max_size=3),
+    st.dictionaries(st.text(max_size=3), st.integers(), max_size=2),
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    calls=st.lists(st.tuples(names, st.dictionaries(st.from_regex(r"[a-z_]{1,8}", fullmatch=True), xml_values,
+                                                    max_size=3)), max_size=3),
+    before=st.sampled_from(["", "Let me look.\n\n"]),
+    data=st.data(),
+)  # fmt: skip
+def test_xml_calls_come_back_whole_and_typed_by_their_schema_in_any_split(calls: list, before: str,
+                                                                          data: st.DataObject) -> None:  # fmt: skip
+    """Qwen3-Coder's and Qwen3.5's calls: each value typed as its tool's schema types it (a string as the text,
+    the others as the JSON they spell), the streamed fragments the whole arguments, the text before them content."""
+    from app.pipeline.tools.xml_parser import XmlCallParser
+
+    types: dict[str, dict[str, str]] = {}
+    for name, arguments in calls:  # one schema a tool (a name called twice types its keys alike)
+        for key, value in arguments.items():
+            kind = "string" if isinstance(value, str) else "object"
+            assume(types.setdefault(name, {}).setdefault(key, kind) == kind)
+    text = xml_written(calls, before)
+    splits = sorted(data.draw(st.lists(st.integers(0, len(text)), max_size=8)))
+    parser, pieces, deltas, start = XmlCallParser(types), [], [], 0
+    for end in [*splits, len(text)]:
+        piece, more = parser.feed(text[start:end])
+        pieces.append(piece)
+        deltas += more
+        start = end
+    rest, more = parser.finish()
+    got = {}
+    for delta in [*deltas, *more]:
+        got[delta["index"]] = got.get(delta["index"], "") + delta["function"].get("arguments", "")
+    assert [got[i] for i in sorted(got)] == [call.arguments for call in parser.calls]
+    assert [(call.name, json.loads(call.arguments)) for call in parser.calls] == [(n, a) for n, a in calls]
+    assert "".join(pieces) + rest == before
+
+
+def test_an_xml_call_cut_short_keeps_what_it_has_and_text_that_is_no_call_is_content() -> None:
+    from app.pipeline.tools.xml_parser import XmlCallParser
+
+    parser = XmlCallParser({"f": {"n": "integer"}})
+    parser.feed("<tool_call>\n<function=f>\n<parameter=n>\n4")
+    parser.finish()
+    assert [(c.name, json.loads(c.arguments)) for c in parser.calls] == [("f", {"n": 4})]
+    parser = XmlCallParser()
+    text = "Use <tool_call> tags like <b>this</b>."
+    assert parser.feed(text)[0] + parser.finish()[0] == text and not parser.calls
 
 
 def test_llama3_text_that_is_not_a_call_is_content() -> None:
@@ -147,7 +214,8 @@ FAMILIES = {  # the template, and SmolLM2's special tokens renamed to the family
                  5: "<|python_tag|>", 6: "<|eom_id|>"},
     "mistral-nemo": {1: "<s>", 2: "</s>", 3: "[INST]", 4: "[/INST]", 5: "[TOOL_CALLS]", 6: "[AVAILABLE_TOOLS]",
                      7: "[/AVAILABLE_TOOLS]", 8: "[TOOL_RESULTS]", 9: "[/TOOL_RESULTS]"},
-    "qwen3-coder": {1: "<|im_start|>", 2: "<|im_end|>", 3: "<tool_call>", 4: "</tool_call>"},
+    "qwen3.5": {1: "<|im_start|>", 2: "<|im_end|>", 3: "<tool_call>", 4: "</tool_call>", 5: "<think>", 6: "</think>"},
+    "glm-4.6": {1: "[gMASK]", 2: "<|user|>", 3: "<|assistant|>", 4: "<tool_call>", 5: "</tool_call>"},
 }  # fmt: skip
 WEATHER = {
     "type": "function",
@@ -164,7 +232,7 @@ WEATHER = {
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 
-@pytest.fixture(scope="module", params=["qwen2.5", "llama3.1", "mistral-nemo"])
+@pytest.fixture(scope="module", params=["qwen2.5", "llama3.1", "mistral-nemo", "qwen3.5"])
 def family_client(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
     yield from _client(request.param, tmp_path_factory)
 
@@ -189,7 +257,27 @@ def _client(name: str, tmp_path_factory: pytest.TempPathFactory):
         patch.setenv("SMOLSERVE_CACHE_DIR", str(root / "cache"))
         served = build(EngineConfig(model=str(path), kv_cache_gib=0.25, max_model_len=1024, embedding_model="none"))
     with TestClient(create_app(served, ServerConfig()), base_url=LOCAL) as client:
-        yield client, served, name
+        yield (_NoThinking(client) if name == "qwen3.5" else client), served, name
+
+
+class _NoThinking:
+    """Qwen3.5's client: its chat requests with the template's thinking off (``enable_thinking: false``), as a
+    client that wants calls without reasoning asks (with it on, the calls come after the reasoning:
+    ``test_a_reasoning_model_s_calls_come_after_its_reasoning``)."""
+
+    def __init__(self, client: Any) -> None:
+        self.client = client
+
+    def post(self, url: str, json: dict[str, Any], **kwargs: Any) -> Any:
+        return self.client.post(url, json=self._body(url, json), **kwargs)
+
+    def stream(self, method: str, url: str, json: dict[str, Any], **kwargs: Any) -> Any:
+        return self.client.stream(method, url, json=self._body(url, json), **kwargs)
+
+    @staticmethod
+    def _body(url: str, body: dict[str, Any]) -> dict[str, Any]:
+        off = {"chat_template_kwargs": {"enable_thinking": False}}
+        return {**body, **off} if url.endswith("/chat/completions") else body
 
 
 def chat(client, **body: Any) -> dict[str, Any]:
@@ -277,6 +365,8 @@ def test_a_tool_result_goes_back_through_the_family_s_template(family_client) ->
         "qwen2.5": '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "C"}}\n</tool_call>',
         "llama3.1": '{"name": "get_weather", "parameters": {"city": "Paris", "unit": "C"}}<|eot_id|>',
         "mistral-nemo": '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris", "unit": "C"}, "id": "',
+        "qwen3.5": "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n<parameter=unit>\nC"
+        "\n</parameter>\n</function>\n</tool_call>",
     }[name]
     assert expected in text and "18 C, sunny" in text
     got = chat(client, messages=messages, temperature=0, max_tokens=4)
@@ -298,8 +388,25 @@ def test_no_call_has_an_empty_name_or_arguments_that_do_not_parse(family_client,
         assert call["function"]["name"] == "get_weather"
 
 
+def test_a_reasoning_model_s_calls_come_after_its_reasoning(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Qwen3.5's template opens the reasoning in the prompt (``<think>``): a required call is held to the grammar
+    only after the reasoning's closing tag (pushed up here: a random model rarely closes it), never forced inside
+    it, where it would be read as reasoning; with thinking off, at once."""
+    for client, served, _ in _client("qwen3.5", tmp_path_factory):
+        closing = served.tokenizer.added["</think>"]
+        body = {"messages": ASK, "tools": [WEATHER], "temperature": 0, "max_tokens": 80, "tool_choice": "required",
+                "parallel_tool_calls": False, "logit_bias": {str(closing): 100}}  # fmt: skip
+        got = client.client.post("/v1/chat/completions", json=body).json()["choices"][0]
+        assert assert_calls_whole(got) and got["finish_reason"] == "tool_calls"
+        assert not got["message"].get("reasoning_content")
+        plain = client.client.post("/v1/chat/completions", json={**body, "logit_bias": {}, "max_tokens": 12})
+        choice = plain.json()["choices"][0]  # unclosed, the reasoning runs on: no call forced into it
+        assert choice["finish_reason"] == "length" and "tool_calls" not in choice["message"]
+        assert "<tool_call>" not in (choice["message"].get("reasoning_content") or "")
+
+
 def test_tools_for_a_template_whose_syntax_cannot_be_read_are_a_400(tmp_path_factory: pytest.TempPathFactory) -> None:
-    for client, _, _ in _client("qwen3-coder", tmp_path_factory):
+    for client, _, _ in _client("glm-4.6", tmp_path_factory):
         response = client.post("/v1/chat/completions", json={"messages": ASK, "tools": [WEATHER]})
         assert response.status_code == 400 and response.json()["error"]["param"] == "tools"
         assert "syntax" in response.json()["error"]["message"]

@@ -18,13 +18,14 @@ from app.pipeline.harmony.grammar import reply_grammar
 from app.pipeline.harmony.reader import HarmonyReader
 from app.pipeline.reasoning import CLOSE as THINK_CLOSE
 from app.pipeline.reasoning import OPEN as THINK_OPEN
-from app.pipeline.reasoning import budget_grammar, reasons, starts_inside
+from app.pipeline.reasoning import after_thought, budget_grammar, reasons, starts_inside
 from app.pipeline.reply import Reading
 from app.pipeline.reply_budget import reply_budget
 from app.pipeline.tools import ToolCalling
 from app.pipeline.tools.grammar import call_schema, tool_grammar
 from app.pipeline.tools.prompt import render
 from app.pipeline.tools.syntax import UNSUPPORTED, ToolSyntax, detect
+from app.pipeline.tools.xml_parser import parameter_types
 from app.server.metrics import Metrics
 from app.services.backend import Backend, LocalBackend
 from app.wire.openai.choices import Format
@@ -97,7 +98,8 @@ class ChatModel:
         if calling is not None and self.tool_syntax is UNSUPPORTED:
             raise bad_request(
                 "tools: this model's chat template writes tool calls in a syntax this server cannot read back "
-                "(it reads Hermes <tool_call> JSON, Llama 3.1 JSON and Mistral [TOOL_CALLS]); see docs/api.md",
+                "(it reads Hermes <tool_call> JSON, Qwen3-Coder's and Qwen3.5's <function=...> XML, Llama 3.1 JSON and "
+                "Mistral [TOOL_CALLS]); see docs/api.md",
                 "tools",
             )
         rendered = render(messages, calling, self.tool_syntax)
@@ -126,8 +128,12 @@ class ChatModel:
         the prompt opened it)."""
         if self.harmony is not None:
             return self._harmony_reading(self.harmony, prompt)
-        inside = self.reasons and starts_inside(self.tokenizer.decode(prompt[-8:], skip_special_tokens=False))
-        return Reading(self.call_syntax(calling), self.reasons, inside)
+        types = parameter_types(calling.definitions()) if calling is not None else {}
+        return Reading(self.call_syntax(calling), self.reasons, self.opens_reasoning(prompt), types=types)
+
+    def opens_reasoning(self, prompt: list[int]) -> bool:
+        """Whether ``prompt`` (its end) opened the reasoning the reply continues (a model that reasons)."""
+        return self.reasons and starts_inside(self.tokenizer.decode(prompt[-8:], skip_special_tokens=False))
 
     @staticmethod
     def _harmony_reading(harmony: Harmony, prompt: list[int]) -> Reading:
@@ -195,7 +201,7 @@ class ChatModel:
             self.check_context(len(ids), options.max_tokens, prompt_param)
         self.check_tokens(options)
         inside = self.harmony is not None and self.harmony.ids[MESSAGE] in _reply_begun(self.harmony, prompts[0])
-        grammar = await self.grammar(options, calling, inside)
+        grammar = await self.grammar(options, calling, inside, self.opens_reasoning(prompts[0]))
         syntax = self.call_syntax(calling)
         kept = (syntax.kept_special if syntax is not None else frozenset()) | self.think_ids
         if self.harmony is not None:  # the reader sees the markers; a call ends the reply as <|return|> does
@@ -207,11 +213,12 @@ class ChatModel:
         )  # fmt: skip
 
     async def grammar(
-        self, options: GenerationOptions, calling: ToolCalling | None, inside: bool = False
+        self, options: GenerationOptions, calling: ToolCalling | None, inside: bool = False, thinking: bool = False
     ) -> str | None:
         """What every sequence's tokens must follow: the structured output asked for, else the calls the tools
-        allow (with ``tool_choice: "none"``, text that starts no call), else nothing. A harmony reply's grammar
-        holds its shape too (``app/pipeline/harmony/grammar.py``; ``inside``: the prompt opened its final message)."""
+        allow (with ``tool_choice: "none"``, text that starts no call; after the reasoning of a model that reasons,
+        ``thinking``: the prompt opened it), else nothing. A harmony reply's grammar holds its shape too
+        (``app/pipeline/harmony/grammar.py``; ``inside``: the prompt opened its final message)."""
         structured = options.structured
         if self.harmony is not None and not (structured is not None and structured.whole):
             grammar = reply_grammar(self.harmony, calling, structured, None, inside)
@@ -220,7 +227,7 @@ class ChatModel:
         if options.structured is not None:
             return await self.compile(options.structured)
         if calling is not None:
-            return await self.compile_tools(calling)
+            return await self.compile_tools(calling, thinking)
         return None
 
     async def compile(self, structured: StructuredOutput) -> str:
@@ -237,10 +244,14 @@ class ChatModel:
             raise bad_request(f"{structured.param}: {exc}", structured.param) from None
         return grammar
 
-    async def compile_tools(self, calling: ToolCalling) -> str:
-        """The grammar of the calls ``calling`` allows; a 400 naming the tool whose parameters do not compile."""
+    async def compile_tools(self, calling: ToolCalling, thinking: bool = False) -> str:
+        """The grammar of the calls ``calling`` allows, after the reasoning where the model reasons (``thinking``:
+        the prompt opened it); a 400 naming the tool whose parameters do not compile."""
+        grammar = tool_grammar(calling, self.tool_syntax)
+        if self.reasons:
+            grammar = after_thought(grammar, thinking, self.think_tags)
         try:
-            return await self.compile(StructuredOutput("grammar", tool_grammar(calling, self.tool_syntax), "tools"))
+            return await self.compile(StructuredOutput("grammar", grammar, "tools"))
         except APIError:
             for index, tool in enumerate(calling.tools):
                 param = calling.parameters_param(index)

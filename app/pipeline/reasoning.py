@@ -43,6 +43,22 @@ def budget_grammar(budget: int, inside: bool, tag_ids: tuple[int, int] | None) -
     ])  # fmt: skip
 
 
+def after_thought(grammar: str, inside: bool, tag_ids: tuple[int, int] | None) -> str:
+    """A grammar (llguidance's Lark, its ``start`` rule on a line of its own) that holds the answer only: the
+    reasoning before it is free and ends with the closing tag (``inside``: the prompt opened it; else the reply may
+    open it or answer at once), a line break or two after it. As vLLM holds a reasoning model's tool calls and
+    structured outputs: after its reasoning, which they would otherwise be forced into."""
+    opening, closing = (f"<[{tag_ids[0]}]>", f"<[{tag_ids[1]}]>") if tag_ids else (f'"{OPEN}"', f'"{CLOSE}"')
+    lines = ["answer: " + line.removeprefix("start: ") if line.startswith("start: ") else line
+             for line in grammar.splitlines()]  # fmt: skip
+    start = "start: thought answer" if inside else f"start: ({opening} thought)? answer"
+    if tag_ids:  # a token ends the text: no text spells it
+        thought = [f'thought: REASONING {closing} ("\\n" | "\\n\\n")?', "REASONING: /(.|\\n)*/"]
+    else:  # the tag is text: the reasoning ends at its first spelling
+        thought = ['thought: reasoning ("\\n" | "\\n\\n")?', f"reasoning[lazy]: /(.|\\n)*/ {closing}"]
+    return "\n".join([*lines, start, *thought]) + "\n"
+
+
 @dataclass(slots=True)
 class ReasoningParser:
     """Splits a reply, fed piece by piece, into reasoning and content. Fed the same text in any split, it releases

@@ -4,13 +4,14 @@ Responses API shape the same pieces. Torch-free."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from app.pipeline.reasoning import ReasoningParser
 from app.pipeline.tools.parser import ParsedCall, ToolCallParser
-from app.pipeline.tools.syntax import ToolSyntax
+from app.pipeline.tools.syntax import QWEN_XML, ToolSyntax
+from app.pipeline.tools.xml_parser import XmlCallParser
 
 
 @dataclass(slots=True, frozen=True)
@@ -24,14 +25,16 @@ class Reading:
     inside: bool = False
     #: A reader of the model's own reply format where it has one (gpt-oss's harmony: ``app/pipeline/harmony/``).
     own: Callable[[], Reader] | None = None
+    #: The offered tools' parameters' JSON types, by tool and parameter (the XML syntax's values are typed by them).
+    types: Mapping[str, Mapping[str, str]] = field(default_factory=dict)
 
     def reader(self) -> Reader:
         if self.own is not None:
             return self.own()
-        return ReplyReader(
-            ReasoningParser(self.inside) if self.reasons else None,
-            ToolCallParser(self.calls) if self.calls is not None else None,
-        )
+        calls: ToolCallParser | XmlCallParser | None = None
+        if self.calls is not None:
+            calls = XmlCallParser(self.types) if self.calls.family == QWEN_XML.family else ToolCallParser(self.calls)
+        return ReplyReader(ReasoningParser(self.inside) if self.reasons else None, calls)
 
 
 @dataclass(slots=True)
@@ -64,7 +67,7 @@ class Reader(Protocol):
 @dataclass(slots=True)
 class ReplyReader:
     thinker: ReasoningParser | None
-    tools: ToolCallParser | None
+    tools: ToolCallParser | XmlCallParser | None
     _content: list[str] = field(default_factory=list)
 
     def feed(self, text: str) -> Piece:

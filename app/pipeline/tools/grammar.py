@@ -8,7 +8,8 @@ import json
 from typing import Any
 
 from app.pipeline.tools import ToolCalling
-from app.pipeline.tools.syntax import DEFAULT, ToolSyntax
+from app.pipeline.tools.syntax import DEFAULT, QWEN_XML, ToolSyntax
+from app.pipeline.tools.xml_parser import FUNCTION, FUNCTION_END, PARAMETER, PARAMETER_END
 from app.wire.openai.messages import Tool
 from engine.core.grammar import JSON_STYLE
 
@@ -41,7 +42,8 @@ def tool_grammar(calling: ToolCalling, syntax: ToolSyntax = DEFAULT) -> str:
     """The Lark grammar (llguidance's dialect) the reply must follow."""
     if not calling.calls_allowed:
         return "%llguidance {}\n" + no_calls(syntax)
-    bodies = [_body(i, tool, calling, syntax) for i, tool in enumerate(calling.offered())]
+    body = _xml_body if syntax.family == QWEN_XML.family else _body
+    bodies = [body(i, tool, calling, syntax) for i, tool in enumerate(calling.offered())]
     parallel = calling.parallel and syntax.parallel and calling.choice in ("auto", "required")
     rules = [*_calls(syntax, parallel), *_start(calling.choice == "auto", syntax)]
     rules += ["body: " + " | ".join(f"fn_{i}" for i in range(len(bodies))), *bodies]
@@ -56,6 +58,52 @@ def _body(index: int, tool: Tool, calling: ToolCalling, syntax: ToolSyntax) -> s
         return f"fn_{index}: %json {json.dumps(call_schema(tool, syntax.arguments_key))}"
     head = json.dumps(f'{{"name": {json.dumps(name)}, "{syntax.arguments_key}": {{"input": "')
     return f'fn_{index}: {head} input_{index} "\\"}}}}"\ninput_{index}: %lark {{\n{calling.freeform[name]}\n}}'
+
+
+def _xml_body(index: int, tool: Tool, calling: ToolCalling, syntax: ToolSyntax) -> str:
+    """Rule ``fn_<index>``: a call of ``tool`` in the XML syntax (``xml_parser.py``): its parameters in the schema's
+    order, the required ones always; a string's value text up to its closing tag (within its ``minLength`` and
+    ``maxLength``; a string ``enum``: one of its values), any other value JSON of its schema; a custom tool's
+    ``input`` held to its grammar."""
+    name = tool.function.name
+    head = json.dumps(f"{FUNCTION}{name}>\n")
+    if name in calling.freeform:
+        opening = json.dumps(PARAMETER + "input>\n")
+        body = f"fn_{index}: {head} {opening} input_{index} {_PARAMETER_TAIL} {json.dumps(FUNCTION_END)}"
+        return f"{body}\ninput_{index}: %lark {{\n{calling.freeform[name]}\n}}"
+    parameters = tool.function.parameters
+    defs = {key: parameters[key] for key in ("$defs", "definitions") if key in parameters}
+    required = set(parameters.get("required") or ())
+    parts, rules = [], []
+    for j, (key, schema) in enumerate((parameters.get("properties") or {}).items()):
+        rule = f"p_{index}_{j}"
+        opening = json.dumps(f"{PARAMETER}{key}>\n")
+        value = _xml_value(schema, defs)
+        if value.startswith("/"):  # a string's text and its closing tag: one lexeme, ended at the first tag
+            rules.append(f"{rule}: {opening} text_{index}_{j}\ntext_{index}_{j}[lazy]: {value} {_PARAMETER_TAIL}")
+        else:
+            rules.append(f"{rule}: {opening} {value} {_PARAMETER_TAIL}")
+        parts.append(rule if key in required else f"{rule}?")
+    rules.insert(0, f"fn_{index}: {head} {' '.join(parts)} {json.dumps(FUNCTION_END)}")
+    return "\n".join(rules)
+
+
+#: What ends a parameter's value in the XML syntax.
+_PARAMETER_TAIL = json.dumps(f"\n{PARAMETER_END}\n")
+
+
+def _xml_value(schema: Any, defs: dict[str, Any]) -> str:
+    """A parameter's value: a string's text as a regex (``/.../``, its length within the schema's bounds), one of a
+    string ``enum``'s values, or JSON of its schema."""
+    if not isinstance(schema, dict):
+        return "/(?s:.*)/"
+    values = schema.get("enum") or ([schema["const"]] if "const" in schema else None)
+    if values and all(isinstance(value, str) for value in values):
+        return "(" + " | ".join(json.dumps(value) for value in values) + ")"
+    if schema.get("type") == "string":
+        low, high = int(schema.get("minLength", 0)), schema.get("maxLength")
+        return f"/(?s:.{{{low},{'' if high is None else int(high)}}})/" if low or high is not None else "/(?s:.*)/"
+    return f"%json {json.dumps({**schema, **defs, 'x-guidance': {**JSON_STYLE, 'lenient': True}})}"
 
 
 def _calls(syntax: ToolSyntax, parallel: bool) -> list[str]:

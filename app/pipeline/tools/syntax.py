@@ -11,12 +11,15 @@ llama3     ``{"name": ..., "parameters": {...}}`` as the whole   Llama 3.1, 3.2,
            reply (``<|python_tag|>`` before it optional)        template refuses several)
 mistral    ``[TOOL_CALLS][{"name": ..., "arguments": {...}},``   Mistral 7B v0.3, Nemo, Small (before 3.2)
            `` ...]``                                             (call ids of 9 letters and digits)
+qwen-xml   ``<tool_call>\n<function=NAME>\n<parameter=P>\n``    Qwen3-Coder, Qwen3.5 (``xml_parser.py``:
+           ``VALUE\n</parameter>\n</function>\n</tool_call>``    values typed by the tool's schema)
 =========  ====================================================  ==========================================
 
 Markers that are tokens of the vocabulary are read and forced as tokens (``open_id``, ``close_id``): the
 generated text keeps their spelling (``GenerationRequest.kept_special``) so the parser sees them where the
 model wrote them, and the grammar names them by id. A template that renders tools in a syntax not in this table
-(Command R, Granite, Functionary, Mistral's ``[ARGS]`` format, ...) has ``UNSUPPORTED``: ``tools`` is a 400.
+(Command R, Granite 3, Functionary, GLM's ``<arg_key>``, Mistral's ``[ARGS]`` format, ...) has ``UNSUPPORTED``:
+``tools`` is a 400.
 """
 
 from __future__ import annotations
@@ -67,16 +70,17 @@ OPEN, CLOSE = "<tool_call>", "</tool_call>"
 HERMES = ToolSyntax("hermes", OPEN, CLOSE)
 LLAMA3 = ToolSyntax("llama3", "<|python_tag|>", arguments_key="parameters", separator="; ", parallel=False)
 MISTRAL = ToolSyntax("mistral", "[TOOL_CALLS]", separator=", ", id_length=9)
+QWEN_XML = ToolSyntax("qwen-xml", OPEN, CLOSE)
 #: A template without tools: the default prompt (``app/pipeline/tools/prompt.py``) teaches the Hermes syntax, as text.
 DEFAULT = ToolSyntax("hermes", OPEN, CLOSE, native=False)
 #: A template that renders tools in a syntax this server cannot read back.
 UNSUPPORTED = ToolSyntax("unsupported", "", native=False, parallel=False)
 
-#: What in a template shows its syntax, most specific first: XML-style arguments (Qwen3-Coder, GLM, Nemotron) and
-#: Mistral's ``[ARGS]`` format come before the markers they share.
+#: What in a template shows its syntax, most specific first: XML-style arguments (Qwen3-Coder's and Qwen3.5's
+#: ``<parameter=``, GLM's ``<arg_key>``) and Mistral's ``[ARGS]`` format come before the markers they share.
 _SIGNS = (
-    ("<function=", UNSUPPORTED), ("<arg_key>", UNSUPPORTED), ("[ARGS]", UNSUPPORTED), ("[TOOL_CALLS]", MISTRAL),
-    ("<tool_call>", HERMES), ("<|python_tag|>", LLAMA3), ("<|start_header_id|>", LLAMA3),
+    ("<parameter=", QWEN_XML), ("<function=", UNSUPPORTED), ("<arg_key>", UNSUPPORTED), ("[ARGS]", UNSUPPORTED),
+    ("[TOOL_CALLS]", MISTRAL), ("<tool_call>", HERMES), ("<|python_tag|>", LLAMA3), ("<|start_header_id|>", LLAMA3),
 )  # fmt: skip
 #: A Hermes template writes a call as JSON with a name (GLM's and Laguna's ``<tool_call>name...`` do not).
 _JSON_NAME = ('{"name"', '{\\"name\\"')
@@ -88,6 +92,8 @@ def detect(template: str | None, added: dict[str, int]) -> ToolSyntax:
     signed = [syntax for sign, syntax in _SIGNS if sign in template]
     # Without a sign: a template that renders tools in a syntax not in the table, or one without tools.
     syntax = signed[0] if signed else UNSUPPORTED if "tools" in template else DEFAULT
+    if syntax is QWEN_XML and "<function=" not in template:
+        syntax = UNSUPPORTED
     if syntax is HERMES and not any(sign in template for sign in _JSON_NAME):
         syntax = UNSUPPORTED
     if syntax is LLAMA3 and '"parameters": ' not in template:  # a Llama 3 template without tools
