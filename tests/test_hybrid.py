@@ -313,6 +313,39 @@ def test_the_native_delta_rule_is_torch_s_to_rounding_and_the_same_bits_however_
         torch.testing.assert_close(whole, plain, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_native_short_convolution_is_torch_s_and_the_same_bits_however_cut(dtype: torch.dtype) -> None:
+    """``csrc/short_conv.cpp`` against a plain causal convolution of a sequence's inputs (3 past inputs of a state,
+    then 40 positions; 1,100 channels: more than a task's block): equal to rounding; one call or cut in three,
+    beside another sequence or alone, the same bits and the same state after; a fresh sequence reads no state."""
+    from engine.runtime import kernels
+
+    ops = kernels.native_ops()
+    if ops is None:
+        pytest.skip("no native kernels here")
+    generator = torch.Generator().manual_seed(0)
+    channels, keep, positions = 1100, 3, 40
+    weight = torch.randn(channels, keep + 1, generator=generator).to(dtype).float()
+    inputs = torch.randn(positions, channels, generator=generator).to(dtype)
+    start = torch.randn(2, keep, channels, generator=generator).to(dtype)
+    padded = torch.cat([start[1], inputs]).float()
+    plain = sum(padded[k : k + positions] * weight[:, k] for k in range(keep + 1))
+    state = start.clone()
+    whole = ops.short_conv(state, inputs, weight, torch.tensor([[1, 0, 0, positions]]))
+    tolerance = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 0.05, "rtol": 0.02}
+    torch.testing.assert_close(whole.float(), plain, **tolerance)
+    assert torch.equal(state[1], inputs[-keep:]) and torch.equal(state[0], start[0])
+    cut, pieces = start.clone(), []
+    for first, last in ((0, 1), (1, 17), (17, positions)):  # beside another sequence in the middle piece
+        rows = torch.cat([inputs[first:last], inputs[:5]]) if first == 1 else inputs[first:last]
+        table = [[1, 0, 0, last - first]] + ([[0, 1, last - first, 5]] if first == 1 else [])
+        pieces.append(ops.short_conv(cut, rows.contiguous(), weight, torch.tensor(table))[: last - first])
+    assert torch.equal(torch.cat(pieces), whole) and torch.equal(cut[1], state[1])
+    fresh = ops.short_conv(start.clone(), inputs, weight, torch.tensor([[1, 1, 0, positions]]))
+    alone = ops.short_conv(torch.zeros_like(start), inputs, weight, torch.tensor([[1, 0, 0, positions]]))
+    assert torch.equal(fresh, alone)
+
+
 def test_a_hybrid_the_native_runner_does_not_serve_is_refused_not_run_without_its_state(files) -> None:
     """transformers' forward (the runner of other models) keeps no recurrent state between steps: a hybrid whose
     config the native runner leaves out (a RoPE scaling by length) is refused at start, naming the model type."""

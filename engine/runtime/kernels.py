@@ -27,6 +27,7 @@ _SOURCES = [
         "quant_matmul.cpp",
         "llama_layer.cpp",
         "delta_rule.cpp",
+        "short_conv.cpp",
         "experts.cpp",
     )
 ]
@@ -38,7 +39,8 @@ def native_ops() -> Any | None:
     """``torch.ops.smolserve``: ``decode_attention`` and ``write_kv`` (``csrc/decode_attention.cpp``), the 8-bit
     cache's ``decode_attention_int8`` and ``write_kv_int8`` (``csrc/int8_attention.cpp``), the fused element-wise
     ops of ``csrc/fused_ops.cpp``, ``quant_pack``, ``quant_linear`` and ``quant_rows`` (``csrc/quant_matmul.cpp``) and
-    ``llama_layer`` (``csrc/llama_layer.cpp``), ``delta_rule`` (``csrc/delta_rule.cpp``), ``moe_mixture``
+    ``llama_layer`` (``csrc/llama_layer.cpp``), ``delta_rule`` and ``delta_rules`` (``csrc/delta_rule.cpp``),
+    ``short_conv`` (``csrc/short_conv.cpp``), ``moe_mixture``
     (``csrc/experts.cpp``); ``None`` where they cannot be built."""
     if os.environ.get("SMOLSERVE_NATIVE_KERNELS", "1") == "0":
         return None

@@ -107,6 +107,9 @@ class StepStates:
         self._segments = segments
         self._slots = torch.tensor([s.slot for s in segments], dtype=torch.long, device=device)
         self._fresh = torch.tensor([s.start == 0 for s in segments], dtype=torch.bool, device=device)
+        #: The native convolution's segments: slot, whether at its first position, first row, rows.
+        self._segments_table = torch.tensor([[s.slot, s.start == 0, s.row, s.length] for s in segments],
+                                            dtype=torch.long).reshape(len(segments), 4)  # fmt: skip
         # The inputs a step reads, one tensor: each sequence's ``keep`` past inputs (its state), then the step's rows.
         # A row at offset t of its segment reads offsets t - keep .. t: a negative one is its state's, else a row's.
         past = len(segments) * keep
@@ -136,11 +139,15 @@ class StepStates:
     def convolve(self, layer: int, inputs: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """Layer ``layer``'s depthwise causal convolution of ``inputs`` ``[rows, channels]`` by ``weight``
         ``[channels, span]`` (its last column multiplies the row itself), each row over its own sequence's inputs;
-        the sequences' states move on past the step's rows."""
+        the sequences' states move on past the step's rows. The native op (``csrc/short_conv.cpp``) sums each
+        channel in float32 and rounds once; torch's ops, where it does not build, round each product and sum."""
         state = self._states.state[layer]
-        past = state[self._slots]  # a copy: [segments, keep, channels]
-        past[self._fresh] = 0
-        pool = torch.cat([past.reshape(-1, inputs.shape[1]), inputs])
+        ops = kernels.native_ops() if state.device.type == "cpu" else None
+        if ops is not None and inputs.dtype in (torch.float32, torch.bfloat16):
+            if self.boundaries:  # the states kept for the prefix cache: read before the op moves them on
+                self.at_boundaries.append(self._pool(state, inputs)[self._at_end])
+            return ops.short_conv(state, inputs.contiguous(), weight.float().contiguous(), self._segments_table)
+        pool = self._pool(state, inputs)  # where the native op does not build: torch's, on gathered windows
         windows = pool[self._window]  # [rows, span, channels]
         out = windows[:, 0] * weight[:, 0]
         for k in range(1, weight.shape[1]):  # one order of sums for every row
@@ -149,6 +156,13 @@ class StepStates:
         if self.boundaries:
             self.at_boundaries.append(pool[self._at_end])  # [boundaries, keep, channels]
         return out
+
+    def _pool(self, state: torch.Tensor, inputs: torch.Tensor) -> torch.Tensor:
+        """The inputs a step's windows index: each sequence's past ones (its state; zeros at its first position),
+        then the step's rows."""
+        past = state[self._slots]
+        past[self._fresh] = 0
+        return torch.cat([past.reshape(-1, inputs.shape[1]), inputs])
 
     def delta_rule(
         self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, decay: torch.Tensor,

@@ -63,6 +63,11 @@ at::Tensor moe_mixture(const at::Tensor& x, const at::Tensor& weights, const at:
 // delta_rule.cpp
 at::Tensor delta_rule(at::Tensor matrix, const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
                       const at::Tensor& decay, const at::Tensor& beta, bool correct);
+// short_conv.cpp
+at::Tensor short_conv(at::Tensor state, const at::Tensor& inputs, const at::Tensor& weight,
+                      const at::Tensor& segments);
+
+// delta_rule.cpp (several sequences)
 void delta_rules(at::Tensor matrices, const at::Tensor& pieces, const at::Tensor& query, const at::Tensor& key,
                  const at::Tensor& value, const at::Tensor& decay, const at::Tensor& beta, bool correct,
                  at::Tensor out);
