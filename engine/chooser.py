@@ -288,7 +288,7 @@ def _has_experts(model: Any) -> bool:
     from engine.core.architectures import by_model_type
 
     arch = by_model_type(model.config.model_type)
-    return arch is not None and arch.experts
+    return arch is not None and arch.mixture(model.config)
 
 
 def build_encoder(spec: str) -> Encoder | None:

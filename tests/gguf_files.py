@@ -112,7 +112,7 @@ GRANITE_MAMBA = {"mamba_n_heads": 8, "mamba_d_head": 32, "mamba_d_state": 16, "m
                  "mamba_expand": 2, "mamba_conv_bias": True, "mamba_proj_bias": False}  # fmt: skip
 #: Granite 4.0-H's modules, as its converter names them.
 _GRANITE_HYBRID_LAYER = {**_LAYER, "mamba.in_proj": "ssm_in", "mamba.out_proj": "ssm_out",
-                         "shared_mlp.output_linear": "ffn_down"}  # fmt: skip
+                         "block_sparse_moe.router": "ffn_gate_inp"}  # fmt: skip
 #: gpt-oss's window in the tiny model (every other layer, from the first): short, so that a prompt slides past it.
 OAI_WINDOW = 12
 #: gpt-oss's YaRN as its config gives it, its pretraining context shortened to the tiny model's, and the
@@ -130,10 +130,12 @@ LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0, "low_fre
                "high_freq_factor": 4.0, "original_max_position_embeddings": 64}  # fmt: skip
 
 
-def tiny_model(arch: str, vocab: int, seed: int = 0, long_rope: bool = False, positions: int = 1024) -> PreTrainedModel:
+def tiny_model(
+    arch: str, vocab: int, seed: int = 0, long_rope: bool = False, positions: int = 1024, mixture: bool = False
+) -> PreTrainedModel:
     """A 2-layer model of ``arch`` with random weights; biases and norms random too, so that each counts.
     ``long_rope``: the architecture's long-context RoPE (llama: Llama 3.1's, phi3: LongRoPE), over 64 positions;
-    ``positions``: its context length."""
+    ``positions``: its context length; ``mixture``: Granite 4.0-H's mixture of experts beside its MLP (Tiny's)."""
     config_class, model_class = _MODELS[arch]
     extra: dict = {"head_dim": 48} if arch in ("qwen3", "qwen3moe") else {}  # the file's key_length is read
     if arch in ("granite", "granitemoe", "granitehybrid"):
@@ -183,6 +185,8 @@ def tiny_model(arch: str, vocab: int, seed: int = 0, long_rope: bool = False, po
     if arch == "granitehybrid":  # dense (its MLP the shared one), NoPE attention, as Granite 4.0-H Micro
         extra.update(GRANITE_MAMBA, layer_types=GRANITE_HYBRID_LAYERS, num_hidden_layers=4, num_local_experts=0,
                      num_experts_per_tok=0, shared_intermediate_size=256, position_embedding_type=None)  # fmt: skip
+        if mixture:  # Tiny's: 8 experts of 64 rows, 2 a row, beside the MLP (its 64 of 512, 6 a row)
+            extra.update(num_local_experts=8, num_experts_per_tok=2, intermediate_size=64, shared_intermediate_size=96)
     extra.setdefault("intermediate_size", 256)
     config = config_class(
         vocab_size=vocab, hidden_size=128, num_attention_heads=4,
@@ -271,9 +275,10 @@ def write_gguf(
     writer.add_file_type(1)
     keys = tokenizer_from if isinstance(tokenizer_from, list) else tokenizer_keys(tokenizer_from)
     _copy_tokenizer(keys, writer, renamed or {}, template)
+    mixture = arch == "granitehybrid" and bool(config.num_local_experts)  # its MLP then named a shared expert's
     with torch.no_grad():
         for name, parameter in model.named_parameters():
-            for gguf_name, values, target in _tensors(name, parameter, arch):
+            for gguf_name, values, target in _tensors(name, parameter, arch, mixture):
                 plus_one = arch == "gemma3" or (arch in QWEN35 and ".ssm_norm." not in gguf_name)
                 if plus_one and gguf_name.endswith("norm.weight"):  # the model multiplies by 1 + w: the file too
                     values = values + np.float32(1.0)
@@ -301,7 +306,9 @@ def write_gguf(
     return model
 
 
-def _tensors(name: str, parameter: torch.Tensor, arch: str) -> list[tuple[str, np.ndarray, torch.Tensor]]:
+def _tensors(
+    name: str, parameter: torch.Tensor, arch: str, mixture: bool = False
+) -> list[tuple[str, np.ndarray, torch.Tensor]]:
     """The file's tensors of one parameter, each with the part of the parameter it restores: one, or the gate's and
     the up's halves of a mixture's experts (``mlp.experts.gate_up_proj``, as the converter splits it)."""
     layer = name.split(".")[2] if name.startswith("model.layers.") else ""
@@ -309,8 +316,8 @@ def _tensors(name: str, parameter: torch.Tensor, arch: str) -> list[tuple[str, n
         return _oai_experts(name, parameter, layer)
     if arch in QWEN35 and ".linear_attn." in name:
         return _qwen35_tensors(name, parameter, layer)
-    if arch == "granitehybrid" and (".mamba." in name or "shared_mlp.input_linear" in name):
-        return _granite_hybrid_tensors(name, parameter, layer)
+    if arch == "granitehybrid" and (".mamba." in name or ".shared_mlp." in name):
+        return _granite_hybrid_tensors(name, parameter, layer, mixture)
     if name.endswith("conv.conv.weight"):  # LFM2's depthwise convolution: [channels, span], as the converter has it
         return [(f"blk.{layer}.shortconv.conv.weight", parameter.detach()[:, 0].float().numpy(), parameter.data)]
     if name.endswith("self_attn.sinks"):
@@ -371,8 +378,12 @@ def _qwen35_keys(config: Any, writer: GGUFWriter, arch: str) -> None:
 
 
 def _granite_hybrid_keys(config: Any, writer: GGUFWriter) -> None:
-    """What llama.cpp's converter adds for Granite 4.0-H: the Mamba-2 shapes (its heads as ``time_step_rank``), and
-    that its attention does not rotate."""
+    """What llama.cpp's converter adds for Granite 4.0-H: the Mamba-2 shapes (its heads as ``time_step_rank``),
+    that its attention does not rotate, and its mixture's sizes where it has one."""
+    if config.num_local_experts:
+        writer.add_expert_count(config.num_local_experts)
+        writer.add_expert_used_count(config.num_experts_per_tok)
+        writer.add_expert_shared_feed_forward_length(config.shared_intermediate_size)
     writer.add_ssm_conv_kernel(config.mamba_d_conv)
     writer.add_ssm_state_size(config.mamba_d_state)
     writer.add_ssm_group_count(config.mamba_n_groups)
@@ -381,16 +392,21 @@ def _granite_hybrid_keys(config: Any, writer: GGUFWriter) -> None:
     writer.add_rope_scaling_finetuned(config.position_embedding_type == "rope")
 
 
-def _granite_hybrid_tensors(name: str, parameter: torch.Tensor, layer: str) -> list[tuple[str, np.ndarray, Any]]:
+def _granite_hybrid_tensors(
+    name: str, parameter: torch.Tensor, layer: str, mixture: bool
+) -> list[tuple[str, np.ndarray, Any]]:
     """A Granite 4.0-H Mamba-2 tensor (or its MLP's stacked gate and up) as its converter writes it: ``A_log`` as
     ``-exp(A_log)``, ``A`` and ``D`` as ``[heads, 1]``, ``dt_bias`` as ``ssm_dt.bias``, the convolution squeezed,
     the gated norm's weights by group; the gate's and up's rows apart."""
     values = parameter.detach().float().numpy().copy()
     part = name.rsplit(f".{layer}.", 1)[1]
+    shared = "_shexp" if mixture else ""  # beside a mixture, the converter names the MLP a shared expert
     if part == "shared_mlp.input_linear.weight":
         gate, up = parameter.data.chunk(2, dim=0)
-        return [(f"blk.{layer}.ffn_{kind}.weight", half.float().numpy().copy(), half)
+        return [(f"blk.{layer}.ffn_{kind}{shared}.weight", half.float().numpy().copy(), half)
                 for kind, half in (("gate", gate), ("up", up))]  # fmt: skip
+    if part == "shared_mlp.output_linear.weight":
+        return [(f"blk.{layer}.ffn_down{shared}.weight", values, parameter.data)]
     groups = GRANITE_MAMBA["mamba_n_groups"]
     simple = {"mamba.A_log": ("ssm_a", lambda v: -np.exp(v)[:, None]), "mamba.D": ("ssm_d", lambda v: v[:, None]),
               "mamba.dt_bias": ("ssm_dt.bias", None), "mamba.conv1d.weight": ("ssm_conv1d.weight", lambda v: v[:, 0]),
@@ -545,8 +561,8 @@ def save_checkpoint(
         config.sliding_window = 512
     if arch == "phi3":
         config.sliding_window = 2047
-    if arch == "granitehybrid":  # dense: its one MLP is the shared one; Mamba-2 twice the hidden size wide
-        config.shared_intermediate_size = config.intermediate_size
+    if arch == "granitehybrid":  # dense (its one MLP the shared one) unless given experts; Mamba-2 twice as wide
+        config.shared_intermediate_size = shape.get("shared_intermediate_size", config.intermediate_size)
         config.mamba_d_head = 2 * hidden // config.mamba_n_heads
     torch.manual_seed(0)
     model = _MODELS[arch][1](config).to(dtype).eval()

@@ -34,6 +34,7 @@ MIXED = {
     "out_proj": T.Q8_0,
     "attn_gate": T.Q8_0,
     "ssm_out": T.Q5_0,
+    "ssm_in": T.Q8_0,
 }  # fmt: skip  (phi3: fused q, k and v; qwen3moe: each expert's matrices, the router F32 as llama.cpp keeps it)
 #   (lfm2: its short convolutions' input and output projections)
 #: The architectures of dense MLPs (the start-up probe's and the one-call layer's).
@@ -125,6 +126,36 @@ def test_a_tiny_gguf_scores_text_as_transformers_does(arch: str, mix: str, serve
         # 0.14-0.21; its experts alone in Q8_0 0.049; the same file served dense (its blocks dequantized): 1e-5
         mean, largest = (0.3, 1.5) if arch == "qwen35moe" else (mean, largest)
         assert (got - want).abs().mean() < mean and (got - want).abs().max() < largest
+
+
+@pytest.mark.parametrize("mix", ["F32", "mixed"])
+def test_granite_4_h_s_mixture_beside_its_mlp_scores_text_as_transformers_does(
+    mix: str, tokenizer_file: Path, tmp_path: Path
+) -> None:
+    """Granite 4.0-H Tiny's and Small's MLP: a mixture of experts (the top k logits' softmax) beside the MLP, which
+    joins it without a gate (the file's ``ffn_*_shexp``); one architecture row serves both it and the dense sizes.
+    Its mixed-type file as the mixtures' (its MLP in blocks too); greedy the same alone and in a batch."""
+    from engine_helpers import make_engine, run_staggered
+
+    path = tmp_path / f"granitehybrid-moe-{mix}.gguf"
+    shared = {"ffn_gate_shexp": T.Q4_0, "ffn_up_shexp": T.Q4_0, "ffn_down_shexp": T.Q4_1}
+    types = {**MIXED, **shared} if mix == "mixed" else {}
+    model = write_gguf(tiny_model("granitehybrid", vocab=49152, mixture=True), "granitehybrid", path, tokenizer_file,
+                       types)  # fmt: skip
+    loaded = load(path, tmp_path / "cache")
+    assert loaded.model.config.num_local_experts == 8 and ARCHITECTURES["granitehybrid"].mixture(loaded.model.config)
+    prompt = tuple(loaded.tokenizer.encode(TEXT))
+    got, want = scored(loaded.model, loaded.eos_token_ids, loaded.blocks, prompt), reference(model, prompt)
+    if mix == "F32":
+        torch.testing.assert_close(got, want, atol=2e-4, rtol=0)
+    else:  # as the other mixtures: the activations' rounding, and the router's near ties it flips
+        assert (got - want).abs().mean() < 0.06 and (got - want).abs().max() < 1.2
+    requests = [GenerationRequest(prompt[: 5 + 3 * i], 12, ignore_eos=True) for i in range(4)]
+    engine = make_engine(loaded.model, loaded.eos_token_ids, quantized=loaded.blocks)
+    together = run_staggered(engine, [(0, request) for request in requests])
+    for index, request in enumerate(requests):
+        alone = make_engine(loaded.model, loaded.eos_token_ids, quantized=loaded.blocks)
+        assert run_staggered(alone, [(0, request)])[0] == together[index]
 
 
 @pytest.mark.parametrize("arch", list(ARCHITECTURES))

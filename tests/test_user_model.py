@@ -234,9 +234,14 @@ def test_a_file_from_llama_cpp_s_own_converter_scores_text_as_transformers_does(
     torch.testing.assert_close(got, want, atol=5e-4, rtol=0)
 
 
+#: Granite 4.0-H Tiny's form in a tiny checkpoint: experts beside the MLP (``save_checkpoint``'s shape).
+GRANITE_TINY_FORM = {"num_local_experts": 8, "num_experts_per_tok": 2, "intermediate_size": 64,
+                     "shared_intermediate_size": 256}  # fmt: skip
+
+
 @pytest.mark.parametrize(("arch", "outtype"), [
     *((arch, outtype) for arch in ("qwen3moe", "olmoe", "qwen2moe", "gpt-oss", "granitemoe", "lfm2", "smollm3",
-                                          "qwen35", "qwen35moe", "granitehybrid")
+                                          "qwen35", "qwen35moe", "granitehybrid", "granitehybrid-moe")
       for outtype in ("f32", "q8_0")),
     ("gpt-oss", "mxfp4"),
 ])  # fmt: skip
@@ -262,7 +267,10 @@ def test_a_mixture_or_a_new_family_answers_greedy_as_llama_cpp_s_server_does(
     from compat.conftest import start_server, stop_server
 
     # Peaked (std 0.1; the default 0.05 gives near-uniform next tokens, the top two 0.001 apart).
-    save_checkpoint(arch, tmp_path / "checkpoint", std=0.1, **({"rms_norm_eps": 1e-5} if arch == "olmoe" else {}))
+    shape = {"rms_norm_eps": 1e-5} if arch == "olmoe" else {}
+    if arch == "granitehybrid-moe":  # Granite 4.0-H Tiny's form: 8 experts of 64 (2 a row) beside an MLP of 256
+        arch, shape = "granitehybrid", GRANITE_TINY_FORM
+    save_checkpoint(arch, tmp_path / "checkpoint", std=0.1, **shape)
     gguf = tmp_path / f"moe-{outtype}.gguf"
     convert(tmp_path / "checkpoint", gguf, Path(binary).resolve().parents[2], "f32" if outtype == "mxfp4" else outtype)
     if outtype == "mxfp4":  # the experts in MXFP4, the rest Q8_0, as llama-quantize's MXFP4_MOE writes them

@@ -84,11 +84,18 @@ class Architecture:
     #: ``silu(z)``, projected out. Each sequence keeps the convolution's last inputs and the matrices as its state.
     mamba: bool = False
     #: transformers' module holding the MLP's gate and up rows as one matrix (gate first) where the file holds them
-    #: apart (``ffn_gate``, ``ffn_up``): Granite 4.0-H's ``shared_mlp.input_linear``.
+    #: apart: Granite 4.0-H's ``shared_mlp.input_linear`` (its output ``shared_mlp.output_linear``), the file's
+    #: ``ffn_gate``/``ffn_up``/``ffn_down`` in a dense file, ``ffn_*_shexp`` beside a mixture of experts (``mlp``,
+    #: when the config has experts: Tiny, Small), which it joins without a gate.
     stacked_mlp: str = ""
     #: transformers' names of this family's modules where they are not llama's (``input_layernorm``,
     #: ``self_attn.o_proj``, ``mlp.gate_proj``, ``model.norm``, ...): pairs of llama's name and the family's.
     renamed: tuple[tuple[str, str], ...] = ()
+
+    def mixture(self, config: object) -> bool:
+        """Whether a model of this row with ``config`` has a mixture of experts (Granite 4.0-H's where its config
+        has experts)."""
+        return self.experts or (bool(self.stacked_mlp) and bool(getattr(config, "num_local_experts", 0)))
 
     def name(self, llama_name: str) -> str:
         """The family's name of a module llama names ``llama_name`` (a layer's relative name, or ``model.norm``)."""
@@ -166,8 +173,8 @@ ARCHITECTURES = {
         ),
         # LFM2 (350M-2.6B): short convolutions in 10 of 16 layers, attention with head norms in the others
         Architecture("lfm2", "lfm2", qk_norm=True, short_conv=True, renamed=_LFM2_NAMES),
-        # Granite 4.0-H (350M, 1B, Micro): Mamba-2 layers (36 of Micro's 40) beside attention layers without RoPE;
-        # Granite's multipliers; the MLP as its converter writes a dense one
+        # Granite 4.0-H (350M, 1B, Micro; Tiny, Small with a mixture of experts beside the MLP): Mamba-2 layers (36
+        # of Micro's 40) beside attention layers without RoPE; Granite's multipliers
         Architecture(
             "granitehybrid",
             "granitemoehybrid",
@@ -175,7 +182,9 @@ ARCHITECTURES = {
             multipliers=True,
             mamba=True,
             stacked_mlp="shared_mlp.input_linear",
-            renamed=(("mlp.down_proj", "shared_mlp.output_linear"),),
+            top_k_softmax=True,
+            mlp="block_sparse_moe",
+            router="router",
         ),
         # Gemma 3 (text): 5 local layers of 512-1024 positions for each global one
         Architecture(

@@ -147,20 +147,18 @@ def _qwen35(reader: GGUFFile, values: dict, rope: dict) -> dict:
 def _granitehybrid(reader: GGUFFile, values: dict) -> dict:
     """Granite 4.0-H's layers as its converter writes them: a KV head count per layer, 0 in a Mamba-2 layer; the
     Mamba-2 shapes (``ssm.*``: the heads are ``time_step_rank``); RoPE only where ``rope.scaling.finetuned`` says
-    so (Granite 4.0-H's attention has none; llama.cpp's default is RoPE); its MLP dense (a mixture is refused)."""
+    so (Granite 4.0-H's attention has none; llama.cpp's default is RoPE); its MLP dense, or (Tiny, Small) beside a
+    mixture of experts (``feed_forward_length`` their width, ``expert_shared_feed_forward_length`` the MLP's)."""
     arch, keys = architecture(reader), reader.keys
-    if f"{arch}.expert_count" in keys and int(keys[f"{arch}.expert_count"]):
-        raise NotServedNatively(
-            f"this {arch} file's MLP is a mixture of experts beside a shared one (Granite 4.0-H Tiny, Small), which "
-            "the native path does not serve (its dense sizes, 350M, 1B and Micro, are); --quantization none serves "
-            "it through transformers"
-        )
     heads = values.pop("num_key_value_heads")
     heads = [int(h) for h in heads] if isinstance(heads, list) else [int(heads)] * values["num_hidden_layers"]
     inner, ssm_heads = int(keys[f"{arch}.ssm.inner_size"]), int(keys[f"{arch}.ssm.time_step_rank"])
+    experts, used = int(values.pop("num_experts", 0) or 0), int(values.pop("num_experts_per_tok", 0) or 0)
+    shared = int(keys.get(f"{arch}.expert_shared_feed_forward_length", 0)) if experts else values["intermediate_size"]
+    values.pop("shared_expert_intermediate_size", None)
     return {
-        "num_key_value_heads": max(heads), "shared_intermediate_size": values["intermediate_size"],
-        "layer_types": ["full_attention" if h else "linear_attention" for h in heads], "num_local_experts": 0,
+        "num_key_value_heads": max(heads), "shared_intermediate_size": shared, "num_local_experts": experts,
+        "num_experts_per_tok": used, "layer_types": ["full_attention" if h else "linear_attention" for h in heads],
         "mamba_n_heads": ssm_heads, "mamba_d_head": inner // ssm_heads, "mamba_expand": inner // values["hidden_size"],
         "mamba_d_state": int(keys[f"{arch}.ssm.state_size"]), "mamba_n_groups": int(keys[f"{arch}.ssm.group_count"]),
         "mamba_d_conv": int(keys[f"{arch}.ssm.conv_kernel"]), "mamba_proj_bias": False,

@@ -105,11 +105,12 @@ def _stacked_in_blocks(quantized: dict[str, QuantizedWeight], arch: Architecture
     """transformers' stacked gate-and-up parameters (``Architecture.stacked_mlp``) whose halves are both in blocks."""
     if not arch.stacked_mlp:
         return set()
-    layers = {name.split(".")[2] for name in quantized if name.endswith(".mlp.gate_proj.weight")}
+    own = arch.stacked_mlp.rpartition(".")[0]
+    layers = {name.split(".")[2] for name in quantized if name.endswith(f".{own}.gate_proj.weight")}
     return {
         f"model.layers.{layer}.{arch.stacked_mlp}.weight"
         for layer in layers
-        if f"model.layers.{layer}.mlp.up_proj.weight" in quantized
+        if f"model.layers.{layer}.{own}.up_proj.weight" in quantized
     }
 
 
@@ -117,7 +118,8 @@ def _half(name: str, arch: Architecture) -> tuple[str, str] | None:
     """A gate's or up's matrix (llama's name) that transformers holds in one stacked parameter
     (``Architecture.stacked_mlp``): that parameter's name and the half ("0": the gate's, "1": the up's); else None."""
     parts = name.split(".")
-    if not arch.stacked_mlp or len(parts) != 6 or parts[3] != "mlp" or parts[4] not in ("gate_proj", "up_proj"):
+    own = arch.stacked_mlp.rpartition(".")[0]
+    if not arch.stacked_mlp or len(parts) != 6 or parts[3] != own or parts[4] not in ("gate_proj", "up_proj"):
         return None
     return f"model.layers.{parts[2]}.{arch.stacked_mlp}.weight", "0" if parts[4] == "gate_proj" else "1"
 
@@ -246,8 +248,9 @@ def _name(gguf_name: str, arch: Architecture) -> str | None:
         return f"model.layers.{parts[1]}.mamba.{_MAMBA_PARAMETERS[parts[2]].format(parts[-1])}"
     if len(parts) >= 3 and parts[0] == "blk" and parts[2] in _DELTA_PARAMETERS:  # Qwen3.5's linear attention's
         return f"model.layers.{parts[1]}.linear_attn.{_DELTA_PARAMETERS[parts[2]]}"
-    if len(parts) == 4 and arch.stacked_mlp and parts[2] in ("ffn_gate", "ffn_up"):  # a half of a stacked matrix
-        return f"model.layers.{parts[1]}.{arch.stacked_mlp}.weight:{0 if parts[2] == 'ffn_gate' else 1}"
+    halves = ("ffn_gate", "ffn_up", "ffn_gate_shexp", "ffn_up_shexp")
+    if len(parts) == 4 and arch.stacked_mlp and parts[2] in halves:  # a half of a stacked matrix
+        return f"model.layers.{parts[1]}.{arch.stacked_mlp}.weight:{0 if parts[2].startswith('ffn_gate') else 1}"
     norms = _OUTPUT_NORMS if arch.output_norms else _NORMS
     if len(parts) == 4 and parts[0] == "blk" and parts[2] in norms:
         return f"model.layers.{parts[1]}.{arch.name(norms[parts[2]])}.weight"

@@ -47,6 +47,10 @@ _DELTA_NAMES = {
 }  # fmt: skip
 #: ... in Granite 4.0-H (``Architecture.mamba``): its Mamba-2 layers' projections.
 _MAMBA_NAMES = {**_LAYER_NAMES, "ssm_in": "mamba.in_proj", "ssm_out": "mamba.out_proj"}
+#: ... Granite 4.0-H's MLP (``Architecture.stacked_mlp``), dense or beside a mixture: its gate's and up's halves
+#: by llama's names (transformers stacks them), its output by transformers'.
+_SHARED_MLP = {"ffn_gate": "gate_proj", "ffn_up": "up_proj", "ffn_down": "output_linear", "ffn_gate_shexp": "gate_proj",
+               "ffn_up_shexp": "up_proj", "ffn_down_shexp": "output_linear"}  # fmt: skip
 #: A mixture of experts' matrices (3-D: one matrix an expert, ``expert_name``).
 EXPERT_PROJECTIONS = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
 
@@ -137,6 +141,9 @@ def hf_name(name: str, arch: Architecture) -> str | None:
     parts = name.split(".")
     if len(parts) == 5 and parts[0] == "blk" and parts[2] == "shortconv":  # LFM2's short convolution
         return f"model.layers.{parts[1]}.conv.{parts[3]}.{parts[4]}"
+    if arch.stacked_mlp and len(parts) == 4 and parts[2] in _SHARED_MLP:  # Granite 4.0-H's MLP: the shared one
+        own = arch.stacked_mlp.rpartition(".")[0]
+        return f"model.layers.{parts[1]}.{own}.{_SHARED_MLP[parts[2]]}.{parts[3]}"
     names = (_FUSED_NAMES if arch.fused_projections else _OAI_NAMES if arch.oai_experts
              else _DELTA_NAMES if arch.delta_net else _MAMBA_NAMES if arch.mamba else _LAYER_NAMES)  # fmt: skip
     if len(parts) == 4 and parts[0] == "blk" and parts[2] in names and parts[3] in ("weight", "bias"):

@@ -119,8 +119,9 @@ def _mixture(gguf: Path) -> bool:
     from engine.core.architectures import ARCHITECTURES
     from engine.runtime.gguf_file import GGUFFile
 
-    arch = ARCHITECTURES.get(str(GGUFFile(gguf).keys.get("general.architecture")))
-    return arch is not None and arch.experts
+    keys = GGUFFile(gguf).keys
+    arch = ARCHITECTURES.get(str(keys.get("general.architecture")))
+    return arch is not None and (arch.experts or bool(keys.get(f"{arch.gguf}.expert_count", 0)))
 
 
 def _described(gguf: Path) -> Path:

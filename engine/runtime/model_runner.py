@@ -145,8 +145,9 @@ class _Experts:
     down: list[Weight]  # [hidden, intermediate]
     top_k: int
     renormalize: bool  # the chosen experts' weights scaled to sum to 1
-    #: A shared expert every row takes (qwen2moe): its gate and up rows, its down, and its gate's vector ``[hidden]``.
-    shared: tuple[Weight, Weight, torch.Tensor] | None = None
+    #: A shared expert every row takes (qwen2moe): its gate and up rows, its down, and its gate's vector ``[hidden]``
+    #: (None: no gate, Granite 4.0-H's).
+    shared: tuple[Weight, Weight, torch.Tensor | None] | None = None
     #: The softmax over the top k logits only, not over all experts (gpt-oss).
     top_k_softmax: bool = False
     #: gpt-oss (``Architecture.oai_experts``): the router's bias, each expert's gate-and-up and down biases, and the
@@ -403,7 +404,7 @@ class LlamaRunner:
         if getattr(layer, "linear_attn", None) is not None:  # Qwen3.5's linear attention in the attention's place
             return _delta_layer(layer.linear_attn, fused, norm("input_layernorm"), post_norm, gate_up, down, experts)
         if getattr(layer, "mamba", None) is not None:  # Granite 4.0-H's Mamba-2 layer in the attention's place
-            return _mamba_layer(layer, fused, norm("input_layernorm"), post_norm, gate_up, down)
+            return _mamba_layer(layer, fused, norm("input_layernorm"), post_norm, (gate_up, down, experts))
         if getattr(layer, "conv", None) is not None:  # LFM2's short convolution in the attention's place
             mixer = fused(["conv.in_proj"], [layer.conv.in_proj]), fused(["conv.out_proj"], [layer.conv.out_proj])
             conv = layer.conv.conv.weight.detach()[:, 0]  # [channels, span]
@@ -612,6 +613,8 @@ class LlamaRunner:
         if experts.shared is not None:  # added after the routed experts, as transformers adds it
             gate_up, down, gate = experts.shared
             shared = linear(self._silu_mul(linear(x, gate_up, self.tile)), down, self.tile)
+            if gate is None:  # (Granite 4.0-H's shared MLP: no gate)
+                return output + shared
             # The gate is one output: a dense product of one column summed a row's inputs in an order that
             # depended on the row's place in its tile; a row's own dot product does not. Its sigmoid by rows: torch's
             # gave a row's last bits by where it fell among the step's rows (seen on AVX-512 with BF16, Zen 4).
@@ -745,21 +748,31 @@ def _mlp(
     fused: Callable[[list[str], list[torch.nn.Module]], Weight], arch: Architecture,
 ) -> tuple[_Experts | None, Weight | None, Weight | None]:  # fmt: skip
     """A layer's mixture of experts, or its gated MLP's gate-and-up and down weights."""
+    if arch.stacked_mlp:  # Granite 4.0-H: transformers' shared MLP (gate and up stacked), beside a mixture or alone
+        own = arch.stacked_mlp.rpartition(".")[0]
+        gate_up = fused([f"{own}.gate_proj", f"{own}.up_proj"], [layer.get_submodule(arch.stacked_mlp)])
+        down = fused([f"{own}.output_linear"], [layer.get_submodule(f"{own}.output_linear")])
+        if getattr(layer, arch.mlp, None) is None:
+            return None, gate_up, down
+        experts = _experts(layer.get_submodule(arch.mlp), prefix, quantized, fused, arch)
+        experts.shared = (gate_up, down, None)  # joined without a gate
+        return experts, None, None
     if arch.experts:
         return _experts(layer.get_submodule(arch.name(arch.mlp)), prefix, quantized, fused, arch), None, None
     names = ["mlp.gate_up_proj"] if arch.fused_projections else ["mlp.gate_proj", "mlp.up_proj"]
-    stacked = [layer.get_submodule(arch.stacked_mlp)] if arch.stacked_mlp else None  # (Granite 4.0-H's)
-    gate_up = fused(names, stacked or [layer.get_submodule(arch.name(name)) for name in names])
+    gate_up = fused(names, [layer.get_submodule(arch.name(name)) for name in names])
     return None, gate_up, fused(["mlp.down_proj"], [layer.get_submodule(arch.name("mlp.down_proj"))])
 
 
 def _mamba_layer(
     layer: torch.nn.Module, fused: Callable[[list[str], list[torch.nn.Module]], Weight], input_norm: torch.Tensor,
-    post_norm: torch.Tensor, gate_up: Weight | None, down: Weight | None,
+    post_norm: torch.Tensor, mlp: tuple[Weight | None, Weight | None, _Experts | None],
 ) -> _LlamaLayer:  # fmt: skip
     """A Granite 4.0-H Mamba-2 layer's weights: its input and output projections, its convolution's weights
-    ``[channels, span]`` and bias, its decay, step bias, skip and gated norm; its MLP's; its residual multiplier."""
+    ``[channels, span]`` and bias, its decay, step bias, skip and gated norm; its MLP's (``mlp``: gate-and-up, down,
+    or a mixture); its residual multiplier."""
     net, residual_scale = layer.mamba, float(layer.residual_multiplier)
+    gate_up, down, experts = mlp
     projections = fused(["mamba.in_proj"], [net.in_proj]), fused(["mamba.out_proj"], [net.out_proj])
     mamba = _Mamba(
         net.num_heads, net.head_dim, net.ssm_state_size, net.n_groups, -net.A_log.detach().float().exp(),
@@ -767,8 +780,8 @@ def _mamba_layer(
         None if net.conv1d.bias is None else net.conv1d.bias.detach(), net.norm.weight.detach().float(),
     )  # fmt: skip
     conv = net.conv1d.weight.detach()[:, 0]
-    return _LlamaLayer(input_norm, *projections, post_norm, gate_up, down, residual_scale=residual_scale, conv=conv,
-                       mamba=mamba)  # fmt: skip
+    return _LlamaLayer(input_norm, *projections, post_norm, gate_up, down, experts=experts,
+                       residual_scale=residual_scale, conv=conv, mamba=mamba)  # fmt: skip
 
 
 def _rotary(config: object) -> int:
