@@ -33,12 +33,14 @@ def template(name: str) -> str:
     ("name", "family", "native"),
     [("qwen2.5", "hermes", True), ("qwen3", "hermes", True), ("llama3.1", "llama3", True),
      ("mistral-nemo", "mistral", True), ("qwen3-coder", "qwen-xml", True), ("qwen3.5", "qwen-xml", True),
-     ("granite-4.0", "hermes", True), ("glm-4.6", "unsupported", False), ("r1-distill-qwen", "hermes", False)],
+     ("granite-4.0", "hermes", True), ("glm-4.6", "unsupported", False), ("r1-distill-qwen", "hermes", False),
+     ("lfm2", "pythonic", True), ("lfm2.5", "pythonic", True)],
 )  # fmt: skip
 def test_each_template_s_family_is_found(name: str, family: str, native: bool) -> None:
-    syntax = detect(template(name), {"<tool_call>": 7, "</tool_call>": 8, "[TOOL_CALLS]": 9, "<|python_tag|>": 10})
+    added = {"<tool_call>": 7, "</tool_call>": 8, "[TOOL_CALLS]": 9, "<|python_tag|>": 10, "<|tool_call_start|>": 11}
+    syntax = detect(template(name), added)
     assert (syntax.family, syntax.native) == (family, native)
-    if family in ("hermes", "mistral", "llama3", "qwen-xml") and native:
+    if family in ("hermes", "mistral", "llama3", "qwen-xml", "pythonic") and native:
         assert syntax.open_id is not None  # the vocabulary's marker token is used as a token
 
 
@@ -160,6 +162,55 @@ def test_an_xml_call_cut_short_keeps_what_it_has_and_text_that_is_no_call_is_con
     assert parser.feed(text)[0] + parser.finish()[0] == text and not parser.calls
 
 
+python_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False, allow_infinity=False)
+    | st.text(alphabet=st.sampled_from('ab(),=[]{}"\\\' é\n'), max_size=10),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=4), inner, max_size=3),
+    max_leaves=6,
+)  # fmt: skip
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    calls=st.lists(st.tuples(names.map(lambda n: n.replace("-", "_")).filter(str.isidentifier),
+                             st.dictionaries(st.from_regex(r"[a-z_]{1,8}", fullmatch=True), python_values, max_size=3)),
+                   max_size=3),
+    python=st.booleans(),
+    data=st.data(),
+)  # fmt: skip
+def test_lfm2_s_calls_come_back_whole_in_any_split(calls: list, python: bool, data: st.DataObject) -> None:
+    """LFM2's blocks of calls, values as JSON (``true``, ``null``) or as Python writes them (``True``, ``None``,
+    single quotes), names that are Python's keywords too (a tool ``import``, a parameter ``from``): each call's
+    arguments the values, the text around the block content."""
+    from app.pipeline.tools.pythonic_parser import CLOSE, OPEN, PythonicCallParser, call_text
+
+    block = call_text(calls) if calls else ""
+    if python and calls:  # Python's spelling of the same values
+        body = ", ".join(f"{n}({', '.join(f'{k}={v!r}' for k, v in a.items())})" for n, a in calls)
+        block = f"{OPEN}[{body}]{CLOSE}"
+    text = f"Let me look. {block} Done."
+    splits = sorted(data.draw(st.lists(st.integers(0, len(text)), max_size=8)))
+    parser, pieces, deltas, start = PythonicCallParser(), [], [], 0
+    for end in [*splits, len(text)]:
+        piece, more = parser.feed(text[start:end])
+        pieces.append(piece)
+        deltas += more
+        start = end
+    rest, _ = parser.finish()
+    assert [(c.name, json.loads(c.arguments)) for c in parser.calls] == [(n, a) for n, a in calls]
+    assert [json.loads(d["function"]["arguments"]) for d in deltas] == [a for _, a in calls]
+    assert "".join(pieces) + rest == ("Let me look.  Done." if calls else text)
+
+
+def test_text_in_lfm2_s_markers_that_is_no_call_is_content_and_nothing_runs() -> None:
+    from app.pipeline.tools.pythonic_parser import PythonicCallParser
+
+    for block in ("[__import__('os').system('true')]", "[f(x=open('/etc/passwd'))]", "[f(1)]", "[" * 5000):
+        parser = PythonicCallParser()
+        text = f"<|tool_call_start|>{block}<|tool_call_end|>"
+        assert parser.feed(text)[0] + parser.finish()[0] == text and not parser.calls
+
+
 def test_llama3_text_that_is_not_a_call_is_content() -> None:
     for text in ('{"answer": 42}', "Paris is sunny.", '  {"nam', "{"):
         parser, content, _ = parse(LLAMA3, text, [2])
@@ -216,6 +267,9 @@ FAMILIES = {  # the template, and SmolLM2's special tokens renamed to the family
                      7: "[/AVAILABLE_TOOLS]", 8: "[TOOL_RESULTS]", 9: "[/TOOL_RESULTS]"},
     "qwen3.5": {1: "<|im_start|>", 2: "<|im_end|>", 3: "<tool_call>", 4: "</tool_call>", 5: "<think>", 6: "</think>"},
     "glm-4.6": {1: "[gMASK]", 2: "<|user|>", 3: "<|assistant|>", 4: "<tool_call>", 5: "</tool_call>"},
+    "lfm2": {1: "<|im_start|>", 2: "<|im_end|>", 3: "<|tool_call_start|>", 4: "<|tool_call_end|>",
+             5: "<|tool_list_start|>", 6: "<|tool_list_end|>", 7: "<|tool_response_start|>",
+             8: "<|tool_response_end|>"},
 }  # fmt: skip
 WEATHER = {
     "type": "function",
@@ -232,7 +286,7 @@ WEATHER = {
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 
-@pytest.fixture(scope="module", params=["qwen2.5", "llama3.1", "mistral-nemo", "qwen3.5"])
+@pytest.fixture(scope="module", params=["qwen2.5", "llama3.1", "mistral-nemo", "qwen3.5", "lfm2"])
 def family_client(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
     yield from _client(request.param, tmp_path_factory)
 
@@ -287,7 +341,8 @@ def chat(client, **body: Any) -> dict[str, Any]:
 
 
 def marker_id(served, name: str) -> int:
-    return next(i for i, text in FAMILIES[name].items() if text in ("<tool_call>", "[TOOL_CALLS]", "<|python_tag|>"))
+    markers = ("<tool_call>", "[TOOL_CALLS]", "<|python_tag|>", "<|tool_call_start|>")
+    return next(i for i, text in FAMILIES[name].items() if text in markers)
 
 
 def assert_calls_whole(choice: dict[str, Any]) -> list[dict[str, Any]]:
@@ -297,7 +352,8 @@ def assert_calls_whole(choice: dict[str, Any]) -> list[dict[str, Any]]:
         arguments = json.loads(call["function"]["arguments"])
         assert call["function"]["name"] == "get_weather" and set(arguments) == {"city", "unit"}
     content = choice["message"]["content"] or ""
-    assert not any(marker in content for marker in ("<tool_call>", "[TOOL_CALLS]", "<|python_tag|>", '"name"'))
+    markers = ("<tool_call>", "[TOOL_CALLS]", "<|python_tag|>", '"name"', "<|tool_call_start|>", "get_weather(")
+    assert not any(marker in content for marker in markers)
     return calls
 
 
@@ -367,6 +423,8 @@ def test_a_tool_result_goes_back_through_the_family_s_template(family_client) ->
         "mistral-nemo": '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris", "unit": "C"}, "id": "',
         "qwen3.5": "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n<parameter=unit>\nC"
         "\n</parameter>\n</function>\n</tool_call>",
+        "lfm2": '<|tool_call_start|>[get_weather(city="Paris", unit="C")]<|tool_call_end|><|im_end|>\n'
+        "<|im_start|>tool\n<|tool_response_start|>18 C, sunny<|tool_response_end|>",
     }[name]
     assert expected in text and "18 C, sunny" in text
     got = chat(client, messages=messages, temperature=0, max_tokens=4)

@@ -10,8 +10,12 @@ from typing import Any, Protocol
 
 from app.pipeline.reasoning import ReasoningParser
 from app.pipeline.tools.parser import ParsedCall, ToolCallParser
-from app.pipeline.tools.syntax import QWEN_XML, ToolSyntax
+from app.pipeline.tools.pythonic_parser import PythonicCallParser
+from app.pipeline.tools.syntax import PYTHONIC, QWEN_XML, ToolSyntax
 from app.pipeline.tools.xml_parser import XmlCallParser
+
+#: The readers of a family's calls (``app/pipeline/tools/``): one interface, ``feed``, ``finish``, ``calls``.
+CallParser = ToolCallParser | XmlCallParser | PythonicCallParser
 
 
 @dataclass(slots=True, frozen=True)
@@ -31,9 +35,13 @@ class Reading:
     def reader(self) -> Reader:
         if self.own is not None:
             return self.own()
-        calls: ToolCallParser | XmlCallParser | None = None
+        calls: CallParser | None = None
         if self.calls is not None:
-            calls = XmlCallParser(self.types) if self.calls.family == QWEN_XML.family else ToolCallParser(self.calls)
+            readers: dict[str, Callable[[], CallParser]] = {
+                QWEN_XML.family: lambda: XmlCallParser(self.types), PYTHONIC.family: PythonicCallParser
+            }  # fmt: skip
+            reader = readers.get(self.calls.family)
+            calls = reader() if reader is not None else ToolCallParser(self.calls)
         return ReplyReader(ReasoningParser(self.inside) if self.reasons else None, calls)
 
 
@@ -67,7 +75,7 @@ class Reader(Protocol):
 @dataclass(slots=True)
 class ReplyReader:
     thinker: ReasoningParser | None
-    tools: ToolCallParser | XmlCallParser | None
+    tools: CallParser | None
     _content: list[str] = field(default_factory=list)
 
     def feed(self, text: str) -> Piece:

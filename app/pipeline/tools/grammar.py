@@ -8,7 +8,7 @@ import json
 from typing import Any
 
 from app.pipeline.tools import ToolCalling
-from app.pipeline.tools.syntax import DEFAULT, QWEN_XML, ToolSyntax
+from app.pipeline.tools.syntax import DEFAULT, PYTHONIC, QWEN_XML, ToolSyntax
 from app.pipeline.tools.xml_parser import FUNCTION, FUNCTION_END, PARAMETER, PARAMETER_END
 from app.wire.openai.messages import Tool
 from engine.core.grammar import JSON_STYLE
@@ -42,7 +42,7 @@ def tool_grammar(calling: ToolCalling, syntax: ToolSyntax = DEFAULT) -> str:
     """The Lark grammar (llguidance's dialect) the reply must follow."""
     if not calling.calls_allowed:
         return "%llguidance {}\n" + no_calls(syntax)
-    body = _xml_body if syntax.family == QWEN_XML.family else _body
+    body = {QWEN_XML.family: _xml_body, PYTHONIC.family: _pythonic_body}.get(syntax.family, _body)
     bodies = [body(i, tool, calling, syntax) for i, tool in enumerate(calling.offered())]
     parallel = calling.parallel and syntax.parallel and calling.choice in ("auto", "required")
     rules = [*_calls(syntax, parallel), *_start(calling.choice == "auto", syntax)]
@@ -106,10 +106,44 @@ def _xml_value(schema: Any, defs: dict[str, Any]) -> str:
     return f"%json {json.dumps({**schema, **defs, 'x-guidance': {**JSON_STYLE, 'lenient': True}})}"
 
 
+def _pythonic_body(index: int, tool: Tool, calling: ToolCalling, syntax: ToolSyntax) -> str:
+    """Rule ``fn_<index>``: a call of ``tool`` as LFM2 writes it (``pythonic_parser.py``): ``name(key=value, ...)``,
+    the schema's parameters in its order, the required ones always, each value JSON of its schema (which LFM2
+    reads, ``true`` and ``null`` too); a custom tool's ``input`` a JSON string held to its grammar."""
+    name = tool.function.name
+    if name in calling.freeform:
+        head = json.dumps(f'{name}(input="')
+        return f'fn_{index}: {head} input_{index} "")"\ninput_{index}: %lark {{\n{calling.freeform[name]}\n}}'
+    parameters = tool.function.parameters
+    defs = {key: parameters[key] for key in ("$defs", "definitions") if key in parameters}
+    required = set(parameters.get("required") or ())
+    keys = list((parameters.get("properties") or {}).items())
+    rules, optional = [], [key not in required for key, _ in keys]
+    for j, (key, schema) in enumerate(keys):
+        value = {**schema, **defs, "x-guidance": {**JSON_STYLE, "lenient": True}} if isinstance(schema, dict) else {}
+        rules.append(f"p_{index}_{j}: {json.dumps(key + '=')} %json {json.dumps(value)}")
+
+    def rest(j: int) -> str:  # parameters j.. after one was written: each behind ", "
+        if j == len(keys):
+            return ""
+        written = f'", " p_{index}_{j}'
+        return f"{f'({written})?' if optional[j] else written} {rest(j + 1)}".strip()
+
+    def first(j: int) -> str:  # parameters j.. with none written before, at least one
+        own = f"p_{index}_{j} {rest(j + 1)}".strip()
+        return f"({own} | {first(j + 1)})" if optional[j] and j + 1 < len(keys) else own
+
+    arguments = "" if not keys else f"({first(0)})?" if all(optional) else first(0)
+    rules.insert(0, f'fn_{index}: {json.dumps(name + "(")} {arguments} ")"')
+    return "\n".join(rules)
+
+
 def _calls(syntax: ToolSyntax, parallel: bool) -> list[str]:
     """``calls``: what follows the first marker, one call or several; ``bare``: calls that begin the reply without
     it (``ToolSyntax.at_start``)."""
     more = f" ({json.dumps(syntax.separator)} body)*" if parallel else ""
+    if syntax.family == PYTHONIC.family:  # LFM2: [call, call]<|tool_call_end|>
+        return [f'calls: "[" body{more} "]" {_marker(syntax.close, syntax.close_id)}']
     if syntax.array:  # mistral: [TOOL_CALLS][{...}, {...}]
         return [f'calls: "[" body{more} "]"']
     if not syntax.close:  # llama3: the calls are the reply

@@ -8,7 +8,8 @@ import json
 from typing import Any
 
 from app.pipeline.tools import ToolCalling
-from app.pipeline.tools.syntax import CLOSE, OPEN, ToolSyntax
+from app.pipeline.tools.pythonic_parser import call_text as pythonic_text
+from app.pipeline.tools.syntax import CLOSE, OPEN, PYTHONIC, ToolSyntax
 from app.wire.openai.messages import Message
 
 TOOL_PROMPT = """# Tools
@@ -31,7 +32,7 @@ def render(messages: list[Message], calling: ToolCalling | None, syntax: ToolSyn
     (``syntax.native``) gets arguments as objects, as the templates expect, and call ids as it requires them;
     else they are written out as text here, in the default prompt's syntax."""
     if calling is not None and syntax.native:
-        return [_native(message, syntax.id_length) for message in messages]
+        return [_native(message, syntax) for message in messages]
     turns = _as_text(messages)
     tools = calling.definitions() if calling is not None else []
     if tools:
@@ -73,8 +74,13 @@ def call_text(name: str, arguments: str) -> str:
     return f'{OPEN}\n{{"name": {json.dumps(name, ensure_ascii=False)}, "arguments": {args}}}\n{CLOSE}'
 
 
-def _native(message: Message, id_length: int) -> dict[str, Any]:
+def _native(message: Message, syntax: ToolSyntax) -> dict[str, Any]:
     rendered: dict[str, Any] = {"role": message.role, "content": message.text}
+    id_length = syntax.id_length
+    if message.tool_calls and syntax.family == PYTHONIC.family:  # LFM2's template renders only content: the calls
+        calls = [(c.function.name, _as_object(_loads(c))) for c in message.tool_calls]  # go in as the model wrote them
+        rendered["content"] = (message.text or "") + pythonic_text(calls)
+        return rendered
     if message.tool_calls:
         rendered["tool_calls"] = [
             {"id": _call_id(c.id, id_length), "type": "function",
@@ -92,6 +98,11 @@ def _call_id(call_id: str, length: int) -> str:
     if not length or (len(call_id) == length and call_id.isascii() and call_id.isalnum()):
         return call_id
     return hashlib.sha256(call_id.encode()).hexdigest()[:length]
+
+
+def _as_object(arguments: Any) -> dict[str, Any]:
+    """Arguments as keyword arguments: an object's members; anything else under ``arguments``."""
+    return arguments if isinstance(arguments, dict) else {"arguments": arguments}
 
 
 def _loads(call: Any) -> Any:

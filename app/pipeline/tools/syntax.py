@@ -13,6 +13,8 @@ mistral    ``[TOOL_CALLS][{"name": ..., "arguments": {...}},``   Mistral 7B v0.3
            `` ...]``                                             (call ids of 9 letters and digits)
 qwen-xml   ``<tool_call>\n<function=NAME>\n<parameter=P>\n``    Qwen3-Coder, Qwen3.5 (``xml_parser.py``:
            ``VALUE\n</parameter>\n</function>\n</tool_call>``    values typed by the tool's schema)
+pythonic   ``<|tool_call_start|>[NAME(key=value, ...), ...]``   LFM2, LFM2.5 (``pythonic_parser.py``: Python
+           ``<|tool_call_end|>``                                 literals or JSON values)
 =========  ====================================================  ==========================================
 
 Markers that are tokens of the vocabulary are read and forced as tokens (``open_id``, ``close_id``): the
@@ -71,16 +73,19 @@ HERMES = ToolSyntax("hermes", OPEN, CLOSE)
 LLAMA3 = ToolSyntax("llama3", "<|python_tag|>", arguments_key="parameters", separator="; ", parallel=False)
 MISTRAL = ToolSyntax("mistral", "[TOOL_CALLS]", separator=", ", id_length=9)
 QWEN_XML = ToolSyntax("qwen-xml", OPEN, CLOSE)
+PYTHONIC = ToolSyntax("pythonic", "<|tool_call_start|>", "<|tool_call_end|>", separator=", ")
 #: A template without tools: the default prompt (``app/pipeline/tools/prompt.py``) teaches the Hermes syntax, as text.
 DEFAULT = ToolSyntax("hermes", OPEN, CLOSE, native=False)
 #: A template that renders tools in a syntax this server cannot read back.
 UNSUPPORTED = ToolSyntax("unsupported", "", native=False, parallel=False)
 
-#: What in a template shows its syntax, most specific first: XML-style arguments (Qwen3-Coder's and Qwen3.5's
-#: ``<parameter=``, GLM's ``<arg_key>``) and Mistral's ``[ARGS]`` format come before the markers they share.
+#: What in a template shows its syntax, most specific first: LFM2's tool list (its calls are not in the template),
+#: XML-style arguments (Qwen3-Coder's and Qwen3.5's ``<parameter=``, GLM's ``<arg_key>``) and Mistral's ``[ARGS]``
+#: format come before the markers they share.
 _SIGNS = (
-    ("<parameter=", QWEN_XML), ("<function=", UNSUPPORTED), ("<arg_key>", UNSUPPORTED), ("[ARGS]", UNSUPPORTED),
-    ("[TOOL_CALLS]", MISTRAL), ("<tool_call>", HERMES), ("<|python_tag|>", LLAMA3), ("<|start_header_id|>", LLAMA3),
+    ("<|tool_list_start|>", PYTHONIC), ("List of tools: [", PYTHONIC), ("<parameter=", QWEN_XML),
+    ("<function=", UNSUPPORTED), ("<arg_key>", UNSUPPORTED), ("[ARGS]", UNSUPPORTED), ("[TOOL_CALLS]", MISTRAL),
+    ("<tool_call>", HERMES), ("<|python_tag|>", LLAMA3), ("<|start_header_id|>", LLAMA3),
 )  # fmt: skip
 #: A Hermes template writes a call as JSON with a name (GLM's and Laguna's ``<tool_call>name...`` do not).
 _JSON_NAME = ('{"name"', '{\\"name\\"')

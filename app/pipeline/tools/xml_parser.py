@@ -120,8 +120,10 @@ class XmlCallParser:
         starts = [(at, marker) for marker in (OPEN, FUNCTION) if (at := self._pending.find(marker)) >= 0]
         if not starts:
             held = max(partial_suffix(self._pending, OPEN), partial_suffix(self._pending, FUNCTION))
-            self._release(self._pending[: len(self._pending) - held], released)
-            self._pending = self._pending[len(self._pending) - held :]
+            ready = self._pending[: len(self._pending) - held]
+            if ready.strip() or (self._said and not self.calls):  # (white space waits for what follows it)
+                self._release(ready, released)
+                self._pending = self._pending[len(ready) :]
             return False
         at, marker = min(starts)
         self._release(self._pending[:at], released)
