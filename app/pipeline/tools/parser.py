@@ -34,8 +34,45 @@ class ParsedCall:
         return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
 
 
+class CallReading:
+    """What every family's reader of calls shares (``ToolCallParser``, ``xml_parser.XmlCallParser``,
+    ``pythonic_parser.PythonicCallParser``): ``feed`` moves the reader's state machine (``_advance``) over the text
+    so far; content is released, but not white space before the first call or between calls; ``text``."""
+
+    __slots__ = ()
+    calls: list[ParsedCall]
+    content: list[str]
+    _pending: str
+    _said: bool
+
+    def feed(self, text: str) -> tuple[str, list[dict[str, Any]]]:
+        self._pending += text
+        released: list[str] = []
+        deltas: list[dict[str, Any]] = []
+        while self._pending and self._advance(released, deltas):
+            pass
+        self.content += released
+        return "".join(released), deltas
+
+    def _advance(self, released: list[str], deltas: list[dict[str, Any]]) -> bool:
+        """One move of the state machine over the pending text; False when it must wait for more."""
+        raise NotImplementedError
+
+    @property
+    def text(self) -> str | None:
+        """The reply's content: None when it made calls and said nothing else."""
+        content = "".join(self.content)
+        return None if self.calls and not content else content
+
+    def _release(self, text: str, released: list[str]) -> None:
+        """Content, but not white space before the first call or between calls."""
+        if text.strip() or (text and self._said and not self.calls):
+            released.append(text)
+            self._said = True
+
+
 @dataclass(slots=True)
-class ToolCallParser:
+class ToolCallParser(CallReading):
     """Reads calls out of a reply as it grows. ``feed`` takes the next text and returns the content (text
     outside calls) it can release and the ``tool_calls`` stream deltas: a call's first delta carries its id,
     type and name, later ones fragments of its arguments, which concatenate to the whole. Fed the same text
@@ -53,17 +90,7 @@ class ToolCallParser:
     _bare: bool = False  # the calls began the reply without the marker (``ToolSyntax.at_start``)
     _blank: int = 0  # the pending text's start known to be white space holding no marker
 
-    def feed(self, text: str) -> tuple[str, list[dict[str, Any]]]:
-        self._pending += text
-        released: list[str] = []
-        deltas: list[dict[str, Any]] = []
-        while self._pending and self._advance(released, deltas):
-            pass
-        self.content += released
-        return "".join(released), deltas
-
     def _advance(self, released: list[str], deltas: list[dict[str, Any]]) -> bool:
-        """One move of the state machine over the pending text; False when it must wait for more."""
         match self._state:
             case "text":
                 return self._text(released)
@@ -89,12 +116,6 @@ class ToolCallParser:
         self._pending = ""
         self.content.append(rest)
         return rest, deltas
-
-    @property
-    def text(self) -> str | None:
-        """The reply's content: None when it made calls and said nothing else."""
-        content = "".join(self.content)
-        return None if self.calls and not content else content
 
     def _text(self, released: list[str]) -> bool:
         if self.syntax.at_start and not self._said and not self.calls:
@@ -125,12 +146,6 @@ class ToolCallParser:
         if len(self._pending) > MAX_HEAD:
             return None
         return False if any(start.startswith(squeezed) for start in _CALL_STARTS) else None
-
-    def _release(self, text: str, released: list[str]) -> None:
-        """Content, but not white space before the first call or between calls."""
-        if text.strip() or (text and self._said and not self.calls):
-            released.append(text)
-            self._said = True
 
     def _new_id(self) -> str:
         """A call's id; as the template requires where it does (mistral: 9 letters and digits)."""

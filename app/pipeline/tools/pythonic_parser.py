@@ -19,7 +19,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from app.pipeline.tools.parser import ParsedCall, partial_suffix
+from app.pipeline.tools.parser import CallReading, ParsedCall, partial_suffix
 
 OPEN, CLOSE = "<|tool_call_start|>", "<|tool_call_end|>"
 #: JSON's literals as LFM2 writes them, beside Python's own.
@@ -27,7 +27,7 @@ _NAMED = {"true": True, "false": False, "null": None, "True": True, "False": Fal
 
 
 @dataclass(slots=True)
-class PythonicCallParser:
+class PythonicCallParser(CallReading):
     """``ToolCallParser``'s interface for LFM2's syntax: ``feed`` returns the content it can release and the
     ``tool_calls`` deltas (each call whole: its id, name and arguments). Fed the same text in any split, it
     releases the same content and calls."""
@@ -38,26 +38,12 @@ class PythonicCallParser:
     _state: Literal["text", "block"] = "text"
     _said: bool = False
 
-    def feed(self, text: str) -> tuple[str, list[dict[str, Any]]]:
-        self._pending += text
-        released: list[str] = []
-        deltas: list[dict[str, Any]] = []
-        while self._pending and self._advance(released, deltas):
-            pass
-        self.content += released
-        return "".join(released), deltas
-
     def finish(self) -> tuple[str, list[dict[str, Any]]]:
         """At the end: text held back in case it began a block is content; a block cut short is no call."""
         rest = self._pending if self._state == "text" and (not self.calls or self._pending.strip()) else ""
         self._pending = ""
         self.content.append(rest)
         return rest, []
-
-    @property
-    def text(self) -> str | None:
-        content = "".join(self.content)
-        return None if self.calls and not content else content
 
     def _advance(self, released: list[str], deltas: list[dict[str, Any]]) -> bool:
         if self._state == "text":
@@ -86,12 +72,6 @@ class PythonicCallParser:
             deltas.append({"index": len(self.calls), **call.as_dict()})
             self.calls.append(call)
         return True
-
-    def _release(self, text: str, released: list[str]) -> None:
-        """Content, but not white space before the first call or between calls."""
-        if text.strip() or (text and self._said and not self.calls):
-            released.append(text)
-            self._said = True
 
 
 def parse_calls(block: str) -> list[tuple[str, dict[str, Any]]]:

@@ -23,7 +23,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from app.pipeline.tools.parser import MAX_HEAD, ParsedCall, add_arguments, partial_suffix
+from app.pipeline.tools.parser import MAX_HEAD, CallReading, ParsedCall, add_arguments, partial_suffix
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 FUNCTION, FUNCTION_END = "<function=", "</function>"
@@ -55,7 +55,7 @@ def _type(schema: Any) -> str:
 
 
 @dataclass(slots=True)
-class XmlCallParser:
+class XmlCallParser(CallReading):
     """``ToolCallParser``'s interface for the XML syntax: ``feed`` returns the content it can release and the
     ``tool_calls`` deltas (a call's first carries its id and name, later ones fragments of its arguments' JSON,
     which concatenate to the whole). Fed the same text in any split, it releases the same content and calls."""
@@ -70,15 +70,6 @@ class XmlCallParser:
     _fresh: bool = True  # nothing of the value read yet (its opening line break is the syntax's)
     _streamed: bool = False  # some of a string value has been released
     _value: list[str] = field(default_factory=list)  # a value that is not text, until it closes
-
-    def feed(self, text: str) -> tuple[str, list[dict[str, Any]]]:
-        self._pending += text
-        released: list[str] = []
-        deltas: list[dict[str, Any]] = []
-        while self._pending and self._advance(released, deltas):
-            pass
-        self.content += released
-        return "".join(released), deltas
 
     def finish(self) -> tuple[str, list[dict[str, Any]]]:
         """At the end of the reply: text held back in case it began a call is content after all; a call cut short
@@ -95,12 +86,6 @@ class XmlCallParser:
         self._pending = ""
         self.content.append(rest)
         return rest, deltas
-
-    @property
-    def text(self) -> str | None:
-        """The reply's content: None when it made calls and said nothing else."""
-        content = "".join(self.content)
-        return None if self.calls and not content else content
 
     def _advance(self, released: list[str], deltas: list[dict[str, Any]]) -> bool:
         match self._state:
@@ -130,12 +115,6 @@ class XmlCallParser:
         self._pending = self._pending[at + len(OPEN) :] if marker == OPEN else self._pending[at:]
         self._state = "function"
         return True
-
-    def _release(self, text: str, released: list[str]) -> None:
-        """Content, but not white space before the first call or between calls."""
-        if text.strip() or (text and self._said and not self.calls):
-            released.append(text)
-            self._said = True
 
     def _function(self, released: list[str], deltas: list[dict[str, Any]]) -> bool:
         """After the call's opening: its function's name, or (no such tag) content after all."""

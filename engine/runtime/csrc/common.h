@@ -1,5 +1,5 @@
 // What the native ops share, defined once: the KV cache's tile of keys, the largest head and group sizes the
-// attention kernels hold on the stack, and the widening of bfloat16 to float32.
+// attention kernels hold on the stack, and the widening of bfloat16 to float32 and the rounding back.
 #pragma once
 
 #include <c10/util/BFloat16.h>
@@ -26,5 +26,23 @@ inline float widen(c10::BFloat16 value) {
 }
 
 inline float widen(float value) { return value; }
+
+// To a row's dtype: float32 as it is; bfloat16 rounded to nearest even, as c10::BFloat16 does for finite values, in
+// a form that vectorizes.
+template <typename T>
+inline T narrow(float value);
+
+template <>
+inline float narrow<float>(float value) {
+  return value;
+}
+
+template <>
+inline c10::BFloat16 narrow<c10::BFloat16>(float value) {
+  uint32_t bits;
+  std::memcpy(&bits, &value, sizeof(float));
+  bits += 0x7FFF + ((bits >> 16) & 1);
+  return c10::BFloat16(static_cast<uint16_t>(bits >> 16), c10::BFloat16::from_bits());
+}
 
 }  // namespace smolserve

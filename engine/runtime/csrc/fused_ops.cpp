@@ -22,25 +22,8 @@ namespace {
 
 using bf16 = c10::BFloat16;
 
+using smolserve::narrow;
 using smolserve::widen;
-
-// To the rows' dtype: float32 as it is; bfloat16 rounded to nearest even, as c10::BFloat16 does for finite
-// values, in a form that vectorizes.
-template <typename T>
-inline T narrow(float value);
-
-template <>
-inline float narrow<float>(float value) {
-  return value;
-}
-
-template <>
-inline bf16 narrow<bf16>(float value) {
-  uint32_t bits;
-  std::memcpy(&bits, &value, sizeof(float));
-  bits += 0x7FFF + ((bits >> 16) & 1);
-  return bf16(static_cast<uint16_t>(bits >> 16), bf16::from_bits());
-}
 
 // Rows per parallel task: small batches run inline, without waking OpenMP's workers.
 inline int64_t grain(int64_t width) { return std::max<int64_t>(1, 32768 / std::max<int64_t>(width, 1)); }

@@ -23,24 +23,8 @@
 namespace {
 
 using bf16 = c10::BFloat16;
+using smolserve::narrow;
 using smolserve::widen;
-
-template <typename T>
-inline T rounded(float value);
-
-template <>
-inline float rounded<float>(float value) {
-  return value;
-}
-
-// Round to nearest even, as c10::BFloat16 does for finite values.
-template <>
-inline bf16 rounded<bf16>(float value) {
-  uint32_t bits;
-  std::memcpy(&bits, &value, sizeof(float));
-  bits += 0x7FFF + ((bits >> 16) & 1);
-  return bf16(static_cast<uint16_t>(bits >> 16), bf16::from_bits());
-}
 
 // Channels a task takes: a long segment's channels split among the threads, a short one's in one task.
 constexpr int64_t kChannelBlock = 512;
@@ -72,7 +56,7 @@ void convolve(T* state, const T* inputs, const float* weight, const int64_t* seg
           for (int64_t c = 0; c < width; ++c) sums[c] += w[c] * widen(x[c]);
         }
         T* result = out + (row + t) * channels + first;
-        for (int64_t c = 0; c < width; ++c) result[c] = rounded<T>(sums[c]);
+        for (int64_t c = 0; c < width; ++c) result[c] = narrow<T>(sums[c]);
       }
       for (int64_t j = 0; j < keep; ++j) {  // the state: the segment's last keep inputs
         const int64_t at = length - keep + j;
