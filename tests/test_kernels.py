@@ -165,12 +165,13 @@ def test_attention_sinks_take_their_share_of_each_head_s_weight(
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize(("kv_heads", "groups", "dim"), [(2, 7, 64), (1, 3, 128), (1, 4, 24)])
+@pytest.mark.parametrize(("kv_heads", "groups", "dim"), [(2, 7, 64), (1, 3, 128), (1, 4, 24), (2, 3, 256)])
 def test_a_prompt_chunk_s_rows_attend_as_each_would_alone(
     dtype: torch.dtype, kv_heads: int, groups: int, dim: int
 ) -> None:
-    """A prompt chunk's rows read one sequence's blocks (on AVX2 the float kernel takes up to eight of them at a
-    time, reading each tile once for all): every row's output is bitwise what it is alone, as a decoding row, and
+    """A prompt chunk's rows read one sequence's blocks (on AVX2 the float kernel, on AVX512-BF16 the bfloat16 one,
+    takes up to eight of them at a time, reading each tile once for all): every row's output is bitwise what it is
+    alone, as a decoding row, and
     whatever cut of the prompt into chunks put it beside other rows (batch-invariant greedy rests on it). A row
     of another sequence between them, and one whose table differs in a block it reads, are not taken along."""
     native = kernels.decode_attention()

@@ -323,6 +323,83 @@ void attend_paired(const bf16* query, const bf16* keys, const bf16* values, bf16
   }
 }
 
+// attend_paired for up to kRowsAtOnce rows of one sequence (a prompt chunk's, their lengths ascending) and `Groups`
+// query heads each: every tile of keys is read once for all the rows (from L1 after the first), the values block by
+// block of kValueBlock positions for all the rows, each row's float32 sums stored between blocks. Each row's
+// arithmetic is attend_paired's, in its order: a prompt position's output does not depend on its batchmates or on
+// how its prompt was cut into chunks. (Row by row, a 16k prompt's rows read its keys and values ~8 MB a row.)
+template <int64_t Dim, int Groups>
+void attend_paired_rows(const bf16* const* query, bf16* const* out, const int64_t* length, int count,
+                        const bf16* keys, const bf16* values, const int64_t* tiles, float scale, int64_t skip,
+                        const float* sinks) {
+  constexpr int64_t kChunks = Dim / 32;
+  alignas(64) uint32_t query_pairs[kRowsAtOnce][Groups][Dim / 2];
+  int64_t width[kRowsAtOnce], at = 0;
+  for (int r = 0; r < count; ++r) {
+    std::memcpy(query_pairs[r], query[r], sizeof(query_pairs[r]));
+    width[r] = (length[r] + 63) / 64 * 64;
+    at += Groups * width[r];
+  }
+  float* buffer = smolserve::score_rows(at);
+  float* scores[kRowsAtOnce][Groups];
+  for (int r = 0, offset = 0; r < count; offset += Groups * width[r], ++r) {
+    for (int g = 0; g < Groups; ++g) scores[r][g] = buffer + offset + g * width[r];
+  }
+  for (int64_t t = 0; t < length[count - 1]; t += kKeyTile) {
+    const bf16* tile = keys + tiles[t / kKeyTile] * Dim;
+    for (int r = 0; r < count; ++r) {
+      if (t < length[r]) score_tile_paired<Dim, Groups>(query_pairs[r], tile, scale, scores[r], t);
+    }
+  }
+  float total[kRowsAtOnce][Groups];
+  for (int r = 0; r < count; ++r) {
+    for (int g = 0; g < Groups; ++g) {
+      smolserve::mask_leading(scores[r][g], skip);
+      float row_max;
+      total[r][g] = smolserve::softmax_row_avx512(scores[r][g], length[r], width[r], &row_max);
+      total[r][g] += smolserve::sink_term(sinks, g, row_max);
+      smolserve::zero_leading(scores[r][g], skip);
+      round_to_pairs(scores[r][g], width[r]);
+    }
+  }
+  alignas(64) float acc[kRowsAtOnce][Groups][Dim] = {};
+  for (int64_t block = 0; block < length[count - 1]; block += kValueBlock) {
+    for (int r = 0; r < count; ++r) {
+      const int64_t end = std::min(length[r], block + kValueBlock);
+      if (block >= end) continue;
+      __m512 sums[Groups][2 * kChunks];
+      for (int g = 0; g < Groups; ++g) {
+        for (int64_t i = 0; i < 2 * kChunks; ++i) sums[g][i] = _mm512_load_ps(acc[r][g] + 16 * i);
+      }
+      for (int64_t t = block; t < end; t += 2) {
+        const bf16* first = values + (tiles[t / kKeyTile] + t % kKeyTile) * Dim;
+        const bf16* second = t + 1 < length[r] ? first + Dim : first;
+        __m512bh pair[Groups];
+        for (int g = 0; g < Groups; ++g) {
+          pair[g] = (__m512bh)_mm512_broadcastd_epi32(_mm_loadu_si32(scores[r][g] + t / 2));
+        }
+        for (int64_t c = 0; c < kChunks; ++c) {
+          const __m512i a = _mm512_loadu_si512(first + 32 * c), b = _mm512_loadu_si512(second + 32 * c);
+          const __m512bh low = (__m512bh)_mm512_unpacklo_epi16(a, b), high = (__m512bh)_mm512_unpackhi_epi16(a, b);
+          for (int g = 0; g < Groups; ++g) {
+            sums[g][2 * c] = _mm512_dpbf16_ps(sums[g][2 * c], pair[g], low);
+            sums[g][2 * c + 1] = _mm512_dpbf16_ps(sums[g][2 * c + 1], pair[g], high);
+          }
+        }
+      }
+      for (int g = 0; g < Groups; ++g) {
+        for (int64_t i = 0; i < 2 * kChunks; ++i) _mm512_store_ps(acc[r][g] + 16 * i, sums[g][i]);
+      }
+    }
+  }
+  for (int r = 0; r < count; ++r) {
+    for (int g = 0; g < Groups; ++g) {
+      const float inverse = 1.0f / total[r][g];
+      for (int64_t i = 0; i < Dim; ++i) out[r][g * Dim + paired_dim(i)] = static_cast<bf16>(acc[r][g][i] * inverse);
+    }
+  }
+}
+
 // All `groups` query rows of one (sequence, KV head), as many at a time as keep their sums in registers. Takes
 // attend_one's arguments; the head size is `Dim`.
 template <int64_t Dim>
@@ -371,6 +448,56 @@ inline int64_t grain(const smolserve::BlockTables& tables, int64_t rows, int64_t
   return positions < 2048 ? items : 1;
 }
 
+#if defined(__AVX512BF16__)
+// run for bfloat16 of head size `Dim` on AVX512-BF16: consecutive rows that read the same blocks (a prompt chunk's)
+// in groups of up to kRowsAtOnce (attend_paired_rows), a group and KV head an item; its query heads as many at a
+// time as attend_paired_groups takes.
+template <int64_t Dim>
+void run_rows_paired(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values, at::Tensor& out,
+                     const smolserve::BlockTables& tables, float scale, const float* sinks) {
+  constexpr int kMost = Dim == 64 ? 4 : Dim == 128 ? 2 : 1;
+  const int64_t rows = q.size(0), heads = q.size(1), groups = q.size(2);
+  std::vector<int64_t> starts;  // each group's first row, then `rows`
+  for (int64_t i = 0; i < rows; ++i) {
+    if (starts.empty() || i - starts.back() == kRowsAtOnce || !tables.continues(i - 1, i)) starts.push_back(i);
+  }
+  starts.push_back(rows);
+  const int64_t items = static_cast<int64_t>(starts.size() - 1) * heads;
+  const bf16* qp = q.const_data_ptr<bf16>();
+  bf16* op = out.mutable_data_ptr<bf16>();
+  at::parallel_for(0, items, grain(tables, rows, heads, items), [&](int64_t begin, int64_t end) {
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t first_row = starts[item / heads], last_row = starts[item / heads + 1] - 1, h = item % heads;
+      const int64_t first = tables.first_tile(last_row);  // 0 unless the group is one row of a sliding window
+      const int count = static_cast<int>(last_row - first_row + 1);
+      int64_t length[kRowsAtOnce];
+      for (int r = 0; r < count; ++r) length[r] = tables.length(first_row + r) - first * kKeyTile;
+      const bf16* k = keys.const_data_ptr<bf16>() + h * keys.stride(0);
+      const bf16* v = values.const_data_ptr<bf16>() + h * values.stride(0);
+      const int64_t* tile_starts = tables.tile_starts(last_row) + first;
+      for (int64_t g0 = 0; g0 < groups; g0 += kMost) {
+        const bf16* query[kRowsAtOnce];
+        bf16* output[kRowsAtOnce];
+        for (int r = 0; r < count; ++r) {
+          query[r] = qp + ((first_row + r) * heads + h) * groups * Dim + g0 * Dim;
+          output[r] = op + ((first_row + r) * heads + h) * groups * Dim + g0 * Dim;
+        }
+        const float* s = sinks == nullptr ? nullptr : sinks + h * groups + g0;
+        const int64_t n = std::min<int64_t>(kMost, groups - g0), skip = tables.skip(last_row);
+        if (n == 1) attend_paired_rows<Dim, 1>(query, output, length, count, k, v, tile_starts, scale, skip, s);
+        if constexpr (kMost >= 2) {
+          if (n == 2) attend_paired_rows<Dim, 2>(query, output, length, count, k, v, tile_starts, scale, skip, s);
+        }
+        if constexpr (kMost == 4) {
+          if (n == 3) attend_paired_rows<Dim, 3>(query, output, length, count, k, v, tile_starts, scale, skip, s);
+          if (n == 4) attend_paired_rows<Dim, 4>(query, output, length, count, k, v, tile_starts, scale, skip, s);
+        }
+      }
+    }
+  });
+}
+#endif
+
 #if defined(__AVX2__) && defined(__FMA__)
 // run for float32 of head size `Dim` on AVX2: consecutive rows that read the same blocks (a prompt chunk's) in
 // groups of up to kRowsAtOnce, a group and KV head an item.
@@ -409,6 +536,13 @@ template <typename T>
 void run(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values, at::Tensor& out,
          const smolserve::BlockTables& tables, float scale, const float* sinks) {
   const int64_t heads = q.size(1), groups = q.size(2), dim = q.size(3);
+#if defined(__AVX512BF16__)
+  if constexpr (std::is_same_v<T, bf16>) {
+    if (dim == 64) return run_rows_paired<64>(q, keys, values, out, tables, scale, sinks);
+    if (dim == 128) return run_rows_paired<128>(q, keys, values, out, tables, scale, sinks);
+    if (dim == 256) return run_rows_paired<256>(q, keys, values, out, tables, scale, sinks);
+  }
+#endif
 #if defined(__AVX2__) && defined(__FMA__)
   if constexpr (std::is_same_v<T, float>) {
     if (dim == 64) return run_rows<64>(q, keys, values, out, tables, scale, sinks);
