@@ -448,6 +448,17 @@ inline int64_t grain(const smolserve::BlockTables& tables, int64_t rows, int64_t
   return positions < 2048 ? items : 1;
 }
 
+// Consecutive rows that read the same blocks (a prompt chunk's) in groups of up to kRowsAtOnce: each group's first
+// row, then `rows`.
+inline std::vector<int64_t> row_groups(const smolserve::BlockTables& tables, int64_t rows) {
+  std::vector<int64_t> starts;
+  for (int64_t i = 0; i < rows; ++i) {
+    if (starts.empty() || i - starts.back() == kRowsAtOnce || !tables.continues(i - 1, i)) starts.push_back(i);
+  }
+  starts.push_back(rows);
+  return starts;
+}
+
 #if defined(__AVX512BF16__)
 // run for bfloat16 of head size `Dim` on AVX512-BF16: consecutive rows that read the same blocks (a prompt chunk's)
 // in groups of up to kRowsAtOnce (attend_paired_rows), a group and KV head an item; its query heads as many at a
@@ -457,11 +468,7 @@ void run_rows_paired(const at::Tensor& q, const at::Tensor& keys, const at::Tens
                      const smolserve::BlockTables& tables, float scale, const float* sinks) {
   constexpr int kMost = Dim == 64 ? 4 : Dim == 128 ? 2 : 1;
   const int64_t rows = q.size(0), heads = q.size(1), groups = q.size(2);
-  std::vector<int64_t> starts;  // each group's first row, then `rows`
-  for (int64_t i = 0; i < rows; ++i) {
-    if (starts.empty() || i - starts.back() == kRowsAtOnce || !tables.continues(i - 1, i)) starts.push_back(i);
-  }
-  starts.push_back(rows);
+  const std::vector<int64_t> starts = row_groups(tables, rows);
   const int64_t items = static_cast<int64_t>(starts.size() - 1) * heads;
   const bf16* qp = q.const_data_ptr<bf16>();
   bf16* op = out.mutable_data_ptr<bf16>();
@@ -505,11 +512,7 @@ template <int64_t Dim>
 void run_rows(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values, at::Tensor& out,
               const smolserve::BlockTables& tables, float scale, const float* sinks) {
   const int64_t rows = q.size(0), heads = q.size(1), groups = q.size(2);
-  std::vector<int64_t> starts;  // each group's first row, then `rows`
-  for (int64_t i = 0; i < rows; ++i) {
-    if (starts.empty() || i - starts.back() == kRowsAtOnce || !tables.continues(i - 1, i)) starts.push_back(i);
-  }
-  starts.push_back(rows);
+  const std::vector<int64_t> starts = row_groups(tables, rows);
   const int64_t items = static_cast<int64_t>(starts.size() - 1) * heads;
   const float* qp = q.const_data_ptr<float>();
   float* op = out.mutable_data_ptr<float>();
