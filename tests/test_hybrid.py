@@ -346,6 +346,35 @@ def test_the_native_short_convolution_is_torch_s_and_the_same_bits_however_cut(d
     assert torch.equal(fresh, alone)
 
 
+def test_torch_s_convolution_where_the_native_op_does_not_build_is_the_native_one_s(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Where the native kernels do not build, a step's convolution gathers each row's window in torch: the same
+    outputs to rounding, the same states after it and kept at a block end, for a fresh sequence, a decoding one
+    and a chunk that crosses a block end."""
+    from engine.runtime import kernels, recurrent_state
+    from engine.runtime.recurrent_state import RecurrentStates, Segment
+
+    if kernels.native_ops() is None:
+        pytest.skip("no native kernels here")
+    segments = [Segment(3, 0, 0, 5), Segment(1, 7, 5, 1), Segment(0, 16, 6, 20)]
+    generator = torch.Generator().manual_seed(0)
+    inputs, weight = torch.randn(26, 96, generator=generator), torch.randn(96, 4, generator=generator)
+    start = torch.randn(1, 8, 3, 96, generator=generator)
+    results = []
+    for native in (True, False):
+        if not native:
+            monkeypatch.setattr(recurrent_state.kernels, "native_ops", lambda: None)
+        states = RecurrentStates(1, 8, 96, 4, torch.float32, torch.device("cpu"), 16, max_checkpoints=4)
+        states.state.copy_(start)
+        step = states.step(segments, 26)
+        results.append((step.convolve(0, inputs, weight), states.state.clone(), step.states_at_boundaries()))
+    (native_out, native_state, native_kept), (torch_out, torch_state, torch_kept) = results
+    torch.testing.assert_close(torch_out, native_out, atol=1e-5, rtol=1e-5)
+    assert torch.equal(torch_state, native_state) and len(native_kept) == 1
+    assert torch.equal(torch_kept[0], native_kept[0])
+
+
 def test_a_hybrid_the_native_runner_does_not_serve_is_refused_not_run_without_its_state(files) -> None:
     """transformers' forward (the runner of other models) keeps no recurrent state between steps: a hybrid whose
     config the native runner leaves out (a RoPE scaling by length) is refused at start, naming the model type."""

@@ -17,6 +17,7 @@ from its tokens, to the same bits.
 
 from __future__ import annotations
 
+import functools
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -110,31 +111,40 @@ class StepStates:
         #: The native convolution's segments: slot, whether at its first position, first row, rows.
         self._segments_table = torch.tensor([[s.slot, s.start == 0, s.row, s.length] for s in segments],
                                             dtype=torch.long).reshape(len(segments), 4)  # fmt: skip
-        # The inputs a step reads, one tensor: each sequence's ``keep`` past inputs (its state), then the step's rows.
-        # A row at offset t of its segment reads offsets t - keep .. t: a negative one is its state's, else a row's.
-        past = len(segments) * keep
-        window: list[list[int]] = []
-        new_state: list[list[int]] = []
+        # The inputs a step reads, one tensor (``_pool``): each sequence's ``keep`` past inputs (its state), then the
+        # step's rows. A row at offset t of its segment reads offsets t - keep .. t: a negative one is its state's.
+        self._keep, self._rows = keep, rows
         at_end: list[list[int]] = []
         #: The last block end each segment's rows reach (its index, the position), and every layer's state there.
         self.boundaries: list[tuple[int, int]] = []
         self.at_boundaries: list[torch.Tensor] = []
         self.matrices_at_boundaries: list[dict[tuple[int, int], torch.Tensor]] = []
         for index, segment in enumerate(segments):
-
-            def place(offset: int, index: int = index, segment: Segment = segment) -> int:
-                return index * keep + keep + offset if offset < 0 else past + segment.row + offset
-
-            window += [[place(t - keep + k) for k in range(keep + 1)] for t in range(segment.length)]
-            new_state.append([place(segment.length - keep + j) for j in range(keep)])
             end = _block_end(segment, states.block_size) if states.max_checkpoints else None
             if end is not None:  # the state there, kept for the prefix cache
                 self.boundaries.append((index, end))
-                at_end.append([place(end - segment.start - keep + j) for j in range(keep)])
-        assert len(window) == rows
-        self._window = torch.tensor(window, dtype=torch.long, device=device).reshape(rows, keep + 1)
-        self._new_state = torch.tensor(new_state, dtype=torch.long, device=device).reshape(len(segments), keep)
+                at_end.append([self._place(index, end - segment.start - keep + j) for j in range(keep)])
         self._at_end = torch.tensor(at_end, dtype=torch.long, device=device).reshape(len(at_end), keep)
+
+    def _place(self, index: int, offset: int) -> int:
+        """Where segment ``index``'s input at ``offset`` from its first row lies in the pool (``_pool``)."""
+        keep = self._keep
+        if offset < 0:
+            return index * keep + keep + offset
+        return len(self._segments) * keep + self._segments[index].row + offset
+
+    @functools.cached_property
+    def _windows(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Torch's convolution's indexes into the pool (where the native op does not build): each row's window of
+        inputs ``[rows, span]``, and each sequence's new state ``[segments, keep]``."""
+        keep, device = self._keep, self._slots.device
+        window = [[self._place(i, t - keep + k) for k in range(keep + 1)]
+                  for i, segment in enumerate(self._segments) for t in range(segment.length)]  # fmt: skip
+        new_state = [[self._place(i, segment.length - keep + j) for j in range(keep)]
+                     for i, segment in enumerate(self._segments)]  # fmt: skip
+        assert len(window) == self._rows
+        windows = torch.tensor(window, dtype=torch.long, device=device).reshape(self._rows, keep + 1)
+        return windows, torch.tensor(new_state, dtype=torch.long, device=device).reshape(len(self._segments), keep)
 
     def convolve(self, layer: int, inputs: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """Layer ``layer``'s depthwise causal convolution of ``inputs`` ``[rows, channels]`` by ``weight``
@@ -148,11 +158,12 @@ class StepStates:
                 self.at_boundaries.append(self._pool(state, inputs)[self._at_end])
             return ops.short_conv(state, inputs.contiguous(), weight.float().contiguous(), self._segments_table)
         pool = self._pool(state, inputs)  # where the native op does not build: torch's, on gathered windows
-        windows = pool[self._window]  # [rows, span, channels]
+        window, new_state = self._windows
+        windows = pool[window]  # [rows, span, channels]
         out = windows[:, 0] * weight[:, 0]
         for k in range(1, weight.shape[1]):  # one order of sums for every row
             out = out + windows[:, k] * weight[:, k]
-        state[self._slots] = pool[self._new_state]
+        state[self._slots] = pool[new_state]
         if self.boundaries:
             self.at_boundaries.append(pool[self._at_end])  # [boundaries, keep, channels]
         return out

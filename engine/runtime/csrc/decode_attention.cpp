@@ -268,66 +268,16 @@ inline void round_to_pairs(float* probabilities, int64_t width) {
   }
 }
 
-// attend_one for bfloat16 on AVX512-BF16, `Groups` query rows at once, in three passes: every score from one
-// uninterrupted stream of keys, the softmax over whole rows, then the weighted sum from one stream of values,
-// each block of values loaded once for all rows (two positions' rows interleaved and multiplied with their two
-// probabilities, rounded to bfloat16, by one dpbf16 into float32 sums held in registers). Two long streams let
-// the hardware prefetcher run ahead: at 8 x 2048 positions the kernel reads the cache about as fast as a plain
-// loop of loads, in 0.73-0.89 of the time of an online softmax over alternating blocks of keys and values,
-// which kept the core waiting on memory between the two streams even with software prefetch.
-template <int64_t Dim, int Groups>
-void attend_paired(const bf16* query, const bf16* keys, const bf16* values, bf16* out, int64_t length,
-                   const int64_t* tiles, float scale, int64_t skip, const float* sinks) {
-  constexpr int64_t kChunks = Dim / 32;
-  alignas(64) uint32_t query_pairs[Groups][Dim / 2];
-  std::memcpy(query_pairs, query, sizeof(query_pairs));
-  float* scores[Groups];
-  const int64_t width = smolserve::score_rows(length, scores);
-  for (int64_t t = 0; t < length; t += kKeyTile) {
-    score_tile_paired<Dim, Groups>(query_pairs, keys + tiles[t / kKeyTile] * Dim, scale, scores, t);
-  }
-  float total[Groups];
-  for (int g = 0; g < Groups; ++g) {
-    smolserve::mask_leading(scores[g], skip);
-    float row_max;
-    total[g] = smolserve::softmax_row_avx512(scores[g], length, width, &row_max);
-    total[g] += smolserve::sink_term(sinks, g, row_max);
-    smolserve::zero_leading(scores[g], skip);
-    round_to_pairs(scores[g], width);
-  }
-  __m512 sums[Groups][2 * kChunks];
-  for (int g = 0; g < Groups; ++g) {
-    for (int64_t i = 0; i < 2 * kChunks; ++i) sums[g][i] = _mm512_setzero_ps();
-  }
-  for (int64_t t = 0; t < length; t += 2) {
-    const bf16* first = values + (tiles[t / kKeyTile] + t % kKeyTile) * Dim;  // t even: t + 1 is in the same tile
-    const bf16* second = t + 1 < length ? first + Dim : first;  // an odd last one pairs with itself
-    __m512bh pair[Groups];
-    for (int g = 0; g < Groups; ++g) {
-      pair[g] = (__m512bh)_mm512_broadcastd_epi32(_mm_loadu_si32(scores[g] + t / 2));
-    }
-    for (int64_t c = 0; c < kChunks; ++c) {
-      const __m512i a = _mm512_loadu_si512(first + 32 * c), b = _mm512_loadu_si512(second + 32 * c);
-      const __m512bh low = (__m512bh)_mm512_unpacklo_epi16(a, b), high = (__m512bh)_mm512_unpackhi_epi16(a, b);
-      for (int g = 0; g < Groups; ++g) {
-        sums[g][2 * c] = _mm512_dpbf16_ps(sums[g][2 * c], pair[g], low);
-        sums[g][2 * c + 1] = _mm512_dpbf16_ps(sums[g][2 * c + 1], pair[g], high);
-      }
-    }
-  }
-  for (int g = 0; g < Groups; ++g) {
-    alignas(64) float acc[Dim];
-    for (int64_t i = 0; i < 2 * kChunks; ++i) _mm512_store_ps(acc + 16 * i, sums[g][i]);
-    const float inverse = 1.0f / total[g];
-    for (int64_t i = 0; i < Dim; ++i) out[g * Dim + paired_dim(i)] = static_cast<bf16>(acc[i] * inverse);
-  }
-}
-
-// attend_paired for up to kRowsAtOnce rows of one sequence (a prompt chunk's, their lengths ascending) and `Groups`
-// query heads each: every tile of keys is read once for all the rows (from L1 after the first), the values block by
-// block of kValueBlock positions for all the rows, each row's float32 sums stored between blocks. Each row's
-// arithmetic is attend_paired's, in its order: a prompt position's output does not depend on its batchmates or on
-// how its prompt was cut into chunks. (Row by row, a 16k prompt's rows read its keys and values ~8 MB a row.)
+// attend_one for bfloat16 on AVX512-BF16: up to kRowsAtOnce rows of one sequence (a prompt chunk's, their lengths
+// ascending; a decoding row alone) and `Groups` query heads each, in three passes: every score from one stream of
+// keys, each tile read once for all the rows (from L1 after the first); the softmax over whole rows; the weighted sum
+// from one stream of values, block by block of kValueBlock positions for all the rows (two positions' rows interleaved
+// and multiplied with their two probabilities, rounded to bfloat16, by one dpbf16 into float32 sums held in
+// registers, stored between blocks). Two long streams let the hardware prefetcher run ahead: at 8 x 2048 positions
+// the kernel reads the cache about as fast as a plain loop of loads, in 0.73-0.89 of the time of an online softmax
+// over alternating blocks of keys and values. Each row's arithmetic is the same whatever rows share its call: a
+// prompt position's output does not depend on its batchmates or on how its prompt was cut into chunks. (Row by
+// row, a 16k prompt's rows read its keys and values ~8 MB a row.)
 template <int64_t Dim, int Groups>
 void attend_paired_rows(const bf16* const* query, bf16* const* out, const int64_t* length, int count,
                         const bf16* keys, const bf16* values, const int64_t* tiles, float scale, int64_t skip,
@@ -400,28 +350,6 @@ void attend_paired_rows(const bf16* const* query, bf16* const* out, const int64_
   }
 }
 
-// All `groups` query rows of one (sequence, KV head), as many at a time as keep their sums in registers. Takes
-// attend_one's arguments; the head size is `Dim`.
-template <int64_t Dim>
-void attend_paired_groups(const bf16* query, const bf16* keys, const bf16* values, bf16* out, int64_t groups,
-                          int64_t /*dim*/, int64_t length, const int64_t* tiles, float scale, int64_t skip,
-                          const float* sinks) {
-  constexpr int kMost = Dim == 64 ? 4 : Dim == 128 ? 2 : 1;  // 16 sums a row at 256 (Gemma's heads)
-  for (int64_t first = 0; first < groups; first += kMost) {
-    const int64_t n = std::min<int64_t>(kMost, groups - first);
-    const bf16* q = query + first * Dim;
-    bf16* o = out + first * Dim;
-    const float* s = sinks == nullptr ? nullptr : sinks + first;
-    if (n == 1) attend_paired<Dim, 1>(q, keys, values, o, length, tiles, scale, skip, s);
-    if constexpr (kMost >= 2) {
-      if (n == 2) attend_paired<Dim, 2>(q, keys, values, o, length, tiles, scale, skip, s);
-    }
-    if constexpr (kMost == 4) {
-      if (n == 3) attend_paired<Dim, 3>(q, keys, values, o, length, tiles, scale, skip, s);
-      if (n == 4) attend_paired<Dim, 4>(q, keys, values, o, length, tiles, scale, skip, s);
-    }
-  }
-}
 #endif
 
 // The kernel for one (sequence, KV head) that suits this dtype and head size on this CPU.
@@ -430,13 +358,6 @@ auto pick_kernel(int64_t dim) {
   using Kernel =
       void (*)(const T*, const T*, const T*, T*, int64_t, int64_t, int64_t, const int64_t*, float, int64_t,
                const float*);
-#if defined(__AVX512BF16__)
-  if constexpr (std::is_same_v<T, bf16>) {
-    if (dim == 64) return attend_paired_groups<64>;
-    if (dim == 128) return attend_paired_groups<128>;
-    if (dim == 256) return attend_paired_groups<256>;
-  }
-#endif
   return static_cast<Kernel>(dim == 64 ? attend_one<T, 64> : dim == 128 ? attend_one<T, 128> : attend_one<T, 0>);
 }
 
@@ -462,7 +383,7 @@ inline std::vector<int64_t> row_groups(const smolserve::BlockTables& tables, int
 #if defined(__AVX512BF16__)
 // run for bfloat16 of head size `Dim` on AVX512-BF16: consecutive rows that read the same blocks (a prompt chunk's)
 // in groups of up to kRowsAtOnce (attend_paired_rows), a group and KV head an item; its query heads as many at a
-// time as attend_paired_groups takes.
+// time as keep their sums in registers.
 template <int64_t Dim>
 void run_rows_paired(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values, at::Tensor& out,
                      const smolserve::BlockTables& tables, float scale, const float* sinks) {

@@ -71,43 +71,6 @@ inline void head_step(float* S, const float* q, const float* k, const float* v, 
 
 }  // namespace
 
-// matrix [heads, keys, values] (updated in place); query, key [positions, heads, keys]; value [positions, heads,
-// values]; decay, beta [positions, heads]; correct: the delta rule's correction (else Mamba-2's scan). Returns
-// what each position's query reads, [positions, heads, values].
-at::Tensor delta_rule(at::Tensor matrix, const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
-                      const at::Tensor& decay, const at::Tensor& beta, bool correct) {
-  check(matrix, "matrix", 3);
-  check(query, "query", 3);
-  check(key, "key", 3);
-  check(value, "value", 3);
-  check(decay, "decay", 2);
-  check(beta, "beta", 2);
-  const int64_t heads = matrix.size(0), keys = matrix.size(1), values = matrix.size(2);
-  const int64_t positions = query.size(0);
-  TORCH_CHECK(query.size(1) == heads && query.size(2) == keys && key.sizes() == query.sizes(),
-              "query and key must be [positions, heads, keys] of the matrix's heads and keys");
-  TORCH_CHECK(value.size(0) == positions && value.size(1) == heads && value.size(2) == values,
-              "value must be [positions, heads, values]");
-  TORCH_CHECK(decay.size(0) == positions && decay.size(1) == heads && beta.sizes() == decay.sizes(),
-              "decay and beta must be [positions, heads]");
-  at::Tensor out = at::empty({positions, heads, values}, value.options());
-  float* S = matrix.data_ptr<float>();
-  const float *q = query.data_ptr<float>(), *k = key.data_ptr<float>(), *v = value.data_ptr<float>();
-  const float *g = decay.data_ptr<float>(), *b = beta.data_ptr<float>();
-  float* o = out.data_ptr<float>();
-  at::parallel_for(0, heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> read(values);
-    for (int64_t h = begin; h < end; ++h) {
-      for (int64_t t = 0; t < positions; ++t) {
-        const int64_t row = t * heads + h;
-        head_step(S + h * keys * values, q + row * keys, k + row * keys, v + row * values, g[row], b[row],
-                  o + row * values, read.data(), keys, values, correct);
-      }
-    }
-  });
-  return out;
-}
-
 // Several sequences' positions in one call: matrices [slots, heads, keys, values] (each piece's slot updated in
 // place); pieces [n, 3] int64: a slot, its first row and its rows (no slot twice); query, key [rows, heads, keys];
 // value [rows, heads, values]; decay, beta [rows, heads]; out [rows, heads, values], written for the pieces' rows.
@@ -155,6 +118,18 @@ void delta_rules(at::Tensor matrices, const at::Tensor& pieces, const at::Tensor
       }
     }
   });
+}
+
+// One sequence's positions: matrix [heads, keys, values] (updated in place); query, key [positions, heads, keys];
+// value [positions, heads, values]; decay, beta [positions, heads]; correct: the delta rule's correction (else
+// Mamba-2's scan). Returns what each position's query reads, [positions, heads, values]: delta_rules' one piece.
+at::Tensor delta_rule(at::Tensor matrix, const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+                      const at::Tensor& decay, const at::Tensor& beta, bool correct) {
+  check(matrix, "matrix", 3);
+  at::Tensor out = at::empty_like(value);
+  const at::Tensor piece = at::tensor({int64_t{0}, int64_t{0}, query.size(0)}, at::kLong).reshape({1, 3});
+  delta_rules(matrix.unsqueeze(0), piece, query, key, value, decay, beta, correct, out);
+  return out;
 }
 
 }  // namespace smolserve
