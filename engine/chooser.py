@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from engine.core import cpu, speculation
+from engine.core.architectures import config_value
 from engine.core.batch_mode import BatchMode, PathTimes, choose
 from engine.core.config import EngineConfig
 from engine.core.encoder import Encoder, FakeEncoder
@@ -190,7 +191,10 @@ def quantized_weights(loaded: LoadedModel, quantization: str) -> dict[str, Quant
     if quantization == "auto":
         if not servable or loaded.gguf is None:
             return None
-        return gguf_weights.read(loaded.gguf, config.num_attention_heads, config.num_key_value_heads) or None
+        return (
+            gguf_weights.read(loaded.gguf, config.num_attention_heads, config_value(config, "num_key_value_heads"))
+            or None
+        )
     if not servable:
         raise ValueError(
             f"--quantization {quantization} needs a llama-architecture model on the CPU and the native CPU kernels "
@@ -200,7 +204,7 @@ def quantized_weights(loaded: LoadedModel, quantization: str) -> dict[str, Quant
         return int8_weights(model)
     if loaded.gguf is None:
         raise ValueError("--quantization native serves a GGUF model's own blocks; this model is not a GGUF")
-    return gguf_weights.read(loaded.gguf, config.num_attention_heads, config.num_key_value_heads)
+    return gguf_weights.read(loaded.gguf, config.num_attention_heads, config_value(config, "num_key_value_heads"))
 
 
 def serves_blocks(config: EngineConfig) -> bool:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import json
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +18,8 @@ from gguf.quants import dequantize, quantize
 from transformers import (
     Gemma3ForCausalLM,
     Gemma3TextConfig,
+    Gemma4ForCausalLM,
+    Gemma4TextConfig,
     GptOssConfig,
     GptOssForCausalLM,
     GraniteConfig,
@@ -59,7 +62,8 @@ _MODELS = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen
            "smollm3": (SmolLM3Config, SmolLM3ForCausalLM),
            "granitehybrid": (GraniteMoeHybridConfig, GraniteMoeHybridForCausalLM),
            "qwen35": (Qwen3_5TextConfig, Qwen3_5ForCausalLM),
-           "qwen35moe": (Qwen3_5MoeTextConfig, Qwen3_5MoeForCausalLM)}  # fmt: skip
+           "qwen35moe": (Qwen3_5MoeTextConfig, Qwen3_5MoeForCausalLM),
+           "gemma4": (Gemma4TextConfig, Gemma4ForCausalLM)}  # fmt: skip
 _LAYER = {
     "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
     "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
@@ -82,6 +86,25 @@ TINY_EXPERTS = {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_si
 #: Gemma 3's four norms a layer, as its converter names them.
 _GEMMA_LAYER = {**_LAYER, "post_attention_layernorm": "post_attention_norm", "pre_feedforward_layernorm": "ffn_norm",
                 "post_feedforward_layernorm": "post_ffw_norm"}  # fmt: skip
+#: Gemma 4's: Gemma 3's, and each layer's per-layer input's gate, projection and norm.
+_GEMMA4_LAYER = {**_GEMMA_LAYER, "per_layer_input_gate": "inp_gate", "per_layer_projection": "proj",
+                 "post_per_layer_input_norm": "post_norm"}  # fmt: skip
+#: ... and the model's.
+_GEMMA4_MODEL = {"model.embed_tokens_per_layer.weight": "per_layer_token_embd.weight",
+                 "model.per_layer_model_projection.weight": "per_layer_model_proj.weight",
+                 "model.per_layer_projection_norm.weight": "per_layer_proj_norm.weight"}  # fmt: skip
+#: Gemma 4 in the tiny model (as E2B, smaller): three local layers, a global one, then a local and a global one that
+#: read the KV of the last of their kind before them (with a double-wide MLP; the last layer that writes KV is a
+#: global one, the one before it local, as in E2B and as llama.cpp assumes); the global heads twice as wide, one KV
+#: head (the keys as the values) where the local layers have two; per-layer inputs 32 wide; the output soft-capped.
+GEMMA4_LAYERS = ["sliding_attention"] * 3 + ["full_attention", "sliding_attention", "full_attention"]
+GEMMA4 = {"layer_types": GEMMA4_LAYERS, "num_hidden_layers": 6, "head_dim": 32, "global_head_dim": 64,
+          "num_global_key_value_heads": 1, "attention_k_eq_v": True, "num_kv_shared_layers": 2,
+          "use_double_wide_mlp": True, "hidden_size_per_layer_input": 32, "final_logit_softcapping": 30.0,
+          "tie_word_embeddings": True, "pad_token_id": None,
+          "rope_parameters": {"full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25,
+                                                 "rope_theta": 1e6},
+                              "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}}  # fmt: skip
 #: Phi-3's fused projections.
 _PHI3_LAYER = {**_LAYER, "self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up"}
 #: gpt-oss's router, sinks and MLP input norm.
@@ -174,6 +197,8 @@ def tiny_model(
             tie_word_embeddings=True,
             rope_parameters={kind: {"rope_type": "default", "rope_theta": base} for kind, base in bases.items()},
         )  # fmt: skip
+    if arch == "gemma4":
+        extra.update(GEMMA4, sliding_window=GEMMA_WINDOW, vocab_size_per_layer_input=vocab)
     if arch in QWEN35:  # three linear-attention layers, then a full one
         rope = {"rope_type": "default", "rope_theta": 1e6, "partial_rotary_factor": 0.25}
         extra.update(QWEN35_LINEAR, num_hidden_layers=4, head_dim=32, pad_token_id=None, rope_parameters=rope)
@@ -205,6 +230,9 @@ def tiny_model(
                 parameter.uniform_(0.5, 1.5)
             else:
                 parameter.normal_(0, 0.08)
+        for name, buffer in model.named_buffers():
+            if name.endswith("layer_scalar"):  # Gemma 4's: each layer's own, so that each counts
+                buffer.uniform_(0.5, 1.5)
     return model
 
 
@@ -224,7 +252,7 @@ def write_gguf(
     config = model.config
     writer = GGUFWriter(path, arch)
     rope = config.rope_parameters.get("full_attention", config.rope_parameters)  # gemma3: the global layers'
-    if arch in ("gemma3", "phi3", "gpt-oss"):
+    if arch in ("gemma3", "phi3", "gpt-oss", "gemma4"):
         writer.add_sliding_window(config.sliding_window)
     if rope.get("rope_type") == "yarn":
         writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
@@ -232,8 +260,10 @@ def write_gguf(
         writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
         writer.add_rope_scaling_yarn_beta_fast(rope["beta_fast"])
         writer.add_rope_scaling_yarn_beta_slow(rope["beta_slow"])
-    if arch == "gemma3":
+    if arch in ("gemma3", "gemma4"):
         writer.add_rope_freq_base_swa(config.rope_parameters["sliding_attention"]["rope_theta"])
+    if arch == "gemma4":
+        _gemma4_keys(model, writer)
     if arch == "phi3":
         _phi3_keys(model, writer)
     if arch in QWEN35:
@@ -252,8 +282,23 @@ def write_gguf(
     writer.add_block_count(config.num_hidden_layers)
     writer.add_context_length(config.max_position_embeddings)
     writer.add_embedding_length(config.hidden_size)
-    writer.add_feed_forward_length(config.intermediate_size)
     writer.add_head_count(config.num_attention_heads)
+    if arch != "gemma4":  # (its widths, KV heads and head sizes by layer: ``_gemma4_keys``)
+        _shape_keys(config, writer, arch)
+    _plain_keys(config, writer, arch, rope)
+    keys = tokenizer_from if isinstance(tokenizer_from, list) else tokenizer_keys(tokenizer_from)
+    _copy_tokenizer(keys, writer, renamed or {}, template)
+    _write_tensors(model, arch, writer, types)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return model
+
+
+def _shape_keys(config: Any, writer: GGUFWriter, arch: str) -> None:
+    """The MLP's width, the KV heads and the head size, as most converters write them."""
+    writer.add_feed_forward_length(config.intermediate_size)
     if arch in ("lfm2", "granitehybrid"):  # a KV head count per layer, 0 in a recurrent layer
         recurrent = ("conv", "linear_attention")
         writer.add_head_count_kv([0 if k in recurrent else config.num_key_value_heads for k in config.layer_types])
@@ -261,11 +306,15 @@ def write_gguf(
             writer.add_shortconv_l_cache(config.conv_L_cache)
     else:
         writer.add_head_count_kv(config.num_key_value_heads)
-    writer.add_rope_freq_base(rope["rope_theta"])
-    writer.add_layer_norm_rms_eps(config.norm_eps if arch == "lfm2" else config.rms_norm_eps)
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     writer.add_key_length(head_dim)
     writer.add_value_length(head_dim)
+
+
+def _plain_keys(config: Any, writer: GGUFWriter, arch: str, rope: dict) -> None:
+    """RoPE's base, the norms' epsilon, the experts' counts, the file type."""
+    writer.add_rope_freq_base(rope["rope_theta"])
+    writer.add_layer_norm_rms_eps(config.norm_eps if arch == "lfm2" else config.rms_norm_eps)
     if arch in ("qwen2moe", "qwen35moe"):
         writer.add_expert_shared_feed_forward_length(config.shared_expert_intermediate_size)
     if arch in MIXTURES:
@@ -273,8 +322,49 @@ def write_gguf(
         writer.add_expert_used_count(config.num_experts_per_tok)
         writer.add_expert_feed_forward_length(getattr(config, "moe_intermediate_size", config.intermediate_size))
     writer.add_file_type(1)
-    keys = tokenizer_from if isinstance(tokenizer_from, list) else tokenizer_keys(tokenizer_from)
-    _copy_tokenizer(keys, writer, renamed or {}, template)
+
+
+def _gemma4_keys(model: PreTrainedModel, writer: GGUFWriter) -> None:
+    """What llama.cpp's converter writes for Gemma 4: the global heads' size and the local ones', a KV head count and
+    an MLP width per layer, the local layers' flags, the KV-sharing layers, the per-layer inputs' width, the soft
+    cap, and the global RoPE's proportion as ``rope_freqs`` (1 where a pair turns, 1e30 where it does not)."""
+    config = model.config
+    local = [kind == "sliding_attention" for kind in config.layer_types]
+    per_layer = config.per_layer_config
+    layers = range(config.num_hidden_layers)
+    global_dim = per_layer[local.index(False)].head_dim
+    writer.add_feed_forward_length([model.model.layers[i].mlp.intermediate_size for i in layers])
+    writer.add_head_count_kv([per_layer[i].num_key_value_heads for i in layers])
+    writer.add_key_length(global_dim)
+    writer.add_value_length(global_dim)
+    writer.add_key_length_swa(per_layer[0].head_dim)
+    writer.add_value_length_swa(per_layer[0].head_dim)
+    writer.add_sliding_window_pattern(local)
+    writer.add_shared_kv_layers(config.num_kv_shared_layers)
+    writer.add_embedding_length_per_layer_input(config.hidden_size_per_layer_input)
+    writer.add_final_logit_softcapping(config.final_logit_softcapping)
+    turned = int(global_dim * config.rope_parameters["full_attention"]["partial_rotary_factor"] / 2)
+    factors = [1.0] * turned + [1e30] * (global_dim // 2 - turned)
+    writer.add_tensor("rope_freqs.weight", np.array(factors, dtype=np.float32))
+    for i in layers:
+        writer.add_tensor(f"blk.{i}.layer_output_scale.weight", model.model.layers[i].layer_scalar.float().numpy())
+    rng = np.random.default_rng(0)  # the KV-sharing layers' own keys and values, which released checkpoints keep
+    for i in layers[len(layers) - config.num_kv_shared_layers :]:
+        dim, heads = per_layer[i].head_dim, per_layer[i].num_key_value_heads
+        kinds = ("attn_k",) if config.attention_k_eq_v and not local[i] else ("attn_k", "attn_v")
+        for kind in kinds:
+            writer.add_tensor(
+                f"blk.{i}.{kind}.weight", rng.normal(0, 0.08, (heads * dim, config.hidden_size)).astype(np.float32)
+            )
+        writer.add_tensor(f"blk.{i}.attn_k_norm.weight", np.ones(dim, dtype=np.float32))
+
+
+def _write_tensors(
+    model: PreTrainedModel, arch: str, writer: GGUFWriter, types: dict[str, GGMLQuantizationType]
+) -> None:
+    """Every parameter of ``model`` as the file's tensors, each matrix in its kind's type (the model's values set
+    to what the file restores)."""
+    config = model.config
     mixture = arch == "granitehybrid" and bool(config.num_local_experts)  # its MLP then named a shared expert's
     with torch.no_grad():
         for name, parameter in model.named_parameters():
@@ -299,11 +389,6 @@ def write_gguf(
                 if arch in QWEN35:
                     restored = _qwen35_order(kind, restored, config, untile=True)
                 target.copy_(torch.from_numpy(np.ascontiguousarray(restored)))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return model
 
 
 def _tensors(
@@ -348,6 +433,8 @@ def _oai_experts(name: str, parameter: torch.Tensor, layer: str) -> list[tuple[s
 
 
 def _gguf_name(name: str, arch: str) -> str:
+    if name in _GEMMA4_MODEL:
+        return _GEMMA4_MODEL[name]
     if name == "model.embed_tokens.weight":
         return "token_embd.weight"
     if name == "lm_head.weight":
@@ -360,7 +447,7 @@ def _gguf_name(name: str, arch: str) -> str:
     module, kind = rest.rsplit(".", 1)
     names = {"gemma3": _GEMMA_LAYER, "phi3": _PHI3_LAYER, "gpt-oss": _OAI_LAYER, "granitemoe": _GRANITE_MOE_LAYER,
              "lfm2": _LFM2_LAYER, "qwen35": _QWEN35_LAYER, "qwen35moe": _QWEN35_LAYER,
-             "granitehybrid": _GRANITE_HYBRID_LAYER}.get(arch, _LAYER)  # fmt: skip
+             "granitehybrid": _GRANITE_HYBRID_LAYER, "gemma4": _GEMMA4_LAYER}.get(arch, _LAYER)  # fmt: skip
     return f"blk.{index}.{names[module]}.{kind}"
 
 
@@ -527,6 +614,32 @@ def _copy_tokenizer(keys: TokenizerKeys, writer: GGUFWriter, renamed: dict[int, 
             writer.add_key_value(name, value, kind)
 
 
+def gemma_vocabulary(size: int = 2000) -> Any:
+    """A vocabulary as Gemma 4's is made (llama.cpp's ``gemma4`` tokenizer: BPE over raw UTF-8 with byte fallback,
+    spaces as "▁", no word splitting; pad, eos, bos and unk first, then the 256 byte tokens), trained here on the
+    project's own docs: a transformers tokenizer that llama.cpp's Gemma 4 converter reads (its ``LlamaHfVocab``)."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    root = Path(__file__).resolve().parents[1]
+    lines = [line for f in sorted((root / "docs").glob("*.md")) for line in f.read_text().splitlines() if line.strip()]
+    trainer = trainers.BpeTrainer(vocab_size=size - 260, show_progress=False)
+    learner = Tokenizer(models.BPE())
+    learner.normalizer = normalizers.Replace(" ", "\u2581")
+    learner.train_from_iterator(lines, trainer)
+    learnt = json.loads(learner.to_str())["model"]
+    specials = ["<pad>", "<eos>", "<bos>", "<unk>"]
+    vocab = {token: index for index, token in enumerate(specials + [f"<0x{b:02X}>" for b in range(256)])}
+    for token in sorted(learnt["vocab"], key=learnt["vocab"].get):
+        vocab.setdefault(token, len(vocab))
+    merges = [tuple(m.split(" ", 1)) if isinstance(m, str) else tuple(m) for m in learnt["merges"]]
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=merges, byte_fallback=True, unk_token="<unk>"))
+    tokenizer.normalizer = normalizers.Replace(" ", "\u2581")
+    tokenizer.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()])
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token="<pad>", eos_token="<eos>",
+                                   bos_token="<bos>", unk_token="<unk>")  # fmt: skip
+
+
 def save_checkpoint(
     arch: str,
     directory: Path,
@@ -547,7 +660,10 @@ def save_checkpoint(
     from engine.runtime import loader
 
     gguf = loader._default_gguf()
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    if arch == "gemma4":  # its converter reads only a byte-fallback BPE vocabulary, as Gemma 4's
+        tokenizer = gemma_vocabulary()
+    else:
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     config = tiny_model(arch, vocab=len(tokenizer)).config
     config.hidden_size, config.intermediate_size, config.num_hidden_layers = hidden, hidden * 3, layers
     for name, value in shape.items():  # e.g. num_attention_heads, num_key_value_heads, head_dim, intermediate_size
@@ -572,6 +688,9 @@ def save_checkpoint(
                 parameter.uniform_(-0.2, 0.2).add_(0.0 if arch == "gemma3" else 1.0)
             else:
                 parameter.normal_(0, std)
+        for name, buffer in model.named_buffers():
+            if name.endswith("layer_scalar"):  # Gemma 4's: each layer's own, so that each counts
+                buffer.uniform_(0.5, 1.5)
     model.save_pretrained(directory)
     tokenizer.save_pretrained(directory)
     # The class the converter loads the vocabulary with: phi3's reads a BPE one only under GPT2Tokenizer's name;

@@ -69,7 +69,8 @@ def prompt(seed: int, length: int) -> tuple[int, ...]:
 
 
 def blocks_bytes(model, blocks: int) -> int:
-    return BlockKVCache.bytes_per_token(*_cache_shape(model), "auto") * BLOCK_SIZE * blocks
+    shape, layer_shapes = _cache_shape(model)
+    return BlockKVCache.bytes_per_token(*shape, "auto", layer_shapes) * BLOCK_SIZE * blocks
 
 
 def test_greedy_tokens_are_transformers_generate_s(hybrid) -> None:

@@ -210,6 +210,7 @@ def test_a_sentencepiece_file_s_token_ids_are_llama_cpp_s(tmp_path: Path) -> Non
         "qwen35",
         "qwen35moe",
         "granitehybrid",
+        "gemma4",
     ],
 )
 def test_a_file_from_llama_cpp_s_own_converter_scores_text_as_transformers_does(arch: str, tmp_path: Path) -> None:
@@ -241,7 +242,7 @@ GRANITE_TINY_FORM = {"num_local_experts": 8, "num_experts_per_tok": 2, "intermed
 
 @pytest.mark.parametrize(("arch", "outtype"), [
     *((arch, outtype) for arch in ("qwen3moe", "olmoe", "qwen2moe", "gpt-oss", "granitemoe", "lfm2", "smollm3",
-                                          "qwen35", "qwen35moe", "granitehybrid", "granitehybrid-moe")
+                                          "qwen35", "qwen35moe", "granitehybrid", "granitehybrid-moe", "gemma4")
       for outtype in ("f32", "q8_0")),
     ("gpt-oss", "mxfp4"),
 ])  # fmt: skip
@@ -341,8 +342,11 @@ def test_a_mixture_or_a_new_family_answers_greedy_as_llama_cpp_s_server_does(
             # qwen35moe (those layers' rounding moves the router's top 2 of 8, and each flip swaps an expert): ours
             # from llama.cpp's mean 0.43, top token agreeing 68%, while ours is 1.8 from the float product of the same
             # weights (the F32 file's, where the two servers agree to the bit): the two quantized paths route alike.
+            # gemma4 (its sandwich norms and per-layer inputs scale each layer's rounding up): ours from llama.cpp's
+            # mean 0.25, top token agreeing 60%, while ours is 0.48 and llama.cpp's 0.67 from the float product of the
+            # same weights (the F32 file's, where the two servers answer alike token for token).
             bound, agreeing = {"gpt-oss": (0.2, 0.75), "granitemoe": (0.1, 0.55), "qwen35": (0.15, 0.8),
-                               "qwen35moe": (0.6, 0.55)}.get(arch, (0.06, 0.8))  # fmt: skip
+                               "qwen35moe": (0.6, 0.55), "gemma4": (0.35, 0.5)}.get(arch, (0.06, 0.8))  # fmt: skip
             assert sum(gaps) / len(gaps) < bound and sum(tops) / len(tops) > agreeing, (summary, sum(tops) / len(tops))
     finally:
         stop_server(ours)

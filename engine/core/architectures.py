@@ -5,6 +5,7 @@ the loader read it. A new architecture of the llama family is a new row here. No
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,6 +89,11 @@ class Architecture:
     #: ``ffn_gate``/``ffn_up``/``ffn_down`` in a dense file, ``ffn_*_shexp`` beside a mixture of experts (``mlp``,
     #: when the config has experts: Tiny, Small), which it joins without a gate.
     stacked_mlp: str = ""
+    #: Gemma 4's attention: each value head RMS-normalized (no weights) as the query and key heads are (with
+    #: theirs), and the scores unscaled (1, not 1/sqrt(head size)). What its config gives is read from it: a head
+    #: size and KV head count by layer kind, keys as values in the global layers (``attention_k_eq_v``), the last
+    #: layers reading the KV of earlier ones (``num_kv_shared_layers``), per-layer inputs, each layer's scalar.
+    value_norm: bool = False
     #: transformers' names of this family's modules where they are not llama's (``input_layernorm``,
     #: ``self_attn.o_proj``, ``mlp.gate_proj``, ``model.norm``, ...): pairs of llama's name and the family's.
     renamed: tuple[tuple[str, str], ...] = ()
@@ -197,6 +203,18 @@ ARCHITECTURES = {
             norm_offset=1.0,
             sliding_window_pattern=6,
         ),
+        # Gemma 4 (dense: E2B, E4B, 31B): local layers of 512-1024 positions, global ones with wider heads and a
+        # quarter of each rotated; plain RMSNorm weights (not 1 + w)
+        Architecture(
+            "gemma4",
+            "gemma4_text",
+            qk_norm=True,
+            output_norms=True,
+            activation="gelu_pytorch_tanh",
+            scaled_embedding=True,
+            sliding_window_pattern=6,
+            value_norm=True,
+        ),
     )
 }
 _BY_MODEL_TYPE = {arch.model_type: arch for arch in ARCHITECTURES.values()}
@@ -205,6 +223,15 @@ _BY_MODEL_TYPE = {arch.model_type: arch for arch in ARCHITECTURES.values()}
 class NotServedNatively(ValueError):
     """A model file this server refuses to serve from its blocks (its architecture, or a tensor type the native
     kernels do not read); the message names it and what is served."""
+
+
+def config_value(config: object, key: str, default: object = None) -> Any:
+    """``config``'s ``key`` (``default`` where it has none); where the config gives it by layer (transformers'
+    heterogeneous configs, Gemma 4's head size and KV heads, which refuse a global read), the first layer's."""
+    try:
+        return getattr(config, key, default)
+    except RuntimeError:  # (transformers' AmbiguousGlobalPerLayerAttributeError)
+        return getattr(config.per_layer_config[0], key, default)  # type: ignore[attr-defined]
 
 
 def by_model_type(model_type: str) -> Architecture | None:

@@ -24,18 +24,21 @@ ATTENTION_NAME = "smolserve_blocks"
 
 
 def attend(
-    batch: StepBatch, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float | None,
-    window: int = 0, sinks: torch.Tensor | None = None,
+    batch: StepBatch, layer: int, query: torch.Tensor, key: torch.Tensor | None, value: torch.Tensor | None,
+    scale: float | None, window: int = 0, sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """Attention over one step's packed rows: ``query`` ``[rows, heads, dim]``, ``key``/``value``
     ``[rows, kv_heads, dim]`` (after RoPE). Writes the rows' K/V into the cache; returns ``[rows, heads, dim]``.
+    ``key`` and ``value`` None: the rows' K/V are in the cache already (an earlier layer of the step wrote them
+    there: Gemma 4's KV-sharing layers read them).
     ``window`` > 0: a sliding-window layer, each row attending only its last ``window`` positions (itself included).
     ``sinks`` ``[heads]``: each head's attention sink (gpt-oss), a logit that takes its share of the softmax's
     weight and adds no value."""
     scale = query.shape[-1] ** -0.5 if scale is None else scale
     cache = batch.cache
-    cache.write(layer, batch.slots, key, value)
-    rows, num_heads, num_kv_heads = query.shape[0], query.shape[1], key.shape[1]
+    if key is not None and value is not None:
+        cache.write(layer, batch.slots, key, value)
+    rows, num_heads, num_kv_heads = query.shape[0], query.shape[1], cache.kv_heads(layer)
     # Grouped-query attention without repeating K/V: the query heads that share a KV head become that head's
     # "query length", which is free for a single query row.
     q = query.reshape(rows, num_kv_heads, num_heads // num_kv_heads, -1)

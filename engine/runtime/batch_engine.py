@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel
 
-from engine.core.architectures import by_model_type
+from engine.core.architectures import by_model_type, config_value
 from engine.core.batch_mode import INVARIANT, BatchMode
 from engine.core.block_pool import BlockPool
 from engine.core.config import BLOCK_SIZE
@@ -35,16 +35,35 @@ from engine.runtime.speculative import accept
 
 def kv_cache_blocks(model: PreTrainedModel, kv_cache_bytes: int, kv_cache_dtype: str, block_size: int) -> int:
     """The blocks of ``block_size`` positions a KV cache of ``kv_cache_bytes`` holds for ``model``."""
-    per_block = BlockKVCache.bytes_per_token(*_cache_shape(model), kv_cache_dtype) * block_size
+    shape, layer_shapes = _cache_shape(model)
+    per_block = BlockKVCache.bytes_per_token(*shape, kv_cache_dtype, layer_shapes) * block_size
     return kv_cache_bytes // per_block
 
 
-def _cache_shape(model: PreTrainedModel) -> tuple[int, int, int, torch.dtype]:
-    """The layers, KV heads, head size and dtype of ``model``'s KV cache (its attention layers only)."""
+def _cache_shape(
+    model: PreTrainedModel,
+) -> tuple[tuple[int, int, int, torch.dtype], list[tuple[int, int]] | None]:
+    """The layers, KV heads, head size and dtype of ``model``'s KV cache (its attention layers only, less those that
+    read another layer's KV: Gemma 4's last ones); and each such layer's KV heads and head size where they differ by
+    layer (Gemma 4's global layers), else None."""
     config = model.config
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    num_kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-    return config.num_hidden_layers - len(_recurrent_layers(model)), num_kv_heads, head_dim, model.dtype
+    head_dim = config_value(config, "head_dim") or config.hidden_size // config.num_attention_heads
+    num_kv_heads = config_value(config, "num_key_value_heads") or config.num_attention_heads
+    recurrent, shared_from = set(_recurrent_layers(model)), config.num_hidden_layers - _shared_kv_layers(config)
+    cached = [i for i in range(shared_from) if i not in recurrent]
+    shape = len(cached), num_kv_heads, head_dim, model.dtype
+    try:  # one shape for every layer, or (Gemma 4's) a config that refuses a global read of it
+        getattr(config, "head_dim", None), getattr(config, "num_key_value_heads", None)
+        return shape, None
+    except RuntimeError:  # (transformers' AmbiguousGlobalPerLayerAttributeError)
+        per_layer = config.per_layer_config
+    shapes = [(per_layer[i].num_key_value_heads, per_layer[i].head_dim) for i in cached]
+    return shape, (shapes if len(set(shapes)) > 1 else None)
+
+
+def _shared_kv_layers(config: Any) -> int:
+    """The last layers that read earlier layers' KV instead of their own (Gemma 4's; none in any other)."""
+    return int(getattr(config, "num_kv_shared_layers", 0) or 0)
 
 
 def _recurrent_layers(model: PreTrainedModel) -> list[int]:
@@ -125,14 +144,14 @@ class HFEngine(PlannedEngine):
         self.capacity = capacity
         self.max_model_len = max_model_len
         self.max_num_batched_tokens = max_num_batched_tokens
-        shape = _cache_shape(model)
+        shape, layer_shapes = _cache_shape(model)
         num_blocks = kv_cache_blocks(model, kv_cache_bytes, kv_cache_dtype, block_size)
         if num_blocks * block_size < max_model_len + block_size:
             raise ValueError(
                 f"a KV cache of {kv_cache_bytes} bytes holds {num_blocks * block_size} tokens, "
                 f"too few for one sequence of max_model_len={max_model_len}"
             )
-        self.cache = BlockKVCache(*shape, self._device, num_blocks, block_size, kv_cache_dtype)
+        self.cache = BlockKVCache(*shape, self._device, num_blocks, block_size, kv_cache_dtype, layer_shapes)
         draft_rows = self._recurrent(model, block_size, kv_cache_bytes if prefix_caching else 0, draft_rows)
         self.disk = self._disk_tier(kv_disk if prefix_caching else None, batch_mode, quantized)
         self.tables = BlockTables(
@@ -287,7 +306,12 @@ class HFEngine(PlannedEngine):
         cache, pool = self.cache, self.pool
         positions = pool.num_blocks * pool.block_size
         per_token = BlockKVCache.bytes_per_token(
-            cache.num_layers, cache.num_kv_heads, cache.head_dim, cache.dtype, "int8" if cache.quantized else "auto"
+            cache.num_layers,
+            cache.num_kv_heads,
+            cache.head_dim,
+            cache.dtype,
+            "int8" if cache.quantized else "auto",
+            cache.layer_shapes,
         )
         return {
             "weights": weights,

@@ -76,6 +76,8 @@ def config_of(reader: GGUFFile) -> PretrainedConfig:
         values.update(_gemma3(reader, rope, values))
     if arch == "phi3":
         values.update(_phi3(reader, rope, values))
+    if row.value_norm:
+        values.update(_gemma4(reader, rope, values))
     if row.short_conv:
         values.update(_lfm2(reader, values))
     if row.delta_net:
@@ -209,6 +211,49 @@ def _phi3(reader: GGUFFile, rope: dict, values: dict) -> dict:
     window = int(keys.get("phi3.attention.sliding_window", 0))
     extra["sliding_window"] = window if 0 < window < values["max_position_embeddings"] else None
     return extra
+
+
+def _gemma4(reader: GGUFFile, rope: dict, values: dict) -> dict:
+    """Gemma 4's layers as its converter writes them: the global layers' head size (``attention.key_length``) beside
+    the local ones' (``key_length_swa``), a KV head count and an MLP width per layer where they differ (the global
+    layers' fewer KV heads, their keys as values; the KV-sharing layers' double-wide MLP), the last
+    ``shared_kv_layers`` layers reading earlier layers' KV, the per-layer inputs' width; each kind's RoPE: the global
+    one proportional, the part of each head it turns given by ``rope_freqs`` (a factor of 1 where it turns, 1e30
+    where it does not), the local one plain with its own base."""
+    arch, keys = architecture(reader), reader.keys
+    layers, local = values["num_hidden_layers"], [kind == "sliding_attention" for kind in values["layer_types"]]
+    global_dim, local_dim = int(keys[f"{arch}.attention.key_length"]), int(keys[f"{arch}.attention.key_length_swa"])
+    heads, widths = values.pop("num_key_value_heads"), values.pop("intermediate_size")
+    heads = [int(h) for h in heads] if isinstance(heads, list) else [int(heads)] * layers
+    widths = [int(w) for w in widths] if isinstance(widths, list) else [int(widths)] * layers
+    tensors = {tensor.name: tensor for tensor in reader.tensors}
+    shared = int(keys.get(f"{arch}.attention.shared_kv_layers", 0))
+    keys_as_values = not any(f"blk.{i}.attn_v.weight" in tensors for i in range(layers - shared) if not local[i])
+    local_heads = next((h for h, flag in zip(heads, local, strict=True) if flag), heads[0])
+    global_heads = next((h for h, flag in zip(heads, local, strict=True) if not flag), local_heads)
+    if global_heads != local_heads and not keys_as_values:  # (transformers' config ties the two)
+        raise NotServedNatively("this gemma4 file's global layers have their own KV heads but keys apart from values")
+    if int(keys.get(f"{arch}.rope.dimension_count_swa", local_dim)) != local_dim:
+        raise NotServedNatively(
+            "this gemma4 file's local layers rotate part of each head, which the native path does not"
+        )
+    factors, per_layer = tensors.get("rope_freqs.weight"), tensors.get("per_layer_token_embd.weight")
+    turned = global_dim if factors is None else 2 * sum(float(f) == 1.0 for f in factors.data)
+    return {
+        "head_dim": local_dim, "global_head_dim": global_dim, "num_key_value_heads": local_heads,
+        "num_global_key_value_heads": global_heads if keys_as_values else None, "attention_k_eq_v": keys_as_values,
+        "intermediate_size": min(widths), "use_double_wide_mlp": max(widths) > min(widths),
+        "num_kv_shared_layers": shared,
+        "hidden_size_per_layer_input": int(keys.get(f"{arch}.embedding_length_per_layer_input", 0)),
+        "vocab_size_per_layer_input": values["vocab_size"] if per_layer is None else int(per_layer.shape[1]),
+        "final_logit_softcapping": keys.get(f"{arch}.final_logit_softcapping") or None,
+        "rope_parameters": {
+            "full_attention": {"rope_type": "proportional", "rope_theta": rope["rope_theta"],
+                               "partial_rotary_factor": turned / global_dim},
+            "sliding_attention": {"rope_type": "default",
+                                  "rope_theta": float(keys.get(f"{arch}.rope.freq_base_swa", 10000.0))},
+        },
+    }  # fmt: skip
 
 
 def _local_layers(reader: GGUFFile) -> dict:

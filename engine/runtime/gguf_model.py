@@ -18,7 +18,7 @@ import numpy as np
 import torch
 from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
-from engine.core.architectures import ARCHITECTURES, Architecture, NotServedNatively, by_model_type
+from engine.core.architectures import ARCHITECTURES, Architecture, NotServedNatively, by_model_type, config_value
 from engine.runtime.gguf_file import GGUFFile
 from engine.runtime.gguf_weights import (
     EXPERT_PROJECTIONS,
@@ -45,6 +45,7 @@ _OUTPUT_NORMS = {
     "post_attention_norm": "post_attention_layernorm",
     "ffn_norm": "pre_feedforward_layernorm",
     "post_ffw_norm": "post_feedforward_layernorm",
+    "post_norm": "post_per_layer_input_norm",  # Gemma 4's per-layer input's output
 }
 
 
@@ -62,18 +63,25 @@ def build(
     model.to_empty(device="cpu")  # allocated, never written: the pages stay unmapped until something writes them
     if model.model.rotary_emb is not None:  # (None: no layer rotates, Granite 4.0-H)
         model.model.rotary_emb = type(model.model.rotary_emb)(config=model.config)  # its buffers are computed
-    embedding = model.model.embed_tokens
-    if hasattr(embedding, "scalar_embed_scale"):  # Gemma's sqrt(hidden) factor: a buffer, computed too
-        embedding.embed_scale = torch.tensor(embedding.scalar_embed_scale)
+    for embedding in (model.model.embed_tokens, getattr(model.model, "embed_tokens_per_layer", None)):
+        if hasattr(embedding, "scalar_embed_scale"):  # Gemma's sqrt(hidden) factor: a buffer, computed too
+            embedding.embed_scale = torch.tensor(embedding.scalar_embed_scale)
     model.tie_weights()
     reader = GGUFFile(path)
     arch = ARCHITECTURES[architecture(reader)]
     _rope_factors(model, reader)
-    quantized = read(reader, config.num_attention_heads, config.num_key_value_heads)
+    quantized = read(reader, config.num_attention_heads, config_value(config, "num_key_value_heads"))
+    quantized = {name: weight for name, weight in quantized.items() if not _unread(name, config)}
     parameters = dict(model.named_parameters(remove_duplicate=False))
+    scalars = {name: buffer for name, buffer in model.named_buffers() if name.endswith(".layer_scalar")}
+    for buffer in scalars.values():  # Gemma 4's layers' scalars: 1 unless the file has its own
+        buffer.fill_(1.0)
+    parameters.update(scalars)  # type: ignore[arg-type]
     written = set(quantized) | _experts_in_blocks(quantized, arch) | _stacked_in_blocks(quantized, arch)
     for name, values in _dense_tensors(reader, config, written):
         name, _, part = name.partition(":")  # an expert tensor: its part of transformers' 3-D parameter
+        if _unread(name, config):
+            continue
         if name not in parameters:  # a tensor the family's transformers model has no place for (a shared expert)
             raise NotServedNatively(f"this {arch.gguf} file's {name} has no place in transformers' {config.model_type}")
         target = _place(parameters[name].data, part, arch)
@@ -83,11 +91,22 @@ def build(
         written.add(name)
     if config.tie_word_embeddings and "model.embed_tokens.weight" in written:
         written.add("lm_head.weight")
-    missing = sorted(set(parameters) - written)
+    missing = sorted(set(parameters) - written - set(scalars))
     if missing:  # never serve memory nothing wrote
         raise NotServedNatively(f"this {architecture(reader)} file has no tensor for {', '.join(missing[:4])}")
     model.eval()
     return model, quantized
+
+
+def _unread(name: str, config: PretrainedConfig) -> bool:
+    """A KV-sharing layer's own key and value weights (Gemma 4's checkpoints keep them; those layers read earlier
+    layers' KV): not read, as llama.cpp does not read them."""
+    shared = getattr(config, "num_kv_shared_layers", 0) or 0
+    parts = name.split(".")
+    return (
+        bool(shared) and len(parts) > 4 and parts[:2] == ["model", "layers"] and parts[3] == "self_attn"
+        and int(parts[2]) >= config.num_hidden_layers - shared and parts[4] in ("k_proj", "v_proj", "k_norm")
+    )  # fmt: skip
 
 
 def _experts_in_blocks(quantized: dict[str, QuantizedWeight], arch: Architecture) -> set[str]:
@@ -129,7 +148,7 @@ def _rope_factors(model: PreTrainedModel, reader: GGUFFile) -> None:
     llama.cpp's converter computes from the checkpoint's ``rope_scaling``), not as keys: divide RoPE's frequencies
     by them, as llama.cpp does (transformers' reading of the file leaves them out)."""
     tensor = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
-    if tensor is None:
+    if tensor is None or ARCHITECTURES[architecture(reader)].value_norm:  # (Gemma 4's: its config's proportional RoPE)
         return
     rotary = model.model.rotary_emb
     factors = torch.from_numpy(np.array(tensor.data, dtype=np.float32)).reshape(rotary.inv_freq.shape)
@@ -221,7 +240,9 @@ def _dense_tensors(reader: GGUFFile, config: PretrainedConfig, skip: set[str]) -
         if tensor.name.endswith(".ssm_a"):  # the converter writes Qwen3.5's -exp(A_log)
             values = np.log(-values)
         if permuted and (".attn_q." in tensor.name or ".attn_k." in tensor.name):
-            heads = config.num_attention_heads if ".attn_q." in tensor.name else config.num_key_value_heads
+            heads = (
+                config.num_attention_heads if ".attn_q." in tensor.name else config_value(config, "num_key_value_heads")
+            )
             values = unpermute_rows(values, heads)
         yield name, torch.from_numpy(np.array(values, copy=True, order="C"))
 
@@ -239,6 +260,8 @@ _DENSE_EXPERTS = {"ffn_gate_exps": "gate_up_proj:0", "ffn_up_exps": "gate_up_pro
 def _name(gguf_name: str, arch: Architecture) -> str | None:
     if gguf_name in ("output_norm.weight", "token_embd_norm.weight"):  # LFM2's converter names its final norm so
         return arch.name("model.norm") + ".weight"
+    if gguf_name == "per_layer_proj_norm.weight":  # Gemma 4's per-layer inputs' norm
+        return "model.per_layer_projection_norm.weight"
     parts = gguf_name.split(".")
     if len(parts) == 4 and parts[2] in _DENSE_EXPERTS:  # gpt-oss's experts' biases too
         place = _DENSE_EXPERTS[parts[2]]

@@ -51,6 +51,10 @@ _MAMBA_NAMES = {**_LAYER_NAMES, "ssm_in": "mamba.in_proj", "ssm_out": "mamba.out
 #: by llama's names (transformers stacks them), its output by transformers'.
 _SHARED_MLP = {"ffn_gate": "gate_proj", "ffn_up": "up_proj", "ffn_down": "output_linear", "ffn_gate_shexp": "gate_proj",
                "ffn_up_shexp": "up_proj", "ffn_down_shexp": "output_linear"}  # fmt: skip
+#: Gemma 4's per-layer inputs' matrices: the model's (by the file's whole name) and each layer's.
+_PER_LAYER_NAMES = {"per_layer_token_embd.weight": "model.embed_tokens_per_layer.weight",
+                    "per_layer_model_proj.weight": "model.per_layer_model_projection.weight"}  # fmt: skip
+_PER_LAYER_LAYER = {"inp_gate": "per_layer_input_gate", "proj": "per_layer_projection"}
 #: A mixture of experts' matrices (3-D: one matrix an expert, ``expert_name``).
 EXPERT_PROJECTIONS = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
 
@@ -138,7 +142,13 @@ def hf_name(name: str, arch: Architecture) -> str | None:
         return "model.embed_tokens.weight"
     if name == "output.weight":
         return "lm_head.weight"
+    if name in _PER_LAYER_NAMES:
+        return _PER_LAYER_NAMES[name]
     parts = name.split(".")
+    if len(parts) == 4 and parts[0] == "blk" and parts[2] in _PER_LAYER_LAYER and parts[3] == "weight":
+        return f"model.layers.{parts[1]}.{_PER_LAYER_LAYER[parts[2]]}.weight"
+    if len(parts) == 4 and parts[0] == "blk" and parts[2] == "layer_output_scale":  # Gemma 4's (a buffer)
+        return f"model.layers.{parts[1]}.layer_scalar"
     if len(parts) == 5 and parts[0] == "blk" and parts[2] == "shortconv":  # LFM2's short convolution
         return f"model.layers.{parts[1]}.conv.{parts[3]}.{parts[4]}"
     if arch.stacked_mlp and len(parts) == 4 and parts[2] in _SHARED_MLP:  # Granite 4.0-H's MLP: the shared one

@@ -25,6 +25,7 @@ The attention that reads and writes this memory is ``engine/runtime/attention.py
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -67,41 +68,58 @@ class BlockKVCache:
         num_blocks: int,
         block_size: int = BLOCK_SIZE,
         kv_cache_dtype: str = "auto",
+        layer_shapes: Sequence[tuple[int, int]] | None = None,
     ) -> None:
         """``dtype`` is the model's; ``kv_cache_dtype`` ``auto`` stores K/V in it, ``int8`` in 8 bits (see
-        ``csrc/int8_attention.cpp``): half the memory and reads of bfloat16, at a small cost in precision."""
+        ``csrc/int8_attention.cpp``): half the memory and reads of bfloat16, at a small cost in precision.
+        ``layer_shapes``: each layer's KV heads and head size where they differ by layer (Gemma 4's global layers);
+        the layers of each shape are then one tensor of the layout above (``groups``)."""
         if block_size % KEY_TILE:
             raise ValueError(f"a block holds whole tiles of {KEY_TILE} positions, not {block_size}")
-        self.num_layers = num_layers
-        self.num_kv_heads = num_kv_heads
-        self.head_dim = head_dim
+        shapes = list(layer_shapes) if layer_shapes else [(num_kv_heads, head_dim)] * num_layers
+        self.num_layers = len(shapes)
+        self.num_kv_heads, self.head_dim = shapes[0] if shapes else (num_kv_heads, head_dim)
+        self.layer_shapes = shapes
         self.dtype = dtype
         self.device = device
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.quantized = kv_cache_dtype == "int8"
+        dims = {dim for _, dim in shapes} or {head_dim}
         # Built (or loaded from the build cache) now, so that no request waits for the compiler.
-        native = device.type == "cpu" and dtype in _NATIVE_DTYPES and head_dim % 2 == 0
+        native = device.type == "cpu" and dtype in _NATIVE_DTYPES and all(dim % 2 == 0 for dim in dims)
         self.native_attention = kernels.decode_attention() if native and not self.quantized else None
         # With the native kernel, keys are in its tiles and each layer's rows are stored by one native call.
         self._native_write = kernels.native_ops().write_kv if self.native_attention is not None else None
-        self._int8_ops = _int8_ops(device, dtype, head_dim) if self.quantized else None
+        self._int8_ops = _int8_ops(device, dtype, max(dims)) if self.quantized else None
         positions = num_blocks * block_size
-        self.kv = lazy_zeros((num_layers, 2, num_kv_heads, positions, head_dim), self.storage_dtype, device)
+        # One tensor (and its int8 scales) for the layers of each shape, in the order the shapes first come.
+        kinds = sorted(set(shapes), key=shapes.index)
+        self.groups: list[tuple[torch.Tensor, torch.Tensor | None]] = [
+            (
+                lazy_zeros((shapes.count(kind), 2, kind[0], positions, kind[1]), self.storage_dtype, device),
+                lazy_zeros((shapes.count(kind), 2, kind[0], positions), torch.float32, device) if self.quantized
+                else None,
+            )
+            for kind in kinds
+        ]  # fmt: skip
+        # Each layer's place: its group's tensor and its index in it.
+        places = [(kinds.index(kind), shapes[:layer].count(kind)) for layer, kind in enumerate(shapes)]
+        self._place = places
+        self.kv, self.scales = self.groups[0] if self.groups else (torch.empty(0), None)
         # Each layer's keys and values as views made once: indexing them anew costs ~8 small ops a layer a step.
-        self._layer_kv = [(self.kv[layer, 0], self.kv[layer, 1]) for layer in range(num_layers)]
-        # int8: one float32 scale per stored key and value.
-        self.scales = (
-            lazy_zeros((num_layers, 2, num_kv_heads, positions), torch.float32, device) if self.quantized else None
-        )
+        self._layer_kv = [(self.groups[g][0][i, 0], self.groups[g][0][i, 1]) for g, i in places]
 
     @staticmethod
     def bytes_per_token(
-        num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, kv_cache_dtype: str
-    ) -> int:
+        num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, kv_cache_dtype: str,
+        layer_shapes: Sequence[tuple[int, int]] | None = None,
+    ) -> int:  # fmt: skip
         quantized = kv_cache_dtype == "int8"
-        per_head = head_dim * (1 if quantized else dtype.itemsize) + (4 if quantized else 0)  # + its scale
-        return num_layers * 2 * num_kv_heads * per_head
+        shapes = list(layer_shapes) if layer_shapes else [(num_kv_heads, head_dim)] * num_layers
+        # (int8: + each stored key's and value's scale)
+        return sum(2 * heads * (dim * (1 if quantized else dtype.itemsize) + (4 if quantized else 0))
+                   for heads, dim in shapes)  # fmt: skip
 
     @property
     def native_decode(self) -> bool:
@@ -115,8 +133,7 @@ class BlockKVCache:
     def write(self, layer: int, slots: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
         """Store each row's ``key`` and ``value`` (``[rows, kv_heads, dim]``) at its physical position ``slots``."""
         if self._int8_ops is not None:
-            assert self.scales is not None
-            kv, scales = self.kv[layer], self.scales[layer]
+            kv, scales = self._int8_layer(layer)
             self._int8_ops.write_kv_int8(kv[0], kv[1], scales[0], scales[1], slots, key, value)
             return
         keys, values = self._layer_kv[layer]
@@ -140,8 +157,8 @@ class BlockKVCache:
         sink (float32 ``[heads]``), or none."""
         keys, values = self._layer_kv[layer]
         if self._int8_ops is not None:
-            assert self.scales is not None
-            key_scales, value_scales = self.scales[layer, 0], self.scales[layer, 1]
+            _, scales = self._int8_layer(layer)
+            key_scales, value_scales = scales[0], scales[1]
             return self._int8_ops.decode_attention_int8(
                 query, keys, values, key_scales, value_scales, batch.block_tables, batch.lengths, self.block_size,
                 scale, window, sinks,
@@ -159,40 +176,41 @@ class BlockKVCache:
             self.block_size, device=self.device
         )
         positions = positions.flatten(1)[:, :length]  # [rows, length]
-        keys, values = self.kv[layer, 0][:, positions], self.kv[layer, 1][:, positions]  # [heads, rows, length, dim]
+        keys, values = self._layer_kv[layer]
+        keys, values = keys[:, positions], values[:, positions]  # [heads, rows, length, dim]
         return keys.transpose(0, 1), values.transpose(0, 1)
+
+    def kv_heads(self, layer: int) -> int:
+        """Layer ``layer``'s KV heads."""
+        return self.layer_shapes[layer][0]
+
+    def _int8_layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer ``layer``'s 8-bit keys and values ``[2, heads, positions, dim]`` and their scales."""
+        group, index = self._place[layer]
+        kv, scales = self.groups[group]
+        assert scales is not None
+        return kv[index], scales[index]
 
     def copy_block(self, src: int, dst: int) -> None:
         """Copy block ``src``'s K/V (every layer and head) into block ``dst``: a sequence that diverges from a
         cached block partway takes its own copy of the part it shares."""
-        size = self.block_size
-        self.kv[:, :, :, dst * size : (dst + 1) * size] = self.kv[:, :, :, src * size : (src + 1) * size]
-        if self.scales is not None:
-            self.scales[:, :, :, dst * size : (dst + 1) * size] = self.scales[:, :, :, src * size : (src + 1) * size]
+        for tensor in self._tensors():
+            tensor[:, :, :, self._block(dst)] = tensor[:, :, :, self._block(src)]
 
     def block_bytes(self) -> int:
         """The bytes of one block: its K/V in every layer and head (and their scales, int8)."""
-        per_position = self.kv[:, :, :, :1].numel() * self.kv.element_size()
-        if self.scales is not None:
-            per_position += self.scales[:, :, :, :1].numel() * 4
-        return per_position * self.block_size
+        return sum(t[:, :, :, :1].numel() * t.element_size() for t in self._tensors()) * self.block_size
 
     def read_block(self, block: int) -> torch.Tensor:
         """A copy of block ``block``'s K/V (and scales), as one run of bytes (``write_block`` takes it back)."""
-        size = self.block_size
-        parts = [self.kv[:, :, :, block * size : (block + 1) * size]]
-        if self.scales is not None:
-            parts.append(self.scales[:, :, :, block * size : (block + 1) * size])
+        parts = [tensor[:, :, :, self._block(block)] for tensor in self._tensors()]
         return torch.cat([part.contiguous().view(torch.uint8).flatten() for part in parts])
 
     def write_block(self, block: int, data: torch.Tensor) -> None:
         """Block ``block``'s K/V (and scales) from ``data``, bytes as ``read_block`` gave them."""
-        size = self.block_size
-        views = [self.kv[:, :, :, block * size : (block + 1) * size]]
-        if self.scales is not None:
-            views.append(self.scales[:, :, :, block * size : (block + 1) * size])
         offset = 0
-        for view in views:
+        for tensor in self._tensors():
+            view = tensor[:, :, :, self._block(block)]
             count = view.numel() * view.element_size()
             view.copy_(data[offset : offset + count].view(view.dtype).view(view.shape))
             offset += count
@@ -200,9 +218,15 @@ class BlockKVCache:
     def release_memory(self) -> None:
         """Hand the pool's pages back to the OS (no block holds anything worth keeping); they read as zeros
         and are backed again when next written."""
-        forget_pages(self.kv)
-        if self.scales is not None:
-            forget_pages(self.scales)
+        for tensor in self._tensors():
+            forget_pages(tensor)
+
+    def _tensors(self) -> list[torch.Tensor]:
+        """Every tensor of the pool, each shape's K/V then its scales (int8)."""
+        return [t for kv, scales in self.groups for t in (kv, scales) if t is not None]
+
+    def _block(self, block: int) -> slice:
+        return slice(block * self.block_size, (block + 1) * self.block_size)
 
 
 def tile_keys(keys: torch.Tensor) -> torch.Tensor:

@@ -236,9 +236,17 @@ def _file_hash(path: Path, length: int | None = None) -> str:
     return digest.hexdigest()
 
 
+#: Tokens that end a turn beside the file's EOS, by family, where the vocabulary has them (llama.cpp's ends of
+#: generation for the family): Gemma 4's end of turn, and the tool response that follows its calls.
+_TURN_ENDS = {"gemma4_text": ("<turn|>", "<|tool_response>")}
+
+
 def _eos_token_ids(model: PreTrainedModel, tokenizer: Any) -> frozenset[int]:
-    """Everything ``generate`` would stop on: the generation config's EOS ids and the tokenizer's."""
+    """Everything ``generate`` would stop on: the generation config's EOS ids and the tokenizer's, and the family's
+    ends of a turn (``_TURN_ENDS``)."""
     ids: set[int] = set()
+    vocabulary = tokenizer.get_vocab() if model.config.model_type in _TURN_ENDS else {}
+    ids.update(vocabulary[token] for token in _TURN_ENDS.get(model.config.model_type, ()) if token in vocabulary)
     configured = model.generation_config.eos_token_id
     if configured is not None:
         ids.update([configured] if isinstance(configured, int) else configured)

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface, PreTrainedModel
 
-from engine.core.architectures import Architecture, by_model_type
+from engine.core.architectures import Architecture, by_model_type, config_value
 from engine.runtime import delta_rule as rule
 from engine.runtime import kernels
 from engine.runtime.attention import ATTENTION_NAME, attend, block_attention
@@ -204,6 +204,20 @@ class _Mamba:
 
 
 @dataclass(slots=True)
+class _PerLayerInputs:
+    """Gemma 4's per-layer inputs (E2B, E4B): each token's rows of its own table (``layers * width`` wide, scaled
+    by sqrt(width)), added to the embedding's projection (scaled by 1/sqrt(hidden), normalized each layer's width
+    apart), the sum scaled by 1/sqrt(2); layer i takes its i-th ``width``."""
+
+    table: torch.Tensor | PackedWeight  # [vocab, layers * width]
+    projection: Weight  # [layers * width, hidden]
+    norm: torch.Tensor  # [width]
+    width: int
+    table_scale: torch.Tensor  # sqrt(width), in the model's dtype
+    projection_scale: float  # 1 / sqrt(hidden)
+
+
+@dataclass(slots=True)
 class _LlamaLayer:
     input_norm: torch.Tensor
     qkv: Weight  # q, k, v stacked: [(heads + 2 * kv_heads) * dim, hidden]
@@ -237,6 +251,16 @@ class _LlamaLayer:
     #: output projection).
     mamba: _Mamba | None = None
     rotary: int = 0  # the dims of each head RoPE turns (0: all)
+    #: Gemma 4 (``Architecture.value_norm``): each value head RMS-normalized, the scores unscaled; this layer's KV
+    #: heads (its kind's); ``qkv`` holds the query and key only (the keys are the values: its global layers), or the
+    #: query only (it reads the KV an earlier layer wrote at ``cache_index``: its last layers).
+    value_norm: bool = False
+    kv_heads: int = 0
+    keys_as_values: bool = False
+    shares_kv: bool = False
+    #: Gemma 4's per-layer input: its gate's and projection's weights and the projection's norm.
+    per_layer: tuple[Weight, Weight, torch.Tensor] | None = None
+    scalar: torch.Tensor | None = None  # the residual stream times it after the layer (Gemma 4's layer scalar)
 
     def extras(self) -> dict[str, torch.Tensor | int | bool | None]:
         """What an architecture adds to a llama layer, as ``llama_layer``'s keyword arguments."""
@@ -255,7 +279,7 @@ class _LlamaLayer:
             or self.o_bias is not None
             or self.sinks is not None
             or self.conv is not None
-            or (self.attn_gate or self.rotary)
+            or (self.attn_gate or self.rotary or self.value_norm)
         ):
             return None
         if not all(isinstance(p, PackedWeight) for p in projections):
@@ -301,8 +325,8 @@ class LlamaRunner:
         self.tile = DENSE_TILE if invariant else None
         config = model.config
         self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
-        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
+        self.num_kv_heads = config_value(config, "num_key_value_heads")
+        self.head_dim = config_value(config, "head_dim") or config.hidden_size // self.num_heads
         self.scale = (
             getattr(config, "attention_multiplier", None)
             or (getattr(config, "query_pre_attn_scalar", None) or self.head_dim) ** -0.5
@@ -319,6 +343,12 @@ class LlamaRunner:
         # 10-70 us eager, and whole steps came out no faster for ~30 s more start-up.
         self.layers = [self._fuse(layer, f"model.layers.{i}.", quantized, arch) for i, layer in enumerate(inner.layers)]
         _number_by_kind(self.layers, bool(getattr(config, "linear_v_tiled", False)))
+        _share_kv(self.layers, getattr(config, "layer_types", None))
+        # From the first layer that reads another's KV on, only the rows a step samples are computed: no later layer
+        # writes KV, so the others' results would go nowhere (Gemma 4's last 20 of 35 layers, in E2B).
+        self._first_shared = next((i for i, layer in enumerate(self.layers) if layer.shares_kv), None)
+        if arch.value_norm:  # (Gemma 4's heads are normalized: its scores are not scaled)
+            self.scale = 1.0
         # The dense twin of quantized layers, for steps of many rows (``dense_from_rows``).
         self._dense_from_rows = dense_from_rows if quantized and not invariant else None
         self._dense_layers: list[_LlamaLayer] = []
@@ -328,6 +358,7 @@ class LlamaRunner:
                 self._fuse(layer, f"model.layers.{i}.", {}, arch) for i, layer in enumerate(inner.layers)
             ]
             _number_by_kind(self._dense_layers, bool(getattr(config, "linear_v_tiled", False)))
+            _share_kv(self._dense_layers, getattr(config, "layer_types", None))
             self._dense_head = prepack(model.lm_head.weight)
         # The norm after each layer: the following layer's input norm, then the final norm.
         self._next_norms = [layer.input_norm for layer in self.layers[1:]] + [self.norm]
@@ -352,6 +383,7 @@ class LlamaRunner:
         self.embed_scale = torch.tensor(scale).to(self.dtype) if scale is not None else None
         self.ropes = _rope_tables(model, max_positions)
         self.norm = _norm_weight(model.get_submodule(arch.name("model.norm")).weight, arch.norm_offset)
+        self.per_layer_inputs = _per_layer_inputs(model, quantized)
         head = quantized.get("lm_head.weight")
         # A tied output layer reads the embedding's packed blocks: one copy of them.
         self.lm_head = (
@@ -410,6 +442,8 @@ class LlamaRunner:
             conv = layer.conv.conv.weight.detach()[:, 0]  # [channels, span]
             return _LlamaLayer(norm("input_layernorm"), *mixer, post_norm, gate_up, down, experts=experts, conv=conv)
         attn = layer.self_attn
+        if arch.value_norm:
+            return _gemma4_layer(layer, fused, norm, gate_up, down)
         # (Phi-3 holds them fused already)
         names = ["self_attn.qkv_proj"] if arch.fused_projections else [f"self_attn.{p}_proj" for p in "qkv"]
         return _LlamaLayer(
@@ -445,11 +479,17 @@ class LlamaRunner:
             hidden = F.embedding(token_ids, self.embed)
         if self.embed_scale is not None:
             hidden = hidden * self.embed_scale
+        per_layer = None if self.per_layer_inputs is None else self._per_layer(token_ids, hidden)
         ropes = {kind: (cos[positions], sin[positions]) for kind, (cos, sin) in self.ropes.items()}  # [rows, dim]
         normed = _rms_norm(hidden, self.layers[0].input_norm, self.eps)
         dense = self.runs_dense(token_ids.shape[0])
         layers = self._dense_layers if dense else self.layers
         for index, (layer, next_norm) in enumerate(zip(layers, self._next_norms, strict=True)):
+            if index == self._first_shared and rows is not None and batch.cache.native_decode:
+                hidden, normed, per_layer, ropes, batch = _only_rows(rows, hidden, normed, per_layer, ropes, batch)
+                rows = None
+                if not hidden.shape[0]:  # no row sampled (a prompt's chunk that goes on): nothing left to compute
+                    break
             native = self._layer_op is not None and not dense and layer.conv is None
             kv = batch.cache.native_kv(layer.cache_index) if native else None
             cos, sin = ropes[layer.rope]  # shared by every head
@@ -460,14 +500,34 @@ class LlamaRunner:
                     self.scale, **self._extras[index],
                 )  # fmt: skip
                 continue
-            hidden, normed = self._layer(layer, next_norm, index, hidden, normed, cos, sin, batch)
+            layer_input = None if per_layer is None else per_layer[:, index]
+            hidden, normed = self._layer(layer, next_norm, layer_input, hidden, normed, cos, sin, batch)
         if rows is not None:
             normed = normed[rows]  # none at all when the step's prompt chunks all go on: [0, vocab] logits
         head = self._dense_head if self._dense_head is not None and self.runs_dense(normed.shape[0]) else self.lm_head
         logits = linear(normed, head, self.tile).float()
         if self.logits_scaling != 1.0:
             logits = logits / self.logits_scaling
-        return logits if not self.softcap else torch.tanh(logits / self.softcap) * self.softcap
+        if not self.softcap:
+            return logits
+        softcap = self.softcap  # each row alone: torch's tanh gave a row's last bits by its place among the rows
+        return torch.cat([torch.tanh(row / softcap) * softcap for row in logits.split(1)] or [logits])
+
+    def _per_layer(self, token_ids: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        """Each row's per-layer inputs ``[rows, layers, width]`` (``_PerLayerInputs``), from its token and its
+        scaled embedding ``hidden``."""
+        inputs = self.per_layer_inputs
+        assert inputs is not None
+        rows, width = token_ids.shape[0], inputs.width
+        if isinstance(inputs.table, PackedWeight):
+            own = inputs.table.rows(token_ids, self.dtype)
+        else:
+            own = F.embedding(token_ids, inputs.table)
+        own = (own * inputs.table_scale).view(rows, -1, width)
+        projected = (linear(hidden, inputs.projection, self.tile) * inputs.projection_scale).view(rows, -1, width)
+        norm, eps = inputs.norm, self.eps
+        projected = _by_rows(lambda x: _rms_norm(x, norm, eps), projected)
+        return (projected + own) * 2**-0.5
 
     @property
     def dense_from_rows(self) -> int | None:
@@ -479,10 +539,11 @@ class LlamaRunner:
         return self._dense_from_rows is not None and rows >= self._dense_from_rows
 
     def _layer(
-        self, layer: _LlamaLayer, next_norm: torch.Tensor, index: int, hidden: torch.Tensor, normed: torch.Tensor,
-        cos: torch.Tensor, sin: torch.Tensor, batch: StepBatch,
+        self, layer: _LlamaLayer, next_norm: torch.Tensor, layer_input: torch.Tensor | None, hidden: torch.Tensor,
+        normed: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: StepBatch,
     ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-        """One decoder layer op by op: the residual stream after it, and its normalization by ``next_norm``."""
+        """One decoder layer op by op: the residual stream after it, and its normalization by ``next_norm``
+        (``layer_input``: its per-layer input ``[rows, width]``, Gemma 4's)."""
         tile = self.tile
         if layer.delta is not None:
             output = self._delta_net(layer, normed, batch)
@@ -490,6 +551,8 @@ class LlamaRunner:
             output = self._mamba(layer, normed, batch)
         elif layer.conv is not None:
             output = self._short_conv(layer, normed, batch)
+        elif layer.value_norm:
+            output = self._normed_attention(layer, normed, cos, sin, batch)
         else:
             output = self._attention(layer, normed, cos, sin, batch)
         if layer.residual_scale != 1.0:
@@ -503,7 +566,46 @@ class LlamaRunner:
             output = linear(self._gelu_mul(gate_up) if layer.gelu else self._silu_mul(gate_up), layer.down, tile)
         if layer.residual_scale != 1.0:
             output = output * layer.residual_scale
-        return self._add_norm(hidden, output, next_norm, self.eps, layer.ffn_out_norm)
+        if layer.per_layer is None and layer.scalar is None:
+            return self._add_norm(hidden, output, next_norm, self.eps, layer.ffn_out_norm)
+        hidden, _ = self._add_norm(hidden, output, next_norm, self.eps, layer.ffn_out_norm)
+        return self._layer_end(layer, next_norm, layer_input, hidden)
+
+    def _layer_end(
+        self, layer: _LlamaLayer, next_norm: torch.Tensor, layer_input: torch.Tensor | None, hidden: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Gemma 4's end of a layer: its per-layer input (the residual stream's gate, GELU, times the input,
+        projected, normalized, added), the stream times the layer's scalar, normalized for the next block."""
+        if layer.per_layer is not None and layer_input is not None:
+            gate, projection, norm = layer.per_layer
+            gated = self._gelu_mul(torch.cat([linear(hidden, gate, self.tile), layer_input], dim=-1))
+            hidden, _ = self._add_norm(hidden, linear(gated, projection, self.tile), norm, self.eps, norm)
+        if layer.scalar is not None:
+            hidden = hidden * layer.scalar
+        return hidden, _rms_norm(hidden, next_norm, self.eps)
+
+    def _normed_attention(
+        self, layer: _LlamaLayer, normed: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: StepBatch
+    ) -> torch.Tensor:
+        """Gemma 4's attention: each query and key head RMS-normalized (its weights) and rotated, each value head
+        normalized (no weights), the scores unscaled; the keys as the values where the layer has no value
+        projection; the KV an earlier layer wrote where it shares it. Its norms run as ``_by_rows`` runs them."""
+        rows, heads, kv_heads, eps = normed.shape[0], self.num_heads, layer.kv_heads, self.eps
+        projected = linear(normed, layer.qkv, self.tile)
+        own = 0 if layer.shares_kv else 1 if layer.keys_as_values else 2  # key and value projections
+        split = projected.view(rows, heads + own * kv_heads, -1)
+        q_norm, k_norm = layer.q_norm, layer.k_norm
+        assert q_norm is not None
+        q = self._rope(_by_rows(lambda x: _rms_norm(x, q_norm, eps), split[:, :heads]), cos, sin)
+        k = v = None
+        if own:
+            assert k_norm is not None
+            raw_k = split[:, heads : heads + kv_heads]
+            raw_v = raw_k if layer.keys_as_values else split[:, heads + kv_heads :]
+            v = _by_rows(lambda x: F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype), raw_v)
+            k = self._rope(_by_rows(lambda x: _rms_norm(x, k_norm, eps), raw_k), cos, sin)
+        attended = attend(batch, layer.cache_index, q, k, v, self.scale, layer.window).reshape(rows, -1)
+        return linear(attended, layer.o, self.tile)
 
     def _attention(
         self, layer: _LlamaLayer, normed: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: StepBatch
@@ -784,10 +886,74 @@ def _mamba_layer(
                        residual_scale=residual_scale, conv=conv, mamba=mamba)  # fmt: skip
 
 
+def _per_layer_inputs(model: PreTrainedModel, quantized: dict[str, QuantizedWeight]) -> _PerLayerInputs | None:
+    """Gemma 4's per-layer inputs' weights (None: a model without them); its table read from its blocks where the
+    file has it quantized (E2B's is 262,144 x 8,960: only the step's tokens' rows are read)."""
+    inner, config = model.model, model.config
+    width = getattr(config, "hidden_size_per_layer_input", 0) or 0
+    if not width or getattr(inner, "embed_tokens_per_layer", None) is None:
+        return None
+    table = quantized.get("model.embed_tokens_per_layer.weight")
+    projection = quantized.get("model.per_layer_model_projection.weight")
+    return _PerLayerInputs(
+        table.pack() if table is not None else inner.embed_tokens_per_layer.weight.detach(),
+        projection.pack() if projection is not None else prepack(inner.per_layer_model_projection.weight),
+        inner.per_layer_projection_norm.weight.detach(), width, torch.tensor(width**0.5).to(model.dtype),
+        config.hidden_size**-0.5,
+    )  # fmt: skip
+
+
+def _gemma4_layer(
+    layer: torch.nn.Module, fused: Callable[[list[str], list[torch.nn.Module]], Weight],
+    norm: Callable[[str], torch.Tensor], gate_up: Weight | None, down: Weight | None,
+) -> _LlamaLayer:  # fmt: skip
+    """A Gemma 4 layer's weights: its query's projection, and its key's and value's where it has its own (not the
+    KV-sharing last layers; no value's where the keys are the values); each head's norms; the attention's and MLP's
+    output norms; its per-layer input's gate, projection and norm; its scalar (None where it is 1)."""
+    attn = layer.self_attn
+    config, index = attn.config, attn.layer_idx
+    names = ["self_attn.q_proj"] + [f"self_attn.{p}_proj" for p in "kv" if getattr(attn, f"{p}_proj", None) is not None]
+    per_layer = None
+    if getattr(layer, "per_layer_input_gate", None) is not None:
+        per_layer = (fused(["per_layer_input_gate"], [layer.per_layer_input_gate]),
+                     fused(["per_layer_projection"], [layer.per_layer_projection]),
+                     norm("post_per_layer_input_norm"))  # fmt: skip
+    scalar = layer.layer_scalar.detach()
+    return _LlamaLayer(
+        norm("input_layernorm"), fused(names, [layer.get_submodule(name) for name in names]),
+        fused(["self_attn.o_proj"], [attn.o_proj]), norm("pre_feedforward_layernorm"), gate_up, down,
+        q_norm=norm("self_attn.q_norm"), k_norm=None if attn.is_kv_shared_layer else norm("self_attn.k_norm"),
+        attn_out_norm=norm("post_attention_layernorm"), ffn_out_norm=norm("post_feedforward_layernorm"), gelu=True,
+        window=_window(config, index), rope=_rope_kind(config, index), value_norm=True,
+        kv_heads=config.per_layer_config[index].num_key_value_heads, keys_as_values=attn.use_alternative_attention,
+        shares_kv=attn.is_kv_shared_layer, per_layer=per_layer, scalar=None if bool((scalar == 1).all()) else scalar,
+    )  # fmt: skip
+
+
+def _only_rows(
+    rows: torch.Tensor, hidden: torch.Tensor, normed: torch.Tensor, per_layer: torch.Tensor | None,
+    ropes: dict[str | None, tuple[torch.Tensor, torch.Tensor]], batch: StepBatch,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, dict[str | None, tuple[torch.Tensor, torch.Tensor]],
+           StepBatch]:  # fmt: skip
+    """A step's rows narrowed to ``rows``: their residual streams, per-layer inputs, rotations and batch entries
+    (their blocks and lengths, all the native attention reads)."""
+    narrowed = StepBatch(batch.cache, 0, batch.slots[rows], batch.block_tables[rows], batch.lengths[rows])
+    ropes = {kind: (cos[rows], sin[rows]) for kind, (cos, sin) in ropes.items()}
+    return hidden[rows], normed[rows], None if per_layer is None else per_layer[rows], ropes, narrowed
+
+
+def _share_kv(layers: list[_LlamaLayer], kinds: list[str] | None) -> None:
+    """Each KV-sharing layer (Gemma 4's last ones) reads the cache of the last layer of its kind before them."""
+    first = next((i for i, layer in enumerate(layers) if layer.shares_kv), len(layers))
+    for layer, kind in zip(layers[first:], (kinds or [])[first:], strict=False):
+        producer = max(i for i in range(first) if kinds and kinds[i] == kind)
+        layer.cache_index = layers[producer].cache_index
+
+
 def _rotary(config: object) -> int:
     """The dims of each head RoPE turns where it turns only part of them (Qwen3.5's partial rotary factor), else 0."""
     factor = (getattr(config, "rope_parameters", None) or {}).get("partial_rotary_factor", 1.0)
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads  # type: ignore[attr-defined]
+    head_dim = config_value(config, "head_dim") or config.hidden_size // config.num_attention_heads  # type: ignore[attr-defined]
     return int(head_dim * factor) if factor < 1.0 else 0
 
 
@@ -901,14 +1067,14 @@ def _rope_tables(model: PreTrainedModel, max_positions: int) -> dict[str | None,
     rotary = model.model.rotary_emb
     if rotary is None:  # no layer rotates (Granite 4.0-H): a rotation by 0 everywhere, x * 1 + rotated * 0 = x
         config = model.config
-        width = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        width = config_value(config, "head_dim") or config.hidden_size // config.num_attention_heads
         ones = torch.ones(max_positions, width, dtype=model.dtype, device=model.device)
         return {None: (ones, torch.zeros_like(ones))}
     kinds = sorted(set(model.config.layer_types)) if _rope_by_kind(model.config) else [None]
     tables = {}
     for kind in kinds:
         cos, sin = rotary(dummy, positions) if kind is None else rotary(dummy, positions, kind)
-        if 2 * cos.shape[-1] == getattr(model.config, "head_dim", 0) and not _rotary(model.config):  # gpt-oss's
+        if 2 * cos.shape[-1] == config_value(model.config, "head_dim", 0) and not _rotary(model.config):  # gpt-oss's
             cos, sin = torch.cat([cos, cos], dim=-1), torch.cat([sin, sin], dim=-1)
         tables[kind] = (cos[0], sin[0])
     if not all(getattr(model.config, "no_rope_layers", None) or [1]):  # a rotation by 0: x * 1 + rotated * 0 = x

@@ -13,7 +13,7 @@ namespace smolserve {
 // cache (engine/core/config.py BLOCK_SIZE) is whole tiles.
 constexpr int64_t kKeyTile = 16;
 // The largest head dimension, and query heads per KV head, the attention kernels take.
-constexpr int64_t kMaxHeadDim = 256;
+constexpr int64_t kMaxHeadDim = 512;  // (Gemma 4's global layers)
 constexpr int64_t kMaxGroups = 16;
 
 // bfloat16 is the top half of a float32: widening is a shift, which vectorizes (c10's conversion does not).

@@ -332,7 +332,7 @@ void check_cache(const at::Tensor& keys, const at::Tensor& values, const at::Ten
   }
   TORCH_CHECK(key_scales.stride(1) == 1 && value_scales.stride(1) == 1, "each head's scales must be contiguous");
   TORCH_CHECK(keys.size(1) % kKeyTile == 0 && keys.size(2) % 4 == 0 && keys.size(2) <= kMaxHeadDim,
-              "positions come in tiles of 16, dims in fours (at most 256)");
+              "positions come in tiles of 16, dims in fours (at most 512)");
 }
 
 template <typename T>
