@@ -18,7 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from engine.core.config import BLOCK_SIZE
-from engine.core.types import GenerationRequest
+from engine.core.types import GenerationRequest, SamplingParams
 from engine.runtime.batch_engine import _cache_shape
 from engine.runtime.kv_cache import BlockKVCache
 from engine.runtime.kv_disk import DiskSpec
@@ -162,3 +162,20 @@ def test_in_bfloat16_it_scores_a_prompt_as_in_float32_to_its_rounding(gemma4) ->
         scores[dtype] = torch.tensor([entry.logprob for entry in outputs[0].prompt_logprobs[1:]])
     gaps = (scores["float32"] - scores["bfloat16"]).abs()
     assert len(gaps) == 39 and gaps.mean() < 0.5 and gaps.max() < 2.0, (gaps.mean(), gaps.max())
+
+
+def test_its_turn_ends_at_the_end_of_turn_and_at_a_tool_response(tmp_path: Path) -> None:
+    """As llama.cpp ends a Gemma 4 generation: at the file's EOS, at ``<turn|>`` and at ``<|tool_response>`` (which
+    follows its calls), where the vocabulary has them."""
+    from engine.runtime import loader
+
+    renamed = {1: "<bos>", 2: "<eos>", 3: "<turn|>", 4: "<|tool_response>"}
+    path = tmp_path / "gemma4-tokens.gguf"
+    write_gguf(tiny_model("gemma4", vocab=49152), "gemma4", path, loader._default_gguf(), {}, renamed=renamed)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("SMOLSERVE_CACHE_DIR", str(tmp_path / "cache"))
+        loaded = loader.load(str(path), "float32", blocks=True)
+    assert {2, 3, 4} <= loaded.eos_token_ids
+    engine = make_engine(loaded.model, loaded.eos_token_ids, quantized=loaded.blocks)
+    bias = GenerationRequest(prompt(1, 12), 20, sampling=SamplingParams(logit_bias=((3, 100.0),)))
+    assert run_staggered(engine, [(0, bias)])[0] == [3]  # the end of turn ends it
