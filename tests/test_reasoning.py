@@ -12,14 +12,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from app.pipeline.reasoning import ReasoningParser, budget_grammar, reasons, starts_inside
+from app.pipeline.reasoning import CHANNEL, THINK, ReasoningParser, Tags, budget_grammar, reasons, starts_inside
 from tests.app_helpers import LOCAL
 
 TEMPLATES = Path(__file__).parent / "templates"
 
 
-def split_feed(text: str, splits: list[int], inside: bool = False) -> tuple[str, str]:
-    parser, thought, said, start = ReasoningParser(inside), "", "", 0
+def split_feed(text: str, splits: list[int], inside: bool = False, tags: Tags = THINK) -> tuple[str, str]:
+    parser, thought, said, start = ReasoningParser(inside, tags), "", "", 0
     for end in [*sorted(splits), len(text)]:
         more_thought, more_said = parser.feed(text[start:end])
         thought, said, start = thought + more_thought, said + more_said, max(start, end)
@@ -42,6 +42,17 @@ def test_any_split_gives_the_same_reasoning_and_answer(thought: str, answer: str
     assert split_feed(inside, splits, inside=True) == (thought.strip(), answer.lstrip())
 
 
+@settings(max_examples=200, deadline=None)
+@given(thought=words, answer=words, data=st.data())
+def test_gemma_4_s_thought_channel_in_any_split(thought: str, answer: str, data: st.DataObject) -> None:
+    """Gemma 4 reasons in its thought channel: ``<|channel>thought``, a line, the reasoning, ``<channel|>``."""
+    thought = thought.replace("<channel|>", "")
+    text = f"<|channel>thought\n{thought}<channel|>{answer}"
+    splits = data.draw(st.lists(st.integers(0, len(text)), max_size=6))
+    assert split_feed(text, splits, tags=CHANNEL) == (thought.strip(), answer.lstrip())
+    assert split_feed(answer + "x", splits, tags=CHANNEL)[0] == ""  # no channel: all answer
+
+
 def test_a_reply_without_the_tag_is_all_answer_and_one_cut_short_all_reasoning() -> None:
     assert split_feed("Paris is sunny. <think>x</think>", [3]) == ("", "Paris is sunny. <think>x</think>")
     assert split_feed("  <thi", []) == ("", "  <thi")
@@ -54,6 +65,10 @@ def test_which_templates_reason_and_where_the_reply_starts() -> None:
     assert reasons((TEMPLATES / "r1-distill-qwen.jinja").read_text())
     assert not reasons((TEMPLATES / "qwen2.5.jinja").read_text()) and not reasons(None)
     assert starts_inside("<|im_start|>assistant\n<think>\n") and not starts_inside("<think>\n\n</think>\n\n")
+    gemma = (TEMPLATES / "gemma-4.jinja").read_text()
+    assert reasons(gemma) is CHANNEL and reasons((TEMPLATES / "qwen3.jinja").read_text()) is THINK
+    # thinking off, Gemma 4's generation prompt closes an empty channel: the reply starts at the answer
+    assert not starts_inside("<|turn>model\n<|channel>thought\n<channel|>", CHANNEL)
 
 
 # -- over HTTP -------------------------------------------------------------------------------------------------

@@ -34,14 +34,17 @@ def template(name: str) -> str:
     [("qwen2.5", "hermes", True), ("qwen3", "hermes", True), ("llama3.1", "llama3", True),
      ("mistral-nemo", "mistral", True), ("qwen3-coder", "qwen-xml", True), ("qwen3.5", "qwen-xml", True),
      ("granite-4.0", "hermes", True), ("glm-4.6", "unsupported", False), ("r1-distill-qwen", "hermes", False),
-     ("lfm2", "pythonic", True), ("lfm2.5", "pythonic", True)],
+     ("lfm2", "pythonic", True), ("lfm2.5", "pythonic", True), ("gemma-4", "gemma", True)],
 )  # fmt: skip
 def test_each_template_s_family_is_found(name: str, family: str, native: bool) -> None:
-    added = {"<tool_call>": 7, "</tool_call>": 8, "[TOOL_CALLS]": 9, "<|python_tag|>": 10, "<|tool_call_start|>": 11}
+    added = {"<tool_call>": 7, "</tool_call>": 8, "[TOOL_CALLS]": 9, "<|python_tag|>": 10, "<|tool_call_start|>": 11,
+             "<|tool_call>": 12, '<|"|>': 13}  # fmt: skip
     syntax = detect(template(name), added)
     assert (syntax.family, syntax.native) == (family, native)
-    if family in ("hermes", "mistral", "llama3", "qwen-xml", "pythonic") and native:
+    if family in ("hermes", "mistral", "llama3", "qwen-xml", "pythonic", "gemma") and native:
         assert syntax.open_id is not None  # the vocabulary's marker token is used as a token
+    if family == "gemma":  # ... and its strings' quote mark, kept in the text the parser reads
+        assert syntax.quote_id == 13 and 13 in syntax.kept_special
 
 
 def test_a_template_without_tools_gets_the_default_prompt_and_one_with_an_unknown_syntax_none() -> None:
@@ -211,6 +214,66 @@ def test_text_in_lfm2_s_markers_that_is_no_call_is_content_and_nothing_runs() ->
         assert parser.feed(text)[0] + parser.finish()[0] == text and not parser.calls
 
 
+def gemma_value(value: Any) -> str:
+    """A value as Gemma 4's template writes it (``format_argument``: strings between quote marks, keys bare)."""
+    if isinstance(value, str):
+        return f'<|"|>{value}<|"|>'
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if value is None:
+        return "null"
+    if isinstance(value, dict):
+        return "{" + ",".join(f"{key}:{gemma_value(item)}" for key, item in value.items()) + "}"
+    if isinstance(value, list):
+        return "[" + ",".join(gemma_value(item) for item in value) + "]"
+    return json.dumps(value)
+
+
+gemma_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False, allow_infinity=False)
+    | st.text(alphabet=st.sampled_from('ab{}[]:,"\\<>_ é\n'), max_size=10).filter(lambda t: '<|"|>' not in t),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.from_regex(r"[a-z_]{1,6}", fullmatch=True), inner,
+                                                                 max_size=3),
+    max_leaves=6,
+)  # fmt: skip
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    calls=st.lists(st.tuples(names, st.dictionaries(st.from_regex(r"[a-z_]{1,8}", fullmatch=True), gemma_values,
+                                                    max_size=3)), max_size=3),
+    data=st.data(),
+)  # fmt: skip
+def test_gemma_4_s_calls_come_back_whole_in_any_split(calls: list, data: st.DataObject) -> None:
+    """Gemma 4's blocks, one a call, values in its notation (strings between ``<|"|>`` marks with any text in them,
+    bare keys, nested arrays and objects, numbers, ``true``, ``null``): each call's arguments the values, the text
+    around the blocks content."""
+    from app.pipeline.tools.gemma_parser import CLOSE, OPEN, GemmaCallParser
+
+    blocks = "".join(f"{OPEN}call:{n}{gemma_value(a)}{CLOSE}" for n, a in calls)
+    text = f"Let me look. {blocks} Done."
+    splits = sorted(data.draw(st.lists(st.integers(0, len(text)), max_size=8)))
+    parser, pieces, deltas, start = GemmaCallParser(), [], [], 0
+    for end in [*splits, len(text)]:
+        piece, more = parser.feed(text[start:end])
+        pieces.append(piece)
+        deltas += more
+        start = end
+    rest, _ = parser.finish()
+    assert [(c.name, json.loads(c.arguments)) for c in parser.calls] == [(n, a) for n, a in calls]
+    assert [json.loads(d["function"]["arguments"]) for d in deltas] == [a for _, a in calls]
+    assert "".join(pieces) + rest == ("Let me look.  Done." if calls else text)
+
+
+def test_text_in_gemma_4_s_markers_that_is_no_call_is_content() -> None:
+    from app.pipeline.tools.gemma_parser import GemmaCallParser
+
+    for block in ("call:f", "f{a:1}", "call:{a:1}", 'call:f{a:<|"|>open}', "call:f{a:1}x", "call:f" + "[" * 5000):
+        parser = GemmaCallParser()
+        text = f"<|tool_call>{block}<tool_call|>"
+        assert parser.feed(text)[0] + parser.finish()[0] == text and not parser.calls
+
+
 def test_llama3_text_that_is_not_a_call_is_content() -> None:
     for text in ('{"answer": 42}', "Paris is sunny.", '  {"nam', "{"):
         parser, content, _ = parse(LLAMA3, text, [2])
@@ -270,6 +333,9 @@ FAMILIES = {  # the template, and SmolLM2's special tokens renamed to the family
     "lfm2": {1: "<|im_start|>", 2: "<|im_end|>", 3: "<|tool_call_start|>", 4: "<|tool_call_end|>",
              5: "<|tool_list_start|>", 6: "<|tool_list_end|>", 7: "<|tool_response_start|>",
              8: "<|tool_response_end|>"},
+    "gemma-4": {1: "<bos>", 2: "<turn|>", 3: "<|turn>", 4: "<|tool_call>", 5: "<tool_call|>", 6: '<|"|>',
+                7: "<|tool_response>", 8: "<tool_response|>", 9: "<|channel>", 10: "<channel|>", 11: "<|tool>",
+                12: "<tool|>", 13: "<|think|>"},
 }  # fmt: skip
 WEATHER = {
     "type": "function",
@@ -286,7 +352,7 @@ WEATHER = {
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 
-@pytest.fixture(scope="module", params=["qwen2.5", "llama3.1", "mistral-nemo", "qwen3.5", "lfm2"])
+@pytest.fixture(scope="module", params=["qwen2.5", "llama3.1", "mistral-nemo", "qwen3.5", "lfm2", "gemma-4"])
 def family_client(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
     yield from _client(request.param, tmp_path_factory)
 
@@ -341,7 +407,7 @@ def chat(client, **body: Any) -> dict[str, Any]:
 
 
 def marker_id(served, name: str) -> int:
-    markers = ("<tool_call>", "[TOOL_CALLS]", "<|python_tag|>", "<|tool_call_start|>")
+    markers = ("<tool_call>", "[TOOL_CALLS]", "<|python_tag|>", "<|tool_call_start|>", "<|tool_call>")
     return next(i for i, text in FAMILIES[name].items() if text in markers)
 
 
@@ -352,7 +418,8 @@ def assert_calls_whole(choice: dict[str, Any]) -> list[dict[str, Any]]:
         arguments = json.loads(call["function"]["arguments"])
         assert call["function"]["name"] == "get_weather" and set(arguments) == {"city", "unit"}
     content = choice["message"]["content"] or ""
-    markers = ("<tool_call>", "[TOOL_CALLS]", "<|python_tag|>", '"name"', "<|tool_call_start|>", "get_weather(")
+    markers = ("<tool_call>", "[TOOL_CALLS]", "<|python_tag|>", '"name"', "<|tool_call_start|>", "get_weather(",
+               "<|tool_call>", "call:get_weather")  # fmt: skip
     assert not any(marker in content for marker in markers)
     return calls
 
@@ -425,6 +492,8 @@ def test_a_tool_result_goes_back_through_the_family_s_template(family_client) ->
         "\n</parameter>\n</function>\n</tool_call>",
         "lfm2": '<|tool_call_start|>[get_weather(city="Paris", unit="C")]<|tool_call_end|><|im_end|>\n'
         "<|im_start|>tool\n<|tool_response_start|>18 C, sunny<|tool_response_end|>",
+        "gemma-4": '<|tool_call>call:get_weather{city:<|"|>Paris<|"|>,unit:<|"|>C<|"|>}<tool_call|>'
+        '<|tool_response>response:get_weather{value:<|"|>18 C, sunny<|"|>}<tool_response|>',
     }[name]
     assert expected in text and "18 C, sunny" in text
     got = chat(client, messages=messages, temperature=0, max_tokens=4)
@@ -461,6 +530,24 @@ def test_a_reasoning_model_s_calls_come_after_its_reasoning(tmp_path_factory: py
         choice = plain.json()["choices"][0]  # unclosed, the reasoning runs on: no call forced into it
         assert choice["finish_reason"] == "length" and "tool_calls" not in choice["message"]
         assert "<tool_call>" not in (choice["message"].get("reasoning_content") or "")
+
+
+def test_gemma_4_s_calls_come_after_its_thought_channel(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Gemma 4 with thinking on (``enable_thinking``: its prompt does not close the channel): a reply that opens
+    its thought channel reasons there, its calls held to the grammar only after ``<channel|>`` (both pushed up
+    here); unclosed, the reasoning runs on, read as reasoning, no call forced into it."""
+    for client, served, _ in _client("gemma-4", tmp_path_factory):
+        opening, closing = (served.tokenizer.added[tag] for tag in ("<|channel>", "<channel|>"))
+        body = {"messages": ASK, "tools": [WEATHER], "temperature": 0, "max_tokens": 80, "tool_choice": "required",
+                "parallel_tool_calls": False, "chat_template_kwargs": {"enable_thinking": True},
+                "logit_bias": {str(opening): 100, str(closing): 100}}  # fmt: skip
+        got = client.post("/v1/chat/completions", json=body).json()["choices"][0]
+        assert assert_calls_whole(got) and got["finish_reason"] == "tool_calls"
+        plain = client.post("/v1/chat/completions", json={**body, "logit_bias": {str(opening): 100}, "max_tokens": 12})
+        choice = plain.json()["choices"][0]
+        assert choice["finish_reason"] == "length" and "tool_calls" not in choice["message"]
+        assert choice["message"].get("reasoning_content") and not choice["message"].get("content")
+        assert "<|channel>" not in choice["message"]["reasoning_content"]
 
 
 def test_tools_for_a_template_whose_syntax_cannot_be_read_are_a_400(tmp_path_factory: pytest.TempPathFactory) -> None:

@@ -16,9 +16,7 @@ from app.pipeline.harmony import prompt as harmony_prompt
 from app.pipeline.harmony.encoding import MESSAGE, START, Harmony
 from app.pipeline.harmony.grammar import reply_grammar
 from app.pipeline.harmony.reader import HarmonyReader
-from app.pipeline.reasoning import CLOSE as THINK_CLOSE
-from app.pipeline.reasoning import OPEN as THINK_OPEN
-from app.pipeline.reasoning import after_thought, budget_grammar, reasons, starts_inside
+from app.pipeline.reasoning import THINK, after_thought, budget_grammar, reasons, starts_inside
 from app.pipeline.reply import Reading
 from app.pipeline.reply_budget import reply_budget
 from app.pipeline.tools import ToolCalling
@@ -74,12 +72,14 @@ class ChatModel:
         self.backend = backend
         self.metrics = metrics
         #: The family's tool-call syntax, read from the chat template and the vocabulary
-        #: (``app/pipeline/tools/syntax.py``), and whether it reasons between ``<think>`` tags
-        #: (``app/pipeline/reasoning.py``; the tags' tokens kept in text).
+        #: (``app/pipeline/tools/syntax.py``), and whether it reasons between tags (``app/pipeline/reasoning.py``;
+        #: the tags' tokens kept in text).
         template = model.tokenizer.info().get("chat_template")
         self.tool_syntax = detect(template, model.tokenizer.added)
+        #: The tags it reasons between (``<think>``, Gemma 4's thought channel), None where it does not reason.
         self.reasons = reasons(template)
-        opening, closing = (model.tokenizer.added.get(tag) for tag in (THINK_OPEN, THINK_CLOSE))
+        self.tags = self.reasons or THINK
+        opening, closing = (model.tokenizer.added.get(tag) for tag in (self.tags.opening, self.tags.closing))
         #: The tags' token ids, where the model reasons and both are tokens.
         self.think_tags = (opening, closing) if self.reasons and opening is not None and closing is not None else None
         self.think_ids = frozenset(self.think_tags or ())
@@ -129,11 +129,13 @@ class ChatModel:
         if self.harmony is not None:
             return self._harmony_reading(self.harmony, prompt)
         types = parameter_types(calling.definitions()) if calling is not None else {}
-        return Reading(self.call_syntax(calling), self.reasons, self.opens_reasoning(prompt), types=types)
+        reasons = self.reasons is not None
+        return Reading(self.call_syntax(calling), reasons, self.opens_reasoning(prompt), self.tags, types=types)
 
     def opens_reasoning(self, prompt: list[int]) -> bool:
         """Whether ``prompt`` (its end) opened the reasoning the reply continues (a model that reasons)."""
-        return self.reasons and starts_inside(self.tokenizer.decode(prompt[-8:], skip_special_tokens=False))
+        text = self.tokenizer.decode(prompt[-8:], skip_special_tokens=False)
+        return self.reasons is not None and starts_inside(text, self.tags)
 
     @staticmethod
     def _harmony_reading(harmony: Harmony, prompt: list[int]) -> Reading:
@@ -152,7 +154,7 @@ class ChatModel:
             return dataclasses.replace(options, structured=budgeted)
         if budget is None or not self.reasons or options.structured is not None or calling is not None:
             return options
-        grammar = budget_grammar(budget, reading.inside, self.think_tags)
+        grammar = budget_grammar(budget, reading.inside, self.think_tags, self.tags)
         budgeted = StructuredOutput("grammar", grammar, "thinking.budget_tokens", whole=True)
         return dataclasses.replace(options, structured=budgeted)
 
@@ -249,7 +251,7 @@ class ChatModel:
         the prompt opened it); a 400 naming the tool whose parameters do not compile."""
         grammar = tool_grammar(calling, self.tool_syntax)
         if self.reasons:
-            grammar = after_thought(grammar, thinking, self.think_tags)
+            grammar = after_thought(grammar, thinking, self.think_tags, self.tags)
         try:
             return await self.compile(StructuredOutput("grammar", grammar, "tools"))
         except APIError:

@@ -1,5 +1,6 @@
 """Reasoning split out of a reply, for models whose chat template has them think between ``<think>`` and
-``</think>`` first (Qwen3, QwQ, DeepSeek-R1 distills, SmolLM3). Torch-free.
+``</think>`` first (Qwen3, QwQ, DeepSeek-R1 distills, SmolLM3), or in Gemma 4's thought channel
+(``<|channel>thought`` ... ``<channel|>``). Torch-free.
 
 The reasoning is what the model writes between the tags; the answer (content, and any tool calls) is what follows
 the closing tag. A template may open the reasoning itself, its generation prompt ending in ``<think>`` (the R1
@@ -10,30 +11,59 @@ space just inside the tags and just after the closing one is neither reasoning n
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from typing import Literal
 
 from app.pipeline.tools.parser import partial_suffix
 
-OPEN, CLOSE = "<think>", "</think>"
+
+@dataclass(frozen=True, slots=True)
+class Tags:
+    """What opens a family's reasoning (``opening``, a token where the vocabulary has it, then ``label``'s text)
+    and what closes it."""
+
+    opening: str
+    closing: str
+    label: str = ""
+
+    @property
+    def open(self) -> str:
+        return self.opening + self.label
+
+    def grammar(self, tag_ids: tuple[int, int] | None) -> tuple[str, str]:
+        """The opening and the closing in llguidance's Lark: tokens (``tag_ids``, where they are), else text."""
+        if tag_ids is None:
+            return json.dumps(self.open), json.dumps(self.closing)
+        label = f" {json.dumps(self.label)}" if self.label else ""
+        return f"<[{tag_ids[0]}]>{label}", f"<[{tag_ids[1]}]>"
 
 
-def reasons(template: str | None) -> bool:
-    """Whether a chat template has its model reason between the tags."""
-    return template is not None and OPEN in template and CLOSE in template
+THINK = Tags("<think>", "</think>")
+#: Gemma 4's thought channel.
+CHANNEL = Tags("<|channel>", "<channel|>", "thought")
+OPEN, CLOSE = THINK.open, THINK.closing
 
 
-def starts_inside(prompt_text: str) -> bool:
+def reasons(template: str | None) -> Tags | None:
+    """The tags a chat template has its model reason between; None where it has it not reason."""
+    for tags in (CHANNEL, THINK):
+        if template is not None and tags.open in template and tags.closing in template:
+            return tags
+    return None
+
+
+def starts_inside(prompt_text: str, tags: Tags = THINK) -> bool:
     """Whether a rendered prompt (its end) opens the reasoning the reply continues."""
-    return prompt_text.rstrip().endswith(OPEN)
+    return prompt_text.rstrip().endswith(tags.open)
 
 
-def budget_grammar(budget: int, inside: bool, tag_ids: tuple[int, int] | None) -> str:
+def budget_grammar(budget: int, inside: bool, tag_ids: tuple[int, int] | None, tags: Tags = THINK) -> str:
     """A grammar (llguidance's Lark) that ends the reasoning after at most ``budget`` tokens: the closing tag comes
     then, if the model has not written it before; the answer after it is free. ``inside``: the prompt opened the
     reasoning; else the reply may open it or answer at once. ``tag_ids``: the tags' token ids, where they are
     tokens (else the tags are text)."""
-    opening, closing = (f"<[{tag_ids[0]}]>", f"<[{tag_ids[1]}]>") if tag_ids else (f'"{OPEN}"', f'"{CLOSE}"')
+    opening, closing = tags.grammar(tag_ids)
     start = "start: thought answer" if inside else f"start: ({opening} thought)? answer"
     return "\n".join([
         start,
@@ -43,12 +73,12 @@ def budget_grammar(budget: int, inside: bool, tag_ids: tuple[int, int] | None) -
     ])  # fmt: skip
 
 
-def after_thought(grammar: str, inside: bool, tag_ids: tuple[int, int] | None) -> str:
+def after_thought(grammar: str, inside: bool, tag_ids: tuple[int, int] | None, tags: Tags = THINK) -> str:
     """A grammar (llguidance's Lark, its ``start`` rule on a line of its own) that holds the answer only: the
     reasoning before it is free and ends with the closing tag (``inside``: the prompt opened it; else the reply may
     open it or answer at once), a line break or two after it. As vLLM holds a reasoning model's tool calls and
     structured outputs: after its reasoning, which they would otherwise be forced into."""
-    opening, closing = (f"<[{tag_ids[0]}]>", f"<[{tag_ids[1]}]>") if tag_ids else (f'"{OPEN}"', f'"{CLOSE}"')
+    opening, closing = tags.grammar(tag_ids)
     lines = ["answer: " + line.removeprefix("start: ") if line.startswith("start: ") else line
              for line in grammar.splitlines()]  # fmt: skip
     start = "start: thought answer" if inside else f"start: ({opening} thought)? answer"
@@ -65,6 +95,7 @@ class ReasoningParser:
     the same reasoning and content."""
 
     inside: bool = False  # the prompt opened the reasoning
+    tags: Tags = THINK
     reasoning: list[str] = field(default_factory=list)
     _pending: str = ""
     _state: Literal["start", "reasoning", "after", "content"] = "start"
@@ -117,11 +148,11 @@ class ReasoningParser:
 
     def _start(self) -> bool:
         """Before anything: the opening tag (then reasoning), or the answer. False: wait for more."""
-        stripped = self._pending.lstrip()
-        if stripped.startswith(OPEN):
-            self._pending, self._state = stripped[len(OPEN) :], "reasoning"
+        stripped, opening = self._pending.lstrip(), self.tags.open
+        if stripped.startswith(opening):
+            self._pending, self._state = stripped[len(opening) :], "reasoning"
             return True
-        if OPEN.startswith(stripped):
+        if opening.startswith(stripped):
             return False
         self._state = "content"
         return True
@@ -129,12 +160,13 @@ class ReasoningParser:
     def _reason(self) -> tuple[bool, str]:
         """Reasoning up to the closing tag (True: it came), holding back what may begin the tag and trailing
         white space (which the tag may follow)."""
-        end = self._pending.find(CLOSE)
+        closing = self.tags.closing
+        end = self._pending.find(closing)
         if end >= 0:
             released = self._released(self._pending[:end].rstrip())
-            self._pending, self._state = self._pending[end + len(CLOSE) :], "after"
+            self._pending, self._state = self._pending[end + len(closing) :], "after"
             return True, released
-        cut = len(self._pending) - partial_suffix(self._pending, CLOSE)
+        cut = len(self._pending) - partial_suffix(self._pending, closing)
         body = self._pending[:cut]
         keep = len(body) - len(body.rstrip())
         released = self._released(body[: len(body) - keep])

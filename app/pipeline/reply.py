@@ -8,14 +8,15 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from app.pipeline.reasoning import ReasoningParser
+from app.pipeline.reasoning import THINK, ReasoningParser, Tags
+from app.pipeline.tools.gemma_parser import GemmaCallParser
 from app.pipeline.tools.parser import ParsedCall, ToolCallParser
 from app.pipeline.tools.pythonic_parser import PythonicCallParser
-from app.pipeline.tools.syntax import PYTHONIC, QWEN_XML, ToolSyntax
+from app.pipeline.tools.syntax import GEMMA, PYTHONIC, QWEN_XML, ToolSyntax
 from app.pipeline.tools.xml_parser import XmlCallParser
 
 #: The readers of a family's calls (``app/pipeline/tools/``): one interface, ``feed``, ``finish``, ``calls``.
-CallParser = ToolCallParser | XmlCallParser | PythonicCallParser
+CallParser = ToolCallParser | XmlCallParser | PythonicCallParser | GemmaCallParser
 
 
 @dataclass(slots=True, frozen=True)
@@ -24,9 +25,11 @@ class Reading:
 
     #: The syntax of the tool calls a reply may hold; None: it holds none (its text is content).
     calls: ToolSyntax | None = None
-    #: Whether the model reasons between ``<think>`` tags first; ``inside``: the prompt opened them.
+    #: Whether the model reasons between ``tags`` first (``<think>``, Gemma 4's channel); ``inside``: the prompt
+    #: opened them.
     reasons: bool = False
     inside: bool = False
+    tags: Tags = THINK
     #: A reader of the model's own reply format where it has one (gpt-oss's harmony: ``app/pipeline/harmony/``).
     own: Callable[[], Reader] | None = None
     #: The offered tools' parameters' JSON types, by tool and parameter (the XML syntax's values are typed by them).
@@ -38,11 +41,12 @@ class Reading:
         calls: CallParser | None = None
         if self.calls is not None:
             readers: dict[str, Callable[[], CallParser]] = {
-                QWEN_XML.family: lambda: XmlCallParser(self.types), PYTHONIC.family: PythonicCallParser
+                QWEN_XML.family: lambda: XmlCallParser(self.types), PYTHONIC.family: PythonicCallParser,
+                GEMMA.family: GemmaCallParser,
             }  # fmt: skip
             reader = readers.get(self.calls.family)
             calls = reader() if reader is not None else ToolCallParser(self.calls)
-        return ReplyReader(ReasoningParser(self.inside) if self.reasons else None, calls)
+        return ReplyReader(ReasoningParser(self.inside, self.tags) if self.reasons else None, calls)
 
 
 @dataclass(slots=True)

@@ -8,7 +8,7 @@ import json
 from typing import Any
 
 from app.pipeline.tools import ToolCalling
-from app.pipeline.tools.syntax import DEFAULT, PYTHONIC, QWEN_XML, ToolSyntax
+from app.pipeline.tools.syntax import DEFAULT, GEMMA, PYTHONIC, QWEN_XML, ToolSyntax
 from app.pipeline.tools.xml_parser import FUNCTION, FUNCTION_END, PARAMETER, PARAMETER_END
 from app.wire.openai.messages import Tool
 from engine.core.grammar import JSON_STYLE
@@ -42,11 +42,14 @@ def tool_grammar(calling: ToolCalling, syntax: ToolSyntax = DEFAULT) -> str:
     """The Lark grammar (llguidance's dialect) the reply must follow."""
     if not calling.calls_allowed:
         return "%llguidance {}\n" + no_calls(syntax)
-    body = {QWEN_XML.family: _xml_body, PYTHONIC.family: _pythonic_body}.get(syntax.family, _body)
+    bodies_of = {QWEN_XML.family: _xml_body, PYTHONIC.family: _pythonic_body, GEMMA.family: _gemma_body}
+    body = bodies_of.get(syntax.family, _body)
     bodies = [body(i, tool, calling, syntax) for i, tool in enumerate(calling.offered())]
     parallel = calling.parallel and syntax.parallel and calling.choice in ("auto", "required")
     rules = [*_calls(syntax, parallel), *_start(calling.choice == "auto", syntax)]
     rules += ["body: " + " | ".join(f"fn_{i}" for i in range(len(bodies))), *bodies]
+    if syntax.family == GEMMA.family:
+        rules += _gemma_values(syntax)
     return "%llguidance {}\n" + "\n".join(rules) + "\n"
 
 
@@ -118,30 +121,99 @@ def _pythonic_body(index: int, tool: Tool, calling: ToolCalling, syntax: ToolSyn
     defs = {key: parameters[key] for key in ("$defs", "definitions") if key in parameters}
     required = set(parameters.get("required") or ())
     keys = list((parameters.get("properties") or {}).items())
-    rules, optional = [], [key not in required for key, _ in keys]
+    rules = []
     for j, (key, schema) in enumerate(keys):
         value = {**schema, **defs, "x-guidance": {**JSON_STYLE, "lenient": True}} if isinstance(schema, dict) else {}
         rules.append(f"p_{index}_{j}: {json.dumps(key + '=')} %json {json.dumps(value)}")
+    arguments = _keyword_list(index, [key not in required for key, _ in keys], '", "')
+    rules.insert(0, f'fn_{index}: {json.dumps(name + "(")} {arguments} ")"')
+    return "\n".join(rules)
 
-    def rest(j: int) -> str:  # parameters j.. after one was written: each behind ", "
-        if j == len(keys):
+
+def _gemma_body(index: int, tool: Tool, calling: ToolCalling, syntax: ToolSyntax) -> str:
+    """Rule ``fn_<index>``: a call of ``tool`` as Gemma 4 writes it (``gemma_parser.py``): ``NAME{key:value,...}``,
+    the schema's parameters in its order, the required ones always; a string's value its text between quote marks
+    (a string ``enum``: one of its values), a number's or a boolean's JSON of its schema, any other value one of
+    Gemma's (an array or object of them), as llama.cpp's grammar of the family holds them; a custom tool's
+    ``input`` held to its grammar."""
+    name, quote = tool.function.name, _marker(syntax.quote, syntax.quote_id)
+    if name in calling.freeform:
+        head = json.dumps(f"{name}{{input:")
+        body = f'fn_{index}: {head} {quote} input_{index} {quote} "}}"'
+        return f"{body}\ninput_{index}: %lark {{\n{calling.freeform[name]}\n}}"
+    parameters = tool.function.parameters
+    defs = {key: parameters[key] for key in ("$defs", "definitions") if key in parameters}
+    required = set(parameters.get("required") or ())
+    keys = list((parameters.get("properties") or {}).items())
+    rules = [f"p_{index}_{j}: {json.dumps(key + ':')} {_gemma_value(schema, defs, quote, syntax)}"
+             for j, (key, schema) in enumerate(keys)]  # fmt: skip
+    arguments = _keyword_list(index, [key not in required for key, _ in keys], '","')
+    rules.insert(0, f'fn_{index}: {json.dumps(name + "{")} {arguments} "}}"')
+    return "\n".join(rules)
+
+
+def _gemma_value(schema: Any, defs: dict[str, Any], quote: str, syntax: ToolSyntax) -> str:
+    """A parameter's value in Gemma's notation: a string's text between quote marks (within its ``minLength`` and
+    ``maxLength`` where the mark is a token; one of a string ``enum``'s values), a number's or boolean's JSON of
+    its schema, else any of Gemma's values."""
+    if not isinstance(schema, dict):
+        return "g_value"
+    values = schema.get("enum") or ([schema["const"]] if "const" in schema else None)
+    if values and all(isinstance(value, str) for value in values):
+        return f"{quote} (" + " | ".join(json.dumps(value) for value in values) + f") {quote}"
+    if schema.get("type") == "string" and syntax.quote_id is not None:
+        return f"{quote} {_xml_value(schema, defs)} {quote}"  # (a token ends the text: no text spells it)
+    if schema.get("type") == "string":
+        return "g_string"
+    if schema.get("type") in ("number", "integer", "boolean"):
+        return f"%json {json.dumps({**schema, **defs, 'x-guidance': {**JSON_STYLE, 'lenient': True}})}"
+    return "g_value"
+
+
+def _gemma_values(syntax: ToolSyntax) -> list[str]:
+    """Gemma's values (``gemma_parser.py``), as llama.cpp's grammar of the family has them: a string between quote
+    marks, an object of bare keys, an array, a number, ``true``, ``false``, ``null``."""
+    quote = _marker(syntax.quote, syntax.quote_id)
+    text = (
+        "G_TEXT: /(?s:.*)/"
+        if syntax.quote_id is not None
+        else f"G_TEXT: /(?s:.*)/ & ~/(?s:.*{_escaped(syntax.quote)}.*)/"
+    )
+    return [
+        'g_value: g_string | g_object | g_array | G_NUMBER | "true" | "false" | "null"',
+        f"g_string: {quote} G_TEXT {quote}",
+        text,
+        'g_object: "{" (G_KEY ":" g_value ("," G_KEY ":" g_value)*)? "}"',
+        'g_array: "[" (g_value ("," g_value)*)? "]"',
+        "G_KEY: /[^:}{,\\[\\]]+/",
+        "G_NUMBER: /-?(0|[1-9][0-9]*)(\\.[0-9]+)?([eE][+-]?[0-9]+)?/",
+    ]
+
+
+def _keyword_list(index: int, optional: list[bool], separator: str) -> str:
+    """Parameters ``p_<index>_<j>`` in their order, the required ones always, each after the one before behind
+    ``separator``."""
+
+    def rest(j: int) -> str:  # parameters j.. after one was written: each behind the separator
+        if j == len(optional):
             return ""
-        written = f'", " p_{index}_{j}'
+        written = f"{separator} p_{index}_{j}"
         return f"{f'({written})?' if optional[j] else written} {rest(j + 1)}".strip()
 
     def first(j: int) -> str:  # parameters j.. with none written before, at least one
         own = f"p_{index}_{j} {rest(j + 1)}".strip()
-        return f"({own} | {first(j + 1)})" if optional[j] and j + 1 < len(keys) else own
+        return f"({own} | {first(j + 1)})" if optional[j] and j + 1 < len(optional) else own
 
-    arguments = "" if not keys else f"({first(0)})?" if all(optional) else first(0)
-    rules.insert(0, f'fn_{index}: {json.dumps(name + "(")} {arguments} ")"')
-    return "\n".join(rules)
+    return "" if not optional else f"({first(0)})?" if all(optional) else first(0)
 
 
 def _calls(syntax: ToolSyntax, parallel: bool) -> list[str]:
     """``calls``: what follows the first marker, one call or several; ``bare``: calls that begin the reply without
     it (``ToolSyntax.at_start``)."""
     more = f" ({json.dumps(syntax.separator)} body)*" if parallel else ""
+    if syntax.family == GEMMA.family:  # Gemma 4: <|tool_call>call:NAME{...}<tool_call|>, block after block
+        again = f" ({_marker(syntax.open, syntax.open_id)} call)*" if parallel else ""
+        return [f"calls: call{again}", f'call: "call:" body {_marker(syntax.close, syntax.close_id)}']
     if syntax.family == PYTHONIC.family:  # LFM2: [call, call]<|tool_call_end|>
         return [f'calls: "[" body{more} "]" {_marker(syntax.close, syntax.close_id)}']
     if syntax.array:  # mistral: [TOOL_CALLS][{...}, {...}]

@@ -15,6 +15,8 @@ qwen-xml   ``<tool_call>\n<function=NAME>\n<parameter=P>\n``    Qwen3-Coder, Qwe
            ``VALUE\n</parameter>\n</function>\n</tool_call>``    values typed by the tool's schema)
 pythonic   ``<|tool_call_start|>[NAME(key=value, ...), ...]``   LFM2, LFM2.5 (``pythonic_parser.py``: Python
            ``<|tool_call_end|>``                                 literals or JSON values)
+gemma      ``<|tool_call>call:NAME{key:<|"|>text<|"|>,n:1}``    Gemma 4 (``gemma_parser.py``: strings between
+           ``<tool_call|>``, one block per call                  quote marks, keys bare)
 =========  ====================================================  ==========================================
 
 Markers that are tokens of the vocabulary are read and forced as tokens (``open_id``, ``close_id``): the
@@ -50,11 +52,14 @@ class ToolSyntax:
     parallel: bool = True
     #: Call ids as the template requires them (mistral: 9 letters and digits); 0: any.
     id_length: int = 0
+    #: What marks a string's ends (Gemma 4's ``<|"|>``), and its token where the vocabulary has it.
+    quote: str = ""
+    quote_id: int | None = None
 
     @property
     def kept_special(self) -> frozenset[int]:
         """The marker tokens whose spelling the generated text keeps."""
-        return frozenset(t for t in (self.open_id, self.close_id) if t is not None)
+        return frozenset(t for t in (self.open_id, self.close_id, self.quote_id) if t is not None)
 
     @property
     def array(self) -> bool:
@@ -74,18 +79,19 @@ LLAMA3 = ToolSyntax("llama3", "<|python_tag|>", arguments_key="parameters", sepa
 MISTRAL = ToolSyntax("mistral", "[TOOL_CALLS]", separator=", ", id_length=9)
 QWEN_XML = ToolSyntax("qwen-xml", OPEN, CLOSE)
 PYTHONIC = ToolSyntax("pythonic", "<|tool_call_start|>", "<|tool_call_end|>", separator=", ")
+GEMMA = ToolSyntax("gemma", "<|tool_call>", "<tool_call|>", separator="", quote='<|"|>')
 #: A template without tools: the default prompt (``app/pipeline/tools/prompt.py``) teaches the Hermes syntax, as text.
 DEFAULT = ToolSyntax("hermes", OPEN, CLOSE, native=False)
 #: A template that renders tools in a syntax this server cannot read back.
 UNSUPPORTED = ToolSyntax("unsupported", "", native=False, parallel=False)
 
-#: What in a template shows its syntax, most specific first: LFM2's tool list (its calls are not in the template),
-#: XML-style arguments (Qwen3-Coder's and Qwen3.5's ``<parameter=``, GLM's ``<arg_key>``) and Mistral's ``[ARGS]``
-#: format come before the markers they share.
+#: What in a template shows its syntax, most specific first: Gemma 4's calls, LFM2's tool list (its calls are not in
+#: the template), XML-style arguments (Qwen3-Coder's and Qwen3.5's ``<parameter=``, GLM's ``<arg_key>``) and
+#: Mistral's ``[ARGS]`` format come before the markers they share.
 _SIGNS = (
-    ("<|tool_list_start|>", PYTHONIC), ("List of tools: [", PYTHONIC), ("<parameter=", QWEN_XML),
-    ("<function=", UNSUPPORTED), ("<arg_key>", UNSUPPORTED), ("[ARGS]", UNSUPPORTED), ("[TOOL_CALLS]", MISTRAL),
-    ("<tool_call>", HERMES), ("<|python_tag|>", LLAMA3), ("<|start_header_id|>", LLAMA3),
+    ("<|tool_call>call:", GEMMA), ("<|tool_list_start|>", PYTHONIC), ("List of tools: [", PYTHONIC),
+    ("<parameter=", QWEN_XML), ("<function=", UNSUPPORTED), ("<arg_key>", UNSUPPORTED), ("[ARGS]", UNSUPPORTED),
+    ("[TOOL_CALLS]", MISTRAL), ("<tool_call>", HERMES), ("<|python_tag|>", LLAMA3), ("<|start_header_id|>", LLAMA3),
 )  # fmt: skip
 #: A Hermes template writes a call as JSON with a name (GLM's and Laguna's ``<tool_call>name...`` do not).
 _JSON_NAME = ('{"name"', '{\\"name\\"')
@@ -106,4 +112,5 @@ def detect(template: str | None, added: dict[str, int]) -> ToolSyntax:
     if syntax in (UNSUPPORTED, DEFAULT):
         return syntax
     close_id = added.get(syntax.close) if syntax.close else None
-    return dataclasses.replace(syntax, open_id=added.get(syntax.open), close_id=close_id)
+    quote_id = added.get(syntax.quote) if syntax.quote else None
+    return dataclasses.replace(syntax, open_id=added.get(syntax.open), close_id=close_id, quote_id=quote_id)
