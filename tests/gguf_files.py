@@ -63,6 +63,7 @@ _MODELS = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen
            "granitehybrid": (GraniteMoeHybridConfig, GraniteMoeHybridForCausalLM),
            "qwen35": (Qwen3_5TextConfig, Qwen3_5ForCausalLM),
            "qwen35moe": (Qwen3_5MoeTextConfig, Qwen3_5MoeForCausalLM),
+           "qwen3next": (Qwen3_5MoeTextConfig, Qwen3_5MoeForCausalLM),
            "gemma4": (Gemma4TextConfig, Gemma4ForCausalLM)}  # fmt: skip
 _LAYER = {
     "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
@@ -73,9 +74,9 @@ _LAYER = {
     "mlp.shared_expert.down_proj": "ffn_down_shexp", "mlp.shared_expert_gate": "ffn_gate_inp_shexp",
 }  # fmt: skip
 #: The mixtures of experts among the tiny models.
-MIXTURES = ("qwen3moe", "olmoe", "qwen2moe", "gpt-oss", "granitemoe", "qwen35moe")
+MIXTURES = ("qwen3moe", "olmoe", "qwen2moe", "gpt-oss", "granitemoe", "qwen35moe", "qwen3next")
 #: Qwen3.5's families: its linear attention, dense or with a mixture of experts.
-QWEN35 = ("qwen35", "qwen35moe")
+QWEN35 = ("qwen35", "qwen35moe", "qwen3next")
 #: The architectures whose converter permutes the query's and key's rows (llama.cpp's ``LlamaModel`` and its heirs).
 PERMUTED = ("llama", "granite", "granitemoe", "smollm3", "granitehybrid")
 #: Granite's multipliers in the tiny models: far enough from 1 (and from 1/sqrt(head size)) that each counts.
@@ -167,7 +168,7 @@ def tiny_model(
         extra.update(num_local_experts=8, num_experts_per_tok=2, intermediate_size=64)
     elif arch in MIXTURES and arch != "gpt-oss":  # olmoe, qwen2moe: the chosen experts' weights as they come
         extra.update(TINY_EXPERTS, norm_topk_prob=arch == "qwen3moe")
-    if arch in ("qwen2moe", "qwen35moe"):
+    if arch in ("qwen2moe", "qwen35moe", "qwen3next"):
         extra.update(shared_expert_intermediate_size=96)
     extra["rope_parameters"] = LLAMA3_ROPE if long_rope else {"rope_type": "default", "rope_theta": 1e6}
     extra.update(num_hidden_layers=2, tie_word_embeddings=False)
@@ -315,7 +316,7 @@ def _plain_keys(config: Any, writer: GGUFWriter, arch: str, rope: dict) -> None:
     """RoPE's base, the norms' epsilon, the experts' counts, the file type."""
     writer.add_rope_freq_base(rope["rope_theta"])
     writer.add_layer_norm_rms_eps(config.norm_eps if arch == "lfm2" else config.rms_norm_eps)
-    if arch in ("qwen2moe", "qwen35moe"):
+    if arch in ("qwen2moe", "qwen35moe", "qwen3next"):
         writer.add_expert_shared_feed_forward_length(config.shared_expert_intermediate_size)
     if arch in MIXTURES:
         writer.add_expert_count(getattr(config, "num_local_experts", None) or config.num_experts)
@@ -368,7 +369,12 @@ def _write_tensors(
     mixture = arch == "granitehybrid" and bool(config.num_local_experts)  # its MLP then named a shared expert's
     with torch.no_grad():
         for name, parameter in model.named_parameters():
-            for gguf_name, values, target in _tensors(name, parameter, arch, mixture):
+            if arch == "qwen3next" and name.endswith("linear_attn.in_proj_a.weight"):
+                continue  # (in ``ssm_ba``, beside beta's rows)
+            merged = arch == "qwen3next" and name.endswith("linear_attn.in_proj_b.weight")
+            for gguf_name, values, target in (
+                _beta_alpha(model, name) if merged else _tensors(name, parameter, arch, mixture)
+            ):
                 plus_one = arch == "gemma3" or (arch in QWEN35 and ".ssm_norm." not in gguf_name)
                 if plus_one and gguf_name.endswith("norm.weight"):  # the model multiplies by 1 + w: the file too
                     values = values + np.float32(1.0)
@@ -386,9 +392,34 @@ def _write_tensors(
                 restored = dequantize(raw, qtype)
                 if arch in PERMUTED and kind in ("attn_q", "attn_k"):
                     restored = _unpermute(restored, heads)
-                if arch in QWEN35:
+                if arch in QWEN35 and arch != "qwen3next":
                     restored = _qwen35_order(kind, restored, config, untile=True)
                 target.copy_(torch.from_numpy(np.ascontiguousarray(restored)))
+
+
+class _BetaAlpha:
+    """Qwen3-Next's ``ssm_ba`` as the converter writes it (each key head's value heads' beta rows, then their alpha
+    rows), restored into transformers' Qwen3.5 beta and alpha matrices (``copy_``)."""
+
+    def __init__(self, beta: torch.Tensor, alpha: torch.Tensor, key_heads: int) -> None:
+        self.beta, self.alpha, self.key_heads = beta, alpha, key_heads
+
+    def merged(self) -> np.ndarray:
+        rows = torch.stack([t.reshape(self.key_heads, -1, t.shape[-1]) for t in (self.beta, self.alpha)], dim=1)
+        return rows.reshape(-1, self.beta.shape[-1]).float().numpy().copy()
+
+    def copy_(self, values: torch.Tensor) -> None:
+        groups = values.reshape(self.key_heads, 2, -1, values.shape[-1])
+        self.beta.copy_(groups[:, 0].reshape(self.beta.shape))
+        self.alpha.copy_(groups[:, 1].reshape(self.alpha.shape))
+
+
+def _beta_alpha(model: PreTrainedModel, beta_name: str) -> list[tuple[str, np.ndarray, Any]]:
+    layer = beta_name.split(".")[2]
+    beta = model.get_parameter(beta_name).data
+    alpha = model.get_parameter(beta_name.replace("in_proj_b", "in_proj_a")).data
+    target = _BetaAlpha(beta, alpha, model.config.linear_num_key_heads)
+    return [(f"blk.{layer}.ssm_ba.weight", target.merged(), target)]
 
 
 def _tensors(
@@ -400,7 +431,7 @@ def _tensors(
     if arch == "gpt-oss" and ".mlp.experts." in name:
         return _oai_experts(name, parameter, layer)
     if arch in QWEN35 and ".linear_attn." in name:
-        return _qwen35_tensors(name, parameter, layer)
+        return _qwen35_tensors(name, parameter, layer, tiled=arch != "qwen3next")
     if arch == "granitehybrid" and (".mamba." in name or ".shared_mlp." in name):
         return _granite_hybrid_tensors(name, parameter, layer, mixture)
     if name.endswith("conv.conv.weight"):  # LFM2's depthwise convolution: [channels, span], as the converter has it
@@ -446,7 +477,7 @@ def _gguf_name(name: str, arch: str) -> str:
     _, _, index, rest = name.split(".", 3)
     module, kind = rest.rsplit(".", 1)
     names = {"gemma3": _GEMMA_LAYER, "phi3": _PHI3_LAYER, "gpt-oss": _OAI_LAYER, "granitemoe": _GRANITE_MOE_LAYER,
-             "lfm2": _LFM2_LAYER, "qwen35": _QWEN35_LAYER, "qwen35moe": _QWEN35_LAYER,
+             "lfm2": _LFM2_LAYER, "qwen35": _QWEN35_LAYER, "qwen35moe": _QWEN35_LAYER, "qwen3next": _QWEN35_LAYER,
              "granitehybrid": _GRANITE_HYBRID_LAYER, "gemma4": _GEMMA4_LAYER}.get(arch, _LAYER)  # fmt: skip
     return f"blk.{index}.{names[module]}.{kind}"
 
@@ -506,21 +537,28 @@ def _granite_hybrid_tensors(
     return [(_gguf_name(name, "granitehybrid"), values, parameter.data)]
 
 
-def _qwen35_tensors(name: str, parameter: torch.Tensor, layer: str) -> list[tuple[str, np.ndarray, torch.Tensor]]:
-    """A Qwen3.5 linear attention's tensor as its converter writes it: the value heads tiled (``_qwen35_order``),
-    ``A_log`` as ``-exp(A_log)``, ``dt_bias`` as ``ssm_dt.bias``, the convolution squeezed."""
+def _qwen35_tensors(
+    name: str, parameter: torch.Tensor, layer: str, tiled: bool = True
+) -> list[tuple[str, np.ndarray, torch.Tensor]]:
+    """A Qwen3.5 linear attention's tensor as its converter writes it: the value heads tiled (``_qwen35_order``;
+    not ``tiled``: Qwen3-Next's, grouped as transformers holds them), ``A_log`` as ``-exp(A_log)``, ``dt_bias`` as
+    ``ssm_dt.bias``, the convolution squeezed."""
     config = _QWEN35_CONFIG
     part = name.split(".linear_attn.")[1]
     values = parameter.detach().float().numpy().copy()
+
+    def order(kind: str, values: np.ndarray) -> np.ndarray:
+        return _qwen35_order(kind, values, config) if tiled else values
+
     if part == "A_log":
-        return [(f"blk.{layer}.ssm_a", _tile(-np.exp(values), 0, config, 1), parameter.data)]
+        return [(f"blk.{layer}.ssm_a", order("ssm_beta", -np.exp(values)), parameter.data)]
     if part == "dt_bias":
-        return [(f"blk.{layer}.ssm_dt.bias", _tile(values, 0, config, 1), parameter.data)]
+        return [(f"blk.{layer}.ssm_dt.bias", order("ssm_beta", values), parameter.data)]
     if part == "conv1d.weight":
-        return [(f"blk.{layer}.ssm_conv1d.weight", _qwen35_order("attn_qkv", values[:, 0], config), parameter.data)]
+        return [(f"blk.{layer}.ssm_conv1d.weight", order("attn_qkv", values[:, 0]), parameter.data)]
     module, kind = part.rsplit(".", 1)
     gguf = _QWEN35_LAYER[f"linear_attn.{module}"]
-    return [(f"blk.{layer}.{gguf}.{kind}", _qwen35_order(gguf, values, config), parameter.data)]
+    return [(f"blk.{layer}.{gguf}.{kind}", order(gguf, values), parameter.data)]
 
 
 #: The tiny Qwen3.5's linear attention's shapes, as ``_qwen35_order`` reads them.
@@ -680,8 +718,11 @@ def save_checkpoint(
     if arch == "granitehybrid":  # dense (its one MLP the shared one) unless given experts; Mamba-2 twice as wide
         config.shared_intermediate_size = shape.get("shared_intermediate_size", config.intermediate_size)
         config.mamba_d_head = 2 * hidden // config.mamba_n_heads
+    model_class = _MODELS[arch][1]
+    if arch == "qwen3next":  # transformers' own Qwen3-Next (its fused in_proj_qkvz and in_proj_ba), as released
+        config, model_class = _qwen3_next(config)
     torch.manual_seed(0)
-    model = _MODELS[arch][1](config).to(dtype).eval()
+    model = model_class(config).to(dtype).eval()
     with torch.no_grad():
         for name, parameter in model.named_parameters():
             if "norm" in name:
@@ -711,6 +752,20 @@ def save_checkpoint(
     return model
 
 
+def _qwen3_next(config: Any) -> tuple[Any, type]:
+    """The tiny Qwen3.5-MoE's shape as transformers' Qwen3-Next config, and its model class."""
+    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+
+    fields = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+              "num_key_value_heads", "head_dim", "linear_num_key_heads", "linear_num_value_heads",
+              "linear_key_head_dim", "linear_value_head_dim", "linear_conv_kernel_dim", "num_experts",
+              "num_experts_per_tok", "moe_intermediate_size", "shared_expert_intermediate_size", "layer_types",
+              "rms_norm_eps", "max_position_embeddings", "tie_word_embeddings", "rope_parameters")  # fmt: skip
+    return Qwen3NextConfig(
+        **{name: getattr(config, name) for name in fields}, norm_topk_prob=True
+    ), Qwen3NextForCausalLM
+
+
 def convert(checkpoint: Path, out: Path, llama_cpp: Path, outtype: str = "f32") -> None:
     """llama.cpp's own converter run on ``checkpoint`` (its tree at ``llama_cpp``, with its gguf-py)."""
     import json
@@ -721,7 +776,7 @@ def convert(checkpoint: Path, out: Path, llama_cpp: Path, outtype: str = "f32") 
     env = {**os.environ, "PYTHONPATH": str(llama_cpp / "gguf-py")}
     command = [sys.executable, str(llama_cpp / "convert_hf_to_gguf.py"), str(checkpoint), "--outfile", str(out)]
     model_type = json.loads((checkpoint / "config.json").read_text()).get("model_type")
-    if model_type in ("qwen3_5_text", "qwen3_5_moe_text"):  # no multi-token prediction layers to write
+    if model_type in ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next"):  # no multi-token prediction layers to write
         command.append("--no-mtp")
     done = subprocess.run([*command, "--outtype", outtype], env=env, capture_output=True, text=True)
     if done.returncode:

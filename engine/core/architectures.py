@@ -177,6 +177,19 @@ ARCHITECTURES = {
             shared_expert=True,
             renormalized_experts=True,
         ),
+        # Qwen3-Next (80B-A3B): Qwen3.5-MoE's layers and transformers' Qwen3.5-MoE model for them; its file keeps the
+        # value heads grouped by key head (not tiled) and beta's and alpha's rows in one tensor (``ssm_ba``)
+        Architecture(
+            "qwen3next",
+            "qwen3_5_moe_text",
+            qk_norm=True,
+            norm_offset=1.0,
+            delta_net=True,
+            gated_attention=True,
+            experts=True,
+            shared_expert=True,
+            renormalized_experts=True,
+        ),
         # LFM2 (350M-2.6B): short convolutions in 10 of 16 layers, attention with head norms in the others
         Architecture("lfm2", "lfm2", qk_norm=True, short_conv=True, renamed=_LFM2_NAMES),
         # Granite 4.0-H (350M, 1B, Micro; Tiny, Small with a mixture of experts beside the MLP): Mamba-2 layers (36
@@ -217,7 +230,10 @@ ARCHITECTURES = {
         ),
     )
 }
-_BY_MODEL_TYPE = {arch.model_type: arch for arch in ARCHITECTURES.values()}
+#: Each model type's row: the first that names it (``qwen3next`` is read into Qwen3.5-MoE's model, whose row it is).
+_BY_MODEL_TYPE: dict[str, Architecture] = {}
+for _arch in ARCHITECTURES.values():
+    _BY_MODEL_TYPE.setdefault(_arch.model_type, _arch)
 
 
 class NotServedNatively(ValueError):

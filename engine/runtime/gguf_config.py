@@ -142,7 +142,7 @@ def _qwen35(reader: GGUFFile, values: dict, rope: dict) -> dict:
         "linear_value_head_dim": int(keys[f"{arch}.ssm.inner_size"]) // value_heads,
         "rope_parameters": {**rope, "partial_rotary_factor": int(keys.get(f"{arch}.rope.dimension_count", head_dim))
                             / head_dim},
-        "linear_v_tiled": True,
+        "linear_v_tiled": arch != "qwen3next",  # (Qwen3-Next's converter keeps transformers' grouped order)
     }  # fmt: skip
 
 

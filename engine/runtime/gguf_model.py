@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -27,6 +28,7 @@ from engine.runtime.gguf_weights import (
     parse_expert_name,
     permuted_qk,
     read,
+    split_beta_alpha,
     unpermute_rows,
 )
 from engine.runtime.quantized_weights import SUPPORTED, QuantizedWeight
@@ -228,6 +230,9 @@ def _dense_tensors(reader: GGUFFile, config: PretrainedConfig, skip: set[str]) -
         kind = tensor.name.split(".")[2] if tensor.name.startswith("blk.") else ""
         if kind in EXPERT_PROJECTIONS and tensor.tensor_type.name in SUPPORTED:
             continue  # in blocks (``gguf_weights.read``)
+        if tensor.name.endswith(".ssm_ba.weight"):  # Qwen3-Next's beta and alpha rows in one tensor
+            yield from _beta_alpha(tensor, reader, skip)
+            continue
         name = _name(tensor.name, arch)
         if name is None and tensor.name not in _READ_ELSEWHERE:
             raise NotServedNatively(f"this {arch.gguf} file's tensor {tensor.name} is not read by the native path")
@@ -245,6 +250,17 @@ def _dense_tensors(reader: GGUFFile, config: PretrainedConfig, skip: set[str]) -
             )
             values = unpermute_rows(values, heads)
         yield name, torch.from_numpy(np.array(values, copy=True, order="C"))
+
+
+def _beta_alpha(tensor: Any, reader: GGUFFile, skip: set[str]) -> Iterator[tuple[str, torch.Tensor]]:
+    """Qwen3-Next's ``ssm_ba`` of a dense type, dequantized, as Qwen3.5's beta and alpha matrices."""
+    from gguf.quants import dequantize
+
+    shape = tuple(int(d) for d in reversed(tensor.shape))
+    values = np.asarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32).reshape(shape)
+    for name, rows in split_beta_alpha(tensor.name, values, reader):
+        if name not in skip:
+            yield name, torch.from_numpy(np.array(rows, copy=True, order="C"))
 
 
 #: Qwen3.5's linear attention's other tensors (``blk.N.<name>...``): transformers' parameter in ``linear_attn``.

@@ -74,6 +74,11 @@ def read(path: Path | GGUFFile, num_heads: int, num_kv_heads: int) -> dict[str, 
         if qtype is not None and tensor.name.split(".")[2:3] and tensor.name.split(".")[2] in EXPERT_PROJECTIONS:
             weights.update(_experts(tensor.name, np.asarray(tensor.data), qtype, int(tensor.shape[0])))
             continue
+        if qtype is not None and tensor.name.endswith(".ssm_ba.weight"):  # Qwen3-Next's beta and alpha rows
+            beta, alpha = split_beta_alpha(tensor.name, np.asarray(tensor.data), reader)
+            weights.update({name: QuantizedWeight(_mapped(rows), qtype, int(tensor.shape[0]))
+                            for name, rows in (beta, alpha)})  # fmt: skip
+            continue
         name = hf_name(tensor.name, arch)
         if qtype is None or name is None:
             continue
@@ -122,6 +127,19 @@ def _mapped(rows: np.ndarray) -> torch.Tensor:
     with warnings.catch_warnings():  # read-only: nothing writes blocks; packing and dequantizing copy them
         warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
         return torch.from_numpy(rows)
+
+
+def split_beta_alpha(
+    name: str, rows: np.ndarray, reader: GGUFFile
+) -> tuple[tuple[str, np.ndarray], tuple[str, np.ndarray]]:
+    """Qwen3-Next's ``blk.N.ssm_ba`` (each key head's value heads' beta rows, then their alpha rows: transformers'
+    ``in_proj_ba``) as Qwen3.5's ``in_proj_b`` and ``in_proj_a`` (value heads in order), whole rows moved."""
+    layer = name.split(".")[1]
+    key_heads = int(reader.keys[f"{architecture(reader)}.ssm.group_count"])
+    groups = rows.reshape(key_heads, 2, -1, *rows.shape[1:])
+    beta, alpha = (np.ascontiguousarray(groups[:, i]).reshape(-1, *rows.shape[1:]) for i in (0, 1))
+    prefix = f"model.layers.{layer}.linear_attn"
+    return (f"{prefix}.in_proj_b.weight", beta), (f"{prefix}.in_proj_a.weight", alpha)
 
 
 def architecture(reader: GGUFFile) -> str:
