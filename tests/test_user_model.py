@@ -190,6 +190,22 @@ def test_a_sentencepiece_file_s_token_ids_are_llama_cpp_s(tmp_path: Path) -> Non
     assert_llama_cpp_s_ids(tmp_path / "spm.gguf", binary)
 
 
+def test_a_gemma_4_file_s_token_ids_are_llama_cpp_s(tmp_path: Path) -> None:
+    """Gemma 4's tokenizer (``tokenizer.ggml.model`` ``gemma4``: BPE over raw UTF-8 with byte fallback, spaces as
+    "▁", no word splitting), its vocabulary trained here on the project's docs (``gguf_files.gemma_vocabulary``) and
+    written by llama.cpp's converter with a tiny Gemma 4: the same ids as its ``/tokenize`` on the corpus. Needs
+    ``LLAMA_SERVER``."""
+    binary = os.environ.get("LLAMA_SERVER")
+    if not binary:
+        pytest.skip("LLAMA_SERVER names no llama-server binary (its tree holds the converter)")
+    sys.path.insert(0, str(ROOT / "tests"))
+    from gguf_files import convert, save_checkpoint
+
+    save_checkpoint("gemma4", tmp_path / "checkpoint")
+    convert(tmp_path / "checkpoint", tmp_path / "gemma4.gguf", Path(binary).resolve().parents[2])
+    assert_llama_cpp_s_ids(tmp_path / "gemma4.gguf", binary)
+
+
 # qwen2: transformers loads this checkpoint's vocabulary as Qwen2Tokenizer, whose own pre-tokenizer the converter
 # does not recognize; the Qwen GGUF above is that converter's own qwen2 file.
 @pytest.mark.parametrize(
@@ -209,6 +225,7 @@ def test_a_sentencepiece_file_s_token_ids_are_llama_cpp_s(tmp_path: Path) -> Non
         "smollm3",
         "qwen35",
         "qwen35moe",
+        "qwen3next",
         "granitehybrid",
         "gemma4",
     ],
@@ -242,7 +259,8 @@ GRANITE_TINY_FORM = {"num_local_experts": 8, "num_experts_per_tok": 2, "intermed
 
 @pytest.mark.parametrize(("arch", "outtype"), [
     *((arch, outtype) for arch in ("qwen3moe", "olmoe", "qwen2moe", "gpt-oss", "granitemoe", "lfm2", "smollm3",
-                                          "qwen35", "qwen35moe", "granitehybrid", "granitehybrid-moe", "gemma4")
+                                          "qwen35", "qwen35moe", "qwen3next", "granitehybrid", "granitehybrid-moe",
+                                          "gemma4")
       for outtype in ("f32", "q8_0")),
     ("gpt-oss", "mxfp4"),
 ])  # fmt: skip
@@ -346,7 +364,8 @@ def test_a_mixture_or_a_new_family_answers_greedy_as_llama_cpp_s_server_does(
             # mean 0.25, top token agreeing 60%, while ours is 0.48 and llama.cpp's 0.67 from the float product of the
             # same weights (the F32 file's, where the two servers answer alike token for token).
             bound, agreeing = {"gpt-oss": (0.2, 0.75), "granitemoe": (0.1, 0.55), "qwen35": (0.15, 0.8),
-                               "qwen35moe": (0.6, 0.55), "gemma4": (0.35, 0.5)}.get(arch, (0.06, 0.8))  # fmt: skip
+                               "qwen35moe": (0.6, 0.55), "qwen3next": (0.6, 0.55),
+                               "gemma4": (0.35, 0.5)}.get(arch, (0.06, 0.8))  # fmt: skip
             assert sum(gaps) / len(gaps) < bound and sum(tops) / len(tops) > agreeing, (summary, sum(tops) / len(tops))
     finally:
         stop_server(ours)

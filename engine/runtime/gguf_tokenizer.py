@@ -43,6 +43,8 @@ def convert(gguf: Path) -> Any:
     keys = GGUFFile(gguf).keys
     if keys.get("tokenizer.ggml.model") == "gpt2":
         tokenizer = _with_specials_as_spelled(tokenizer, gguf)
+    if keys.get("tokenizer.ggml.model") == "gemma4" and not tokenizer.add_bos_token:
+        tokenizer.add_bos_token = True  # (transformers' conversion leaves it out; llama.cpp always adds it for Gemma 4)
     if keys.get("tokenizer.ggml.model") == "llama":
         steps = [normalizers.Replace(" ", SPACE)]
         if keys.get("tokenizer.ggml.add_space_prefix", True):

@@ -132,7 +132,7 @@ def _described(gguf: Path) -> Path:
     described = GGUFFile(gguf)
     # Named by the bytes they are made from, the file's keys and tensor infos: not its tensors' data, whose hash read
     # a whole file at every start (18.6 GB, 10-24 s warm, a 30B-A3B's).
-    target = cache_dir() / f"{gguf.stem}-{_file_hash(gguf, described.data_start)[:16]}-v6-config"
+    target = cache_dir() / f"{gguf.stem}-{_file_hash(gguf, described.data_start)[:16]}-v7-config"
     if (target / "config.json").exists():
         return target
     # The config from the file's keys (refusing what is not served natively); the tokenizer and chat template as
