@@ -46,10 +46,11 @@ def _paged(per_row: torch.Tensor, physical: torch.Tensor, pool_positions: int) -
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-# Query heads per KV head past what one pass holds in registers (4 at dim 64, 2 at 128, 1 at 256), and a head size the
-# kernel has no specialization for.
+# Query heads per KV head past what one pass holds in registers (4 at dim 64, 2 at 128, 1 at 256 and 512), a head size
+# the kernel has no specialization for, and Gemma 4's global heads (512 wide, 8 to a KV head).
 @pytest.mark.parametrize(
-    ("kv_heads", "groups", "dim"), [(3, 3, 64), (1, 6, 64), (2, 1, 128), (1, 3, 128), (1, 4, 24), (1, 4, 256)]
+    ("kv_heads", "groups", "dim"),
+    [(3, 3, 64), (1, 6, 64), (2, 1, 128), (1, 3, 128), (1, 4, 24), (1, 4, 256), (1, 8, 512)],
 )
 @pytest.mark.parametrize("block_size", [16, 32])
 def test_kernel_matches_torch_attention(
@@ -165,7 +166,9 @@ def test_attention_sinks_take_their_share_of_each_head_s_weight(
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize(("kv_heads", "groups", "dim"), [(2, 7, 64), (1, 3, 128), (1, 4, 24), (2, 3, 256)])
+@pytest.mark.parametrize(
+    ("kv_heads", "groups", "dim"), [(2, 7, 64), (1, 3, 128), (1, 4, 24), (2, 3, 256), (1, 8, 512)]
+)
 def test_a_prompt_chunk_s_rows_attend_as_each_would_alone(
     dtype: torch.dtype, kv_heads: int, groups: int, dim: int
 ) -> None:

@@ -465,6 +465,7 @@ void run(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values, 
     if (dim == 64) return run_rows_paired<64>(q, keys, values, out, tables, scale, sinks);
     if (dim == 128) return run_rows_paired<128>(q, keys, values, out, tables, scale, sinks);
     if (dim == 256) return run_rows_paired<256>(q, keys, values, out, tables, scale, sinks);
+    if (dim == 512) return run_rows_paired<512>(q, keys, values, out, tables, scale, sinks);  // Gemma 4's global
   }
 #endif
 #if defined(__AVX2__) && defined(__FMA__)
