@@ -12,8 +12,9 @@ rows of half the layers, its ``use_more_bits`` ones, and for the output layer; a
 (LiquidAI/LFM2-1.2B: 10 short-convolution and 6 attention layers) and ``qwen3.5-0.8b`` (Qwen3.5's layout at about
 0.8B: 24 layers, 18 of them Gated DeltaNet, hidden 1,024; its vocabulary and RoPE base as Qwen3.5's, its linear
 attention's heads as Qwen3-Next's; the small size's own config was not at hand offline) and ``granite-4.0-h-1b``
-(ibm-granite/granite-4.0-h-1b: 36 Mamba-2 and 4 attention layers, hidden 1,536), their matrices Q8_0 (as
-``llama-quantize Q8_0`` writes them), norms, convolutions and the recurrent layers' vectors F32.
+(ibm-granite/granite-4.0-h-1b: 36 Mamba-2 and 4 attention layers, hidden 1,536) and ``gemma-4-e2b``
+(google/gemma-4-E2B's text model: 35 layers, 20 of them reading earlier layers' KV, per-layer inputs), their
+matrices Q8_0 (as ``llama-quantize Q8_0`` writes them), norms, convolutions and the recurrent layers' vectors F32.
 """
 
 from __future__ import annotations
@@ -65,9 +66,17 @@ QWEN3_30B_A3B = {
     "arch": "qwen3moe", "layers": 48, "hidden": 2048, "heads": 32, "kv_heads": 4, "head_dim": 128, "experts": 128,
     "used": 8, "ff": 6144, "expert_ff": 768, "vocab": 151936, "context": 40960, "rope_theta": 1e6, "eps": 1e-6,
 }  # fmt: skip
+#: google/gemma-4-E2B's text model: 35 layers, every 5th global (heads of 512, a quarter rotated) and the others
+#: local (heads of 256, 512 positions), one KV head; the last 20 layers read the KV of the last layer of their kind
+#: before them (with an MLP twice as wide); per-layer inputs of 256 a layer (a 262,144 x 8,960 table); soft-capped.
+GEMMA4_E2B = {
+    "arch": "gemma4", "layers": 35, "hidden": 1536, "heads": 8, "kv_heads": 1, "head_dim": 256, "global_dim": 512,
+    "ff": 6144, "vocab": 262144, "context": 131072, "rope_theta": 1e6, "eps": 1e-6, "window": 512, "period": 5,
+    "shared": 20, "per_layer": 256, "softcap": 30.0,
+}  # fmt: skip
 SHAPES = {
     "gpt-oss-20b": GPT_OSS_20B, "qwen3-30b-a3b": QWEN3_30B_A3B, "lfm2-1.2b": LFM2_1_2B, "qwen3.5-0.8b": QWEN35_0_8B,
-    "granite-4.0-h-1b": GRANITE_40_H_1B,
+    "granite-4.0-h-1b": GRANITE_40_H_1B, "gemma-4-e2b": GEMMA4_E2B,
 }  # fmt: skip
 
 
@@ -84,6 +93,9 @@ def tensors(shape: dict) -> Iterator[tuple[str, tuple[int, ...], GGMLQuantizatio
         return
     if shape.get("arch") == "granitehybrid":
         yield from _granite_hybrid_tensors(shape)
+        return
+    if shape.get("arch") == "gemma4":
+        yield from _gemma4_tensors(shape)
         return
     hidden, heads, kv, dim = shape["hidden"], shape["heads"], shape["kv_heads"], shape["head_dim"]
     experts, ff = shape["experts"], shape["expert_ff"]
@@ -190,6 +202,43 @@ def _granite_hybrid_tensors(shape: dict) -> Iterator[tuple[str, tuple[int, ...],
     yield "output_norm.weight", (hidden,), T.F32
 
 
+def _gemma4_tensors(shape: dict) -> Iterator[tuple[str, tuple[int, ...], GGMLQuantizationType]]:
+    """Gemma 4's: the embedding and the per-layer inputs' table and projection; each layer's attention (no key or
+    value of its own in the KV-sharing layers), four norms, MLP, per-layer input's gate, projection and norm, and
+    scalar; the global layers' RoPE factors."""
+    hidden, layers, width = shape["hidden"], shape["layers"], shape["per_layer"]
+    yield "rope_freqs.weight", (shape["global_dim"] // 2,), T.F32
+    yield "token_embd.weight", (shape["vocab"], hidden), T.Q8_0
+    yield "per_layer_token_embd.weight", (shape["vocab"], layers * width), T.Q8_0
+    yield "per_layer_model_proj.weight", (layers * width, hidden), T.Q8_0
+    yield "per_layer_proj_norm.weight", (width,), T.F32
+    for i in range(layers):
+        blk, dim = f"blk.{i}", shape["global_dim"] if _gemma4_global(i, shape) else shape["head_dim"]
+        own_kv = i < layers - shape["shared"]
+        ff = shape["ff"] * (1 if own_kv else 2)
+        yield f"{blk}.attn_norm.weight", (hidden,), T.F32
+        yield f"{blk}.attn_q.weight", (shape["heads"] * dim, hidden), T.Q8_0
+        yield f"{blk}.attn_q_norm.weight", (dim,), T.F32
+        if own_kv:
+            yield f"{blk}.attn_k.weight", (shape["kv_heads"] * dim, hidden), T.Q8_0
+            yield f"{blk}.attn_v.weight", (shape["kv_heads"] * dim, hidden), T.Q8_0
+            yield f"{blk}.attn_k_norm.weight", (dim,), T.F32
+        yield f"{blk}.attn_output.weight", (hidden, shape["heads"] * dim), T.Q8_0
+        for norm in ("post_attention_norm", "ffn_norm", "post_ffw_norm", "post_norm"):
+            yield f"{blk}.{norm}.weight", (hidden,), T.F32
+        yield f"{blk}.ffn_gate.weight", (ff, hidden), T.Q8_0
+        yield f"{blk}.ffn_up.weight", (ff, hidden), T.Q8_0
+        yield f"{blk}.ffn_down.weight", (hidden, ff), T.Q8_0
+        yield f"{blk}.inp_gate.weight", (width, hidden), T.Q8_0
+        yield f"{blk}.proj.weight", (hidden, width), T.Q8_0
+        yield f"{blk}.layer_output_scale.weight", (1,), T.F32
+    yield "output_norm.weight", (hidden,), T.F32
+
+
+def _gemma4_global(layer: int, shape: dict) -> bool:
+    return (layer + 1) % shape["period"] == 0
+
+
 def _more_bits(layer: int, layers: int) -> bool:
     """llama.cpp's ``use_more_bits``: the layers whose value rows and down rows Q4_K_M keeps in Q6_K."""
     return layer < layers // 8 or layer >= 7 * layers // 8 or (layer - layers // 8) % 3 == 2
@@ -227,6 +276,11 @@ def values(name: str, dims: tuple[int, ...], kind: GGMLQuantizationType, rng: np
     blocks, valid scales (fp16 for Q8_0, an E8M0 exponent for MXFP4) over random quants."""
     if name.endswith(".ssm_a"):  # -exp(A_log): a decay of each head's matrix, negative
         return -np.exp(rng.uniform(-1.0, 1.0, dims)).astype(np.float32)
+    if name == "rope_freqs.weight":  # Gemma 4's global layers: a quarter of each head's pairs turn (factor 1)
+        turned = dims[0] // 4
+        return np.array([1.0] * turned + [1e30] * (dims[0] - turned), dtype=np.float32)
+    if name.endswith("layer_output_scale.weight"):
+        return np.ones(dims, dtype=np.float32)
     if kind == T.F32:
         base = 1.0 if name.endswith("norm.weight") else 0.0
         return (base + rng.standard_normal(dims, dtype=np.float32) * 0.02).astype(np.float32)
@@ -246,7 +300,7 @@ def write(shape: dict, out: Path, tokenizer_from: Path, seed: int = 0) -> None:
     arch = shape.get("arch", "gpt-oss")
     writer = GGUFWriter(out, arch)
     keys = {"gpt-oss": _keys, "qwen3moe": _qwen3moe_keys, "lfm2": _hybrid_keys, "qwen35": _hybrid_keys,
-            "granitehybrid": _hybrid_keys}  # fmt: skip
+            "granitehybrid": _hybrid_keys, "gemma4": _gemma4_keys}  # fmt: skip
     keys[arch](writer, shape)
     _tokenizer(writer, GGUFReader(tokenizer_from), shape["vocab"])
     rng = np.random.default_rng(seed)
@@ -344,6 +398,34 @@ def _granite_hybrid_keys(writer: GGUFWriter, shape: dict) -> None:
     writer.add_attention_scale(0.015625)
     writer.add_residual_scale(0.246)
     writer.add_logit_scale(3.0)
+
+
+def _gemma4_keys(writer: GGUFWriter, shape: dict) -> None:
+    """Gemma 4's, as llama.cpp's converter writes them: head sizes, KV heads and MLP widths by layer, the local
+    layers' flags and window, the KV-sharing layers, the per-layer inputs' width, the soft cap."""
+    layers, local = shape["layers"], [not _gemma4_global(i, shape) for i in range(shape["layers"])]
+    writer.add_block_count(layers)
+    writer.add_context_length(shape["context"])
+    writer.add_embedding_length(shape["hidden"])
+    writer.add_feed_forward_length([shape["ff"] * (1 if i < layers - shape["shared"] else 2) for i in range(layers)])
+    writer.add_head_count(shape["heads"])
+    writer.add_head_count_kv(shape["kv_heads"])
+    writer.add_key_length(shape["global_dim"])
+    writer.add_value_length(shape["global_dim"])
+    writer.add_key_length_swa(shape["head_dim"])
+    writer.add_value_length_swa(shape["head_dim"])
+    writer.add_rope_freq_base(shape["rope_theta"])
+    writer.add_rope_freq_base_swa(10000.0)
+    writer.add_rope_dimension_count(shape["global_dim"])
+    writer.add_rope_dimension_count_swa(shape["head_dim"])
+    writer.add_layer_norm_rms_eps(shape["eps"])
+    writer.add_sliding_window(shape["window"])
+    writer.add_sliding_window_pattern(local)
+    writer.add_shared_kv_layers(shape["shared"])
+    writer.add_embedding_length_per_layer_input(shape["per_layer"])
+    writer.add_final_logit_softcapping(shape["softcap"])
+    writer.add_vocab_size(shape["vocab"])
+    writer.add_file_type(7)  # MOSTLY_Q8_0
 
 
 def _tokenizer(writer: GGUFWriter, reader: GGUFReader, vocab: int) -> None:

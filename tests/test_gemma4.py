@@ -179,3 +179,16 @@ def test_its_turn_ends_at_the_end_of_turn_and_at_a_tool_response(tmp_path: Path)
     engine = make_engine(loaded.model, loaded.eos_token_ids, quantized=loaded.blocks)
     bias = GenerationRequest(prompt(1, 12), 20, sampling=SamplingParams(logit_bias=((3, 100.0),)))
     assert run_staggered(engine, [(0, bias)])[0] == [3]  # the end of turn ends it
+
+
+def test_its_mixture_of_experts_size_is_refused_by_name() -> None:
+    """Gemma 4's 26B-A4B (a mixture beside each MLP, its router's own scales) is not served: refused at start, naming
+    what is, before any tensor is read."""
+    from types import SimpleNamespace
+
+    from engine.core.architectures import NotServedNatively
+    from engine.runtime.gguf_config import _gemma4
+
+    reader = SimpleNamespace(keys={"general.architecture": "gemma4", "gemma4.expert_count": 128}, tensors=[])
+    with pytest.raises(NotServedNatively, match="26B-A4B"):
+        _gemma4(reader, {"rope_theta": 1e6}, {"num_hidden_layers": 30, "layer_types": []})  # type: ignore[arg-type]

@@ -221,6 +221,9 @@ def _gemma4(reader: GGUFFile, rope: dict, values: dict) -> dict:
     one proportional, the part of each head it turns given by ``rope_freqs`` (a factor of 1 where it turns, 1e30
     where it does not), the local one plain with its own base."""
     arch, keys = architecture(reader), reader.keys
+    if int(keys.get(f"{arch}.expert_count", 0) or 0):
+        raise NotServedNatively("this gemma4 file has a mixture of experts beside its MLP (26B-A4B), which the native "
+                                "path does not serve; its dense sizes (E2B, E4B, 31B) are served")  # fmt: skip
     layers, local = values["num_hidden_layers"], [kind == "sliding_attention" for kind in values["layer_types"]]
     global_dim, local_dim = int(keys[f"{arch}.attention.key_length"]), int(keys[f"{arch}.attention.key_length_swa"])
     heads, widths = values.pop("num_key_value_heads"), values.pop("intermediate_size")
