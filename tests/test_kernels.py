@@ -166,9 +166,7 @@ def test_attention_sinks_take_their_share_of_each_head_s_weight(
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize(
-    ("kv_heads", "groups", "dim"), [(2, 7, 64), (1, 3, 128), (1, 4, 24), (2, 3, 256), (1, 8, 512)]
-)
+@pytest.mark.parametrize(("kv_heads", "groups", "dim"), [(2, 7, 64), (1, 3, 128), (1, 4, 24), (2, 3, 256), (1, 8, 512)])
 def test_a_prompt_chunk_s_rows_attend_as_each_would_alone(
     dtype: torch.dtype, kv_heads: int, groups: int, dim: int
 ) -> None:
