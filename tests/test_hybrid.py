@@ -389,6 +389,27 @@ def test_a_hybrid_the_native_runner_does_not_serve_is_refused_not_run_without_it
         make_runner(model, 64)
 
 
+def test_a_model_that_keeps_state_between_steps_is_refused_by_the_transformers_path() -> None:
+    """A HuggingFace Qwen3-Next checkpoint (its model type has no native row: its GGUF is served) or a Gemma 4 one
+    whose last layers read earlier layers' KV would run through transformers' forward, which keeps neither between
+    steps here: refused at start, not served wrong."""
+    from transformers import Gemma4Config, Gemma4ForConditionalGeneration, Qwen3NextConfig, Qwen3NextForCausalLM
+
+    from engine.runtime.model_runner import make_runner
+
+    small = {"vocab_size": 64, "hidden_size": 32, "intermediate_size": 32, "num_attention_heads": 2,
+             "num_key_value_heads": 1, "head_dim": 16}  # fmt: skip
+    nexts = Qwen3NextConfig(**small, num_hidden_layers=4, linear_num_key_heads=1, linear_num_value_heads=1,
+                            linear_key_head_dim=16, linear_value_head_dim=16, num_experts=2, num_experts_per_tok=1,
+                            moe_intermediate_size=16, shared_expert_intermediate_size=16)  # fmt: skip
+    text = {**small, "num_hidden_layers": 3, "num_kv_shared_layers": 1, "global_head_dim": 16,
+            "hidden_size_per_layer_input": 0,
+            "layer_types": ["sliding_attention", "full_attention", "full_attention"]}  # fmt: skip
+    for model in (Qwen3NextForCausalLM(nexts), Gemma4ForConditionalGeneration(Gemma4Config(text_config=text))):
+        with pytest.raises(ValueError, match="is not served by the native runner"):
+            make_runner(model, 64)
+
+
 @pytest.mark.parametrize("arch", ["lfm2", "qwen35", "qwen35moe", "granitehybrid"])
 def test_a_hybrid_in_bfloat16_scores_a_prompt_as_in_float32_to_its_rounding(arch: str, files) -> None:
     """`--dtype auto` serves in bfloat16 on CPUs with BF16 (Zen 4, Sapphire Rapids): every op of a hybrid's layers

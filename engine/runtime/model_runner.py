@@ -57,11 +57,25 @@ def make_runner(
     if LlamaRunner.supports(model):
         return LlamaRunner(model, max_positions, quantized or {}, invariant, dense_from_rows)
     arch = by_model_type(model.config.model_type)
-    if arch is not None and arch.recurrent:  # transformers' forward keeps no state between steps here
+    if (arch is not None and arch.recurrent) or _kept_between_steps(model.config):
+        # transformers' forward keeps nothing between steps here: no recurrent state, no KV another layer wrote
         raise ValueError(f"this {model.config.model_type} model's configuration is not served by the native runner")
     if quantized:
         raise ValueError(f"quantized weights are served for llama models only, not {model.config.model_type}")
     return HFRunner(model)
+
+
+def _kept_between_steps(config: object) -> bool:
+    """Whether a model keeps between steps what transformers' forward here (each step its rows alone) does not: a
+    recurrent layer's state (Qwen3-Next's, any hybrid's by its layers' kinds) or KV that later layers read instead
+    of their own (Gemma 4's, in its multimodal checkpoints' text model too)."""
+    text = getattr(config, "text_config", None) or config
+    kinds = getattr(text, "layer_types", None) or []
+    return bool(set(kinds) & _RECURRENT_KINDS) or bool(getattr(text, "num_kv_shared_layers", 0))
+
+
+#: The kinds of layers (a config's ``layer_types``) that keep a state per sequence.
+_RECURRENT_KINDS = {"linear_attention", "conv", "mamba"}
 
 
 class HFRunner:
