@@ -145,7 +145,8 @@ def _median_gap(stamps: list[float], since: float, until: float) -> float:
 @pytest.mark.real_model
 def test_a_body_at_the_stop_bounds_costs_a_neighbour_nothing(server: tuple[int, str]) -> None:
     """64 stop strings of 256 characters (the bounds) on a neighbouring request, against the same request with none:
-    a running stream's inter-token time within 1.2x (paired, alternated). Before, 250,000 stop strings were
+    a running stream's inter-token time within 1.2x (paired, alternated; the median of five pairs: of three, one
+    full-suite run on a busy machine gave 1.33, the same test alone 0.94-1.13). Before, 250,000 stop strings were
     accepted and stretched a neighbour's 64 tokens from 6.3 s to 29.1 s."""
     import random
 
@@ -158,7 +159,7 @@ def test_a_body_at_the_stop_bounds_costs_a_neighbour_nothing(server: tuple[int, 
     try:
         while len(stream.stamps) < 20:
             time.sleep(0.05)
-        for _ in range(3):
+        for _ in range(5):
             medians = []
             for extra in ({}, {"stop": stops}):
                 began = time.time()
@@ -169,7 +170,7 @@ def test_a_body_at_the_stop_bounds_costs_a_neighbour_nothing(server: tuple[int, 
     finally:
         stream.close()
     print(f"inter-token time beside 64 x 256-character stops / beside none: {[round(r, 3) for r in ratios]}")
-    assert sorted(ratios)[1] <= 1.2
+    assert sorted(ratios)[2] <= 1.2
 
 
 @pytest.mark.real_model
