@@ -71,6 +71,57 @@ class CallReading:
             self._said = True
 
 
+class BlockReading(CallReading):
+    """A reader of calls in blocks between two markers, read when a block closes (LFM2's, Gemma 4's): text outside
+    the blocks is content (white space between calls held back); a block that does not parse (``_block_calls``
+    raises ValueError) is content as written; one cut short is no call."""
+
+    __slots__ = ()
+    OPEN: str
+    CLOSE: str
+    _state: Literal["text", "block"]
+
+    def _block_calls(self, block: str) -> list[tuple[str, dict[str, Any]]]:
+        """A block's calls: each name and its arguments; a ValueError where it holds none."""
+        raise NotImplementedError
+
+    def finish(self) -> tuple[str, list[dict[str, Any]]]:
+        """At the end: text held back in case it began a block is content; a block cut short is no call."""
+        rest = self._pending if self._state == "text" and (not self.calls or self._pending.strip()) else ""
+        self._pending = ""
+        self.content.append(rest)
+        return rest, []
+
+    def _advance(self, released: list[str], deltas: list[dict[str, Any]]) -> bool:
+        opening, closing = self.OPEN, self.CLOSE
+        if self._state == "text":
+            at = self._pending.find(opening)
+            if at < 0:
+                ready = self._pending[: len(self._pending) - partial_suffix(self._pending, opening)]
+                if ready.strip() or (self._said and not self.calls):  # (white space waits for what follows it)
+                    self._release(ready, released)
+                    self._pending = self._pending[len(ready) :]
+                return False
+            self._release(self._pending[:at], released)
+            self._pending, self._state = self._pending[at + len(opening) :], "block"
+            return True
+        end = self._pending.find(closing)
+        if end < 0:
+            return False
+        block, self._pending, self._state = self._pending[:end], self._pending[end + len(closing) :], "text"
+        try:
+            calls = self._block_calls(block)
+        except ValueError:  # not calls: what the model wrote is content
+            self._said = True
+            self._release(opening + block + closing, released)
+            return True
+        for name, arguments in calls:
+            call = ParsedCall(f"call_{uuid.uuid4().hex[:24]}", name, json.dumps(arguments, ensure_ascii=False))
+            deltas.append({"index": len(self.calls), **call.as_dict()})
+            self.calls.append(call)
+        return True
+
+
 @dataclass(slots=True)
 class ToolCallParser(CallReading):
     """Reads calls out of a reply as it grows. ``feed`` takes the next text and returns the content (text

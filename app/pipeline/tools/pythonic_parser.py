@@ -15,11 +15,10 @@ import io
 import json
 import keyword
 import tokenize
-import uuid
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
-from app.pipeline.tools.parser import CallReading, ParsedCall, partial_suffix
+from app.pipeline.tools.parser import BlockReading, ParsedCall
 
 OPEN, CLOSE = "<|tool_call_start|>", "<|tool_call_end|>"
 #: JSON's literals as LFM2 writes them, beside Python's own.
@@ -27,51 +26,21 @@ _NAMED = {"true": True, "false": False, "null": None, "True": True, "False": Fal
 
 
 @dataclass(slots=True)
-class PythonicCallParser(CallReading):
+class PythonicCallParser(BlockReading):
     """``ToolCallParser``'s interface for LFM2's syntax: ``feed`` returns the content it can release and the
     ``tool_calls`` deltas (each call whole: its id, name and arguments). Fed the same text in any split, it
     releases the same content and calls."""
 
+    OPEN: ClassVar[str] = OPEN
+    CLOSE: ClassVar[str] = CLOSE
     calls: list[ParsedCall] = field(default_factory=list)
     content: list[str] = field(default_factory=list)
     _pending: str = ""
     _state: Literal["text", "block"] = "text"
     _said: bool = False
 
-    def finish(self) -> tuple[str, list[dict[str, Any]]]:
-        """At the end: text held back in case it began a block is content; a block cut short is no call."""
-        rest = self._pending if self._state == "text" and (not self.calls or self._pending.strip()) else ""
-        self._pending = ""
-        self.content.append(rest)
-        return rest, []
-
-    def _advance(self, released: list[str], deltas: list[dict[str, Any]]) -> bool:
-        if self._state == "text":
-            at = self._pending.find(OPEN)
-            if at < 0:
-                ready = self._pending[: len(self._pending) - partial_suffix(self._pending, OPEN)]
-                if ready.strip() or (self._said and not self.calls):  # (white space waits for what follows it)
-                    self._release(ready, released)
-                    self._pending = self._pending[len(ready) :]
-                return False
-            self._release(self._pending[:at], released)
-            self._pending, self._state = self._pending[at + len(OPEN) :], "block"
-            return True
-        end = self._pending.find(CLOSE)
-        if end < 0:
-            return False
-        block, self._pending, self._state = self._pending[:end], self._pending[end + len(CLOSE) :], "text"
-        try:
-            calls = parse_calls(block)
-        except ValueError:  # not calls: what the model wrote is content
-            self._said = True
-            self._release(OPEN + block + CLOSE, released)
-            return True
-        for name, arguments in calls:
-            call = ParsedCall(f"call_{uuid.uuid4().hex[:24]}", name, json.dumps(arguments, ensure_ascii=False))
-            deltas.append({"index": len(self.calls), **call.as_dict()})
-            self.calls.append(call)
-        return True
+    def _block_calls(self, block: str) -> list[tuple[str, dict[str, Any]]]:
+        return parse_calls(block)
 
 
 def parse_calls(block: str) -> list[tuple[str, dict[str, Any]]]:
