@@ -4,6 +4,7 @@ the loader read it. A new architecture of the llama family is a new row here. No
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -125,6 +126,20 @@ _LFM2_NAMES = (
     ("self_attn.k_norm", "self_attn.k_layernorm"), ("model.norm", "model.embedding_norm"),
 )  # fmt: skip
 
+# Qwen3.5-MoE (35B-A3B, 122B-A10B, 397B-A17B): Qwen3.5's layers, each MLP a mixture (its chosen experts'
+# weights renormalized) beside a shared expert behind a sigmoid gate, as Qwen2-MoE's
+_QWEN35_MOE = Architecture(
+    "qwen35moe",
+    "qwen3_5_moe_text",
+    qk_norm=True,
+    norm_offset=1.0,
+    delta_net=True,
+    gated_attention=True,
+    experts=True,
+    shared_expert=True,
+    renormalized_experts=True,
+)
+
 ARCHITECTURES = {
     arch.gguf: arch
     for arch in (
@@ -164,32 +179,10 @@ ARCHITECTURES = {
         # Qwen3.5 (dense): three Gated DeltaNet layers for each gated attention one; norms scale by 1 + w; a quarter of
         # each head rotated
         Architecture("qwen35", "qwen3_5_text", qk_norm=True, norm_offset=1.0, delta_net=True, gated_attention=True),
-        # Qwen3.5-MoE (35B-A3B, 122B-A10B, 397B-A17B): Qwen3.5's layers, each MLP a mixture (its chosen experts'
-        # weights renormalized) beside a shared expert behind a sigmoid gate, as Qwen2-MoE's
-        Architecture(
-            "qwen35moe",
-            "qwen3_5_moe_text",
-            qk_norm=True,
-            norm_offset=1.0,
-            delta_net=True,
-            gated_attention=True,
-            experts=True,
-            shared_expert=True,
-            renormalized_experts=True,
-        ),
+        _QWEN35_MOE,
         # Qwen3-Next (80B-A3B): Qwen3.5-MoE's layers and transformers' Qwen3.5-MoE model for them; its file keeps the
         # value heads grouped by key head (not tiled) and beta's and alpha's rows in one tensor (``ssm_ba``)
-        Architecture(
-            "qwen3next",
-            "qwen3_5_moe_text",
-            qk_norm=True,
-            norm_offset=1.0,
-            delta_net=True,
-            gated_attention=True,
-            experts=True,
-            shared_expert=True,
-            renormalized_experts=True,
-        ),
+        dataclasses.replace(_QWEN35_MOE, gguf="qwen3next"),
         # LFM2 (350M-2.6B): short convolutions in 10 of 16 layers, attention with head norms in the others
         Architecture("lfm2", "lfm2", qk_norm=True, short_conv=True, renamed=_LFM2_NAMES),
         # Granite 4.0-H (350M, 1B, Micro; Tiny, Small with a mixture of experts beside the MLP): Mamba-2 layers (36
