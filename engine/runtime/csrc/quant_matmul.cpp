@@ -404,25 +404,78 @@ struct QuantizedRows {
   std::vector<int32_t> halves;  // [blocks * 2]: the sums of the int8 values 0-15 and 16-31
 };
 
+// A block's 32 activations quantized: int8 values into q, and the sums of values 0-15 and 16-31; returns the
+// block's largest magnitude. The plain loops' operations (std::nearbyint: round to nearest, ties to even).
 template <typename T>
-QuantizedRows quantize_rows(const T* x, int64_t rows, int64_t in) {
+float quantize_block_portable(const T* block, int8_t* q, int32_t totals[2]) {
+  float most = 0.0f;
+  for (int64_t j = 0; j < kBlock; ++j) most = std::max(most, std::abs(static_cast<float>(block[j])));
+  const float scale = most / 127.0f;
+  const float inverse = scale > 0.0f ? 1.0f / scale : 0.0f;
+  for (int64_t j = 0; j < kBlock; ++j) {
+    q[j] = static_cast<int8_t>(std::nearbyint(static_cast<float>(block[j]) * inverse));
+    totals[j / 16] += q[j];
+  }
+  return most;
+}
+
+#if defined(SMOLSERVE_QUANT_AVX2)
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const c10::BFloat16* p) {  // bfloat16: float32's high half
+  const __m128i bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
+}
+
+// The same bits with AVX2 (every CPU class served has it): the same float products, vcvtps2dq's rounding (to
+// nearest, ties to even: nearbyint's), the largest magnitude as std::max keeps it (a NaN never replaces it).
+template <typename T>
+float quantize_block(const T* block, int8_t* q, int32_t totals[2]) {
+  const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+  __m256 v[4], most = _mm256_setzero_ps();
+  for (int64_t i = 0; i < 4; ++i) {
+    v[i] = load8(block + 8 * i);
+    most = _mm256_max_ps(_mm256_and_ps(v[i], magnitude), most);  // the second operand where the first is NaN
+  }
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, most);
+  float largest = 0.0f;
+  for (float lane : lanes) largest = std::max(largest, lane);
+  const float scale = largest / 127.0f;
+  const __m256 inverse = _mm256_set1_ps(scale > 0.0f ? 1.0f / scale : 0.0f);
+  __m256i n[4];
+  for (int64_t i = 0; i < 4; ++i) n[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], inverse));
+  const __m256i words = _mm256_packs_epi32(n[0], n[1]), words_high = _mm256_packs_epi32(n[2], n[3]);
+  const __m256i bytes = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(words, words_high),
+                                                    _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), bytes);
+  for (int64_t h = 0; h < 2; ++h) {
+    alignas(32) int32_t sums[8];
+    _mm256_store_si256(reinterpret_cast<__m256i*>(sums), _mm256_add_epi32(n[2 * h], n[2 * h + 1]));
+    for (int32_t value : sums) totals[h] += value;
+  }
+  return largest;
+}
+#else
+template <typename T>
+float quantize_block(const T* block, int8_t* q, int32_t totals[2]) {
+  return quantize_block_portable(block, q, totals);
+}
+#endif
+
+// `portable`: the plain loops' quantizer (quant_linear's path 1, which the tests hold the others to bit for bit).
+template <typename T>
+QuantizedRows quantize_rows(const T* x, int64_t rows, int64_t in, bool portable) {
   const int64_t blocks = in / kBlock;
   QuantizedRows out{std::vector<int8_t>(rows * in), std::vector<float>(rows * blocks),
                     std::vector<float>(rows * blocks), std::vector<float>(rows * blocks * 2),
                     std::vector<int32_t>(rows * blocks * 2)};
   at::parallel_for(0, rows * blocks, 64, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
-      const T* block = x + i * kBlock;  // rows are contiguous, so block i of the flattened rows
-      float most = 0.0f;
-      for (int64_t j = 0; j < kBlock; ++j) most = std::max(most, std::abs(static_cast<float>(block[j])));
+      int32_t totals[2] = {0, 0};  // rows are contiguous, so block i of the flattened rows
+      const T* block = x + i * kBlock;
+      int8_t* q = &out.q[i * kBlock];
+      const float most = portable ? quantize_block_portable(block, q, totals) : quantize_block(block, q, totals);
       const float scale = most / 127.0f;
-      const float inverse = scale > 0.0f ? 1.0f / scale : 0.0f;
-      int32_t totals[2] = {0, 0};
-      for (int64_t j = 0; j < kBlock; ++j) {
-        const auto value = static_cast<int8_t>(std::nearbyint(static_cast<float>(block[j]) * inverse));
-        out.q[i * kBlock + j] = value;
-        totals[j / 16] += value;
-      }
       out.scale[i] = scale;
       out.scaled_sum[i] = scale * static_cast<float>(totals[0] + totals[1]);
       out.scaled_halves[2 * i] = scale * static_cast<float>(totals[0]);
@@ -566,7 +619,8 @@ inline __m256 load_m(const uint8_t* p, const uint8_t* header) {
 // float.
 //
 // A table's nibbles (MXFP4) become its signed int8 values by one byte shuffle, then multiply as the 8-bit path's do
-// (|w| times x with w's sign); its 4 runs' int16 sums stay below 4 * 2 * 2 * 12 * 127 = 24384. No offset.
+// (|w| times x with w's sign; with VNNI, w + 128 and 128 sum(x) taken off); its 4 runs' int16 sums stay below
+// 4 * 2 * 2 * 12 * 127 = 24384. No offset.
 template <int64_t R, int Bits, int Scales, bool Halves, bool Vnni, int Table>
 void tile_q4_avx2(const Tile& t) {
   constexpr Layout layout{Bits, Scales, Halves, Table};
@@ -600,7 +654,10 @@ void tile_q4_avx2(const Tile& t) {
         high_bits = _mm256_srli_epi16(high_bits, 2);
       }
       __m256i low_x_sign = low, high_x_sign = high;  // what gives each activation its weight's sign (a table's)
-      if constexpr (Table != 0) {
+      if constexpr (Table != 0 && Vnni) {  // the table's values + 128, unsigned, as the 8-bit path's
+        low = _mm256_xor_si256(_mm256_shuffle_epi8(table, low), _mm256_set1_epi8(static_cast<char>(0x80)));
+        high = _mm256_xor_si256(_mm256_shuffle_epi8(table, high), _mm256_set1_epi8(static_cast<char>(0x80)));
+      } else if constexpr (Table != 0) {
         low_x_sign = _mm256_shuffle_epi8(table, low);
         high_x_sign = _mm256_shuffle_epi8(table, high);
         low = _mm256_sign_epi8(low_x_sign, low_x_sign);
@@ -608,7 +665,7 @@ void tile_q4_avx2(const Tile& t) {
       }
       for (int64_t r = 0; r < R; ++r) {
         __m256i xl = broadcast4(qx[r] + 4 * k), xh = broadcast4(qx[r] + 16 + 4 * k);
-        if constexpr (Table != 0) {
+        if constexpr (Table != 0 && !Vnni) {
           xl = _mm256_sign_epi8(xl, low_x_sign);
           xh = _mm256_sign_epi8(xh, high_x_sign);
         }
@@ -645,6 +702,10 @@ void tile_q4_avx2(const Tile& t) {
     for (int64_t r = 0; r < R; ++r) {
       const int64_t at = (t.first + r) * t.blocks + b;
       const __m256 a = _mm256_set1_ps(t.x->scale[at]);
+      if constexpr (Table != 0 && Vnni) {
+        const int32_t lifted = 128 * (t.x->halves[2 * at] + t.x->halves[2 * at + 1]);
+        wide[r][0] = _mm256_sub_epi32(wide[r][0], _mm256_set1_epi32(lifted));
+      }
       acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(d, a), _mm256_cvtepi32_ps(wide[r][0]), acc[r]);
       if constexpr (Table != 0) continue;  // no offset
       if constexpr (Halves) {
@@ -660,6 +721,8 @@ void tile_q4_avx2(const Tile& t) {
 }
 
 // The same for 8-bit: signed weights, so |q| times qx with q's sign; pairs reach 2 * 128 * 127, so int32 per run.
+// With VNNI, whose vpdpbusd sums in int32 without saturating, q + 128 (unsigned) times qx instead, and 128 times
+// the block's sum of qx taken off after: the same integers, one operation a row and run fewer (no sign per row).
 // With `Halves` (Q3_K) the runs of weights 0-15 and 16-31 are summed apart, each with its own scale.
 template <int64_t R, int Scales, bool Halves, bool Vnni>
 void tile_q8_avx2(const Tile& t) {
@@ -680,17 +743,32 @@ void tile_q8_avx2(const Tile& t) {
     }
     for (int64_t k = 0; k < 8; ++k) {
       const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(g + layout.quants_at() + 32 * k));
+#if defined(SMOLSERVE_QUANT_VNNI)
+      if constexpr (Vnni) {  // q + 128, unsigned: vpdpbusd's int32 sums do not saturate; 128 sum(qx) comes off below
+        const __m256i lifted = _mm256_xor_si256(w, _mm256_set1_epi8(static_cast<char>(0x80)));
+        for (int64_t r = 0; r < R; ++r) {
+          __m256i& sum = sums[r][Halves && k >= 4];
+          sum = _mm256_dpbusd_epi32(sum, lifted, broadcast4(qx[r] + 4 * k));
+        }
+        continue;
+      }
+#endif
       const __m256i magnitude = _mm256_sign_epi8(w, w);
       for (int64_t r = 0; r < R; ++r) {
         const __m256i x = _mm256_sign_epi8(broadcast4(qx[r] + 4 * k), w);
         __m256i& sum = sums[r][Halves && k >= 4];
-#if defined(SMOLSERVE_QUANT_VNNI)
-        if constexpr (Vnni) {
-          sum = _mm256_dpbusd_epi32(sum, magnitude, x);
-          continue;
-        }
-#endif
         sum = _mm256_add_epi32(sum, _mm256_madd_epi16(_mm256_maddubs_epi16(magnitude, x), ones));
+      }
+    }
+    if constexpr (Vnni) {
+      for (int64_t r = 0; r < R; ++r) {
+        const int32_t* halves = &t.x->halves[2 * ((t.first + r) * t.blocks + b)];
+        if constexpr (Halves) {
+          sums[r][0] = _mm256_sub_epi32(sums[r][0], _mm256_set1_epi32(128 * halves[0]));
+          sums[r][1] = _mm256_sub_epi32(sums[r][1], _mm256_set1_epi32(128 * halves[1]));
+        } else {
+          sums[r][0] = _mm256_sub_epi32(sums[r][0], _mm256_set1_epi32(128 * (halves[0] + halves[1])));
+        }
       }
     }
     const __m256 d = load_d<Scales, false>(g, nullptr);
@@ -891,10 +969,10 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& packed, int64_t t
   const at::Tensor input = x.contiguous();
   QuantizedRows quantized;
   if (input.scalar_type() == at::kBFloat16) {
-    quantized = quantize_rows(input.const_data_ptr<c10::BFloat16>(), rows, in);
+    quantized = quantize_rows(input.const_data_ptr<c10::BFloat16>(), rows, in, path == kPortable);
   } else {
     TORCH_CHECK(input.scalar_type() == at::kFloat, "x must be float32 or bfloat16");
-    quantized = quantize_rows(input.const_data_ptr<float>(), rows, in);
+    quantized = quantize_rows(input.const_data_ptr<float>(), rows, in, path == kPortable);
   }
   const int64_t width = groups * kCols;
   at::Tensor result = at::empty({rows, width}, input.options().dtype(at::kFloat));
