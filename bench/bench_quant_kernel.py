@@ -63,7 +63,9 @@ def main() -> None:
     parser.add_argument("--against", type=Path, required=True, help="the other checkout")
     parser.add_argument("--types", nargs="+", default=["Q4_K", "Q6_K", "Q5_K"])
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 8, 64])
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="the activations'")
     args = parser.parse_args()
+    from gguf import GGML_QUANT_SIZES
     from test_quant_types import T, random_blocks
 
     from engine.runtime import kernels
@@ -73,10 +75,11 @@ def main() -> None:
         qtype = int(T[name])
         for out, inp in SHAPES:
             copies = max(1, int(200e6 // (out * inp * 0.8)))
-            raws = [torch.from_numpy(random_blocks(T[name], out, inp // 256, seed=s)) for s in range(copies)]
+            block = GGML_QUANT_SIZES[T[name]][0]
+            raws = [torch.from_numpy(random_blocks(T[name], out, inp // block, seed=s)) for s in range(copies)]
             packs = ([ours.quant_pack(r, qtype) for r in raws], [theirs.quant_pack(r, qtype) for r in raws])
             for rows in args.rows:
-                x = torch.randn(rows, inp)
+                x = torch.randn(rows, inp).to(getattr(torch, args.dtype))
                 same = torch.equal(ours.quant_linear(x, packs[0][0], qtype, out, 0),
                                    theirs.quant_linear(x, packs[1][0], qtype, out, 0))  # fmt: skip
                 used = packs if rows == 1 else (packs[0][:8], packs[1][:8])

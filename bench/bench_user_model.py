@@ -9,6 +9,8 @@ paired (same minutes of the machine) and the median reported.
 Throughput: closed-loop streaming completions, 64 greedy tokens each (ignore_eos), at each level. Long prompt: the
 time to first token of a prompt of about ``--long-prompt`` tokens (fresh text each time: no prefix-cache hit), one
 token answered, the median of 3 on each server. Also: the start-up time of smolserve and its resident memory.
+``--smolserve-arg`` adds a flag to smolserve's defaults (``--smolserve-arg=--speculative --smolserve-arg=none``: one
+stream without drafts, where a random-weight file's repeating text makes prompt lookup's drafts unusually good).
 
 ``--in-turn``: for a file too big for both servers at once (``bench/shaped_gguf.py``'s), each server alone, smolserve
 first; each level's median of ``--rounds`` runs, the ratio of the two medians (unpaired), each one's start-up time
@@ -68,6 +70,12 @@ def main() -> None:
     parser.add_argument("--long-prompt", type=int, default=2000)
     parser.add_argument("--llama-context", type=int, default=4096, help="llama.cpp's positions per slot (a 16k prompt)")
     parser.add_argument(
+        "--smolserve-arg",
+        action="append",
+        default=[],
+        help="a flag for smolserve beyond the defaults, e.g. --smolserve-arg=--speculative --smolserve-arg=none",
+    )
+    parser.add_argument(
         "--in-turn",
         action="store_true",
         help="one server up at a time (a file too big for both): the ratio of medians, unpaired",
@@ -78,7 +86,7 @@ def main() -> None:
     if args.in_turn:
         return in_turn(gguf, args)
     started = time.perf_counter()
-    ours, ours_base = start_server("--model", str(gguf), "--embedding-model", "none")
+    ours, ours_base = start_server("--model", str(gguf), "--embedding-model", "none", *args.smolserve_arg)
     startup = time.perf_counter() - started
     slots = max(args.levels, default=1)
     llama, llama_base = start_llama(args.llama_server, slots, context=args.llama_context, gguf=gguf)
@@ -117,7 +125,7 @@ def in_turn(gguf: Path, args: argparse.Namespace) -> None:
     for name in ("smolserve", "llama.cpp"):
         started = time.perf_counter()
         if name == "smolserve":
-            proc, base = start_server("--model", str(gguf), "--embedding-model", "none")
+            proc, base = start_server("--model", str(gguf), "--embedding-model", "none", *args.smolserve_arg)
         else:
             proc, base = start_llama(args.llama_server, max(args.levels, default=1), context=args.llama_context,
                                      gguf=gguf)  # fmt: skip

@@ -14,7 +14,9 @@ rows of half the layers, its ``use_more_bits`` ones, and for the output layer; a
 attention's heads as Qwen3-Next's; the small size's own config was not at hand offline) and ``granite-4.0-h-1b``
 (ibm-granite/granite-4.0-h-1b: 36 Mamba-2 and 4 attention layers, hidden 1,536) and ``gemma-4-e2b``
 (google/gemma-4-E2B's text model: 35 layers, 20 of them reading earlier layers' KV, per-layer inputs), their
-matrices Q8_0 (as ``llama-quantize Q8_0`` writes them), norms, convolutions and the recurrent layers' vectors F32.
+matrices Q8_0 (as ``llama-quantize Q8_0`` writes them), norms, convolutions and the recurrent layers' vectors F32;
+and a dense ``qwen2.5-7b`` (Qwen/Qwen2.5-7B-Instruct: 28 layers of 3,584) typed as ``llama-quantize Q4_K_M`` types
+it (a 4.7 GB file).
 """
 
 from __future__ import annotations
@@ -31,6 +33,12 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, GGUFValueTy
 ROOT = Path(__file__).resolve().parent.parent
 USER_MODELS = ROOT.parent / "shared" / "tools" / "user-models.sh"
 T = GGMLQuantizationType
+
+#: Qwen2.5-7B's config (Qwen/Qwen2.5-7B-Instruct): a dense 7B, 28 layers of 3,584, QKV biases.
+QWEN25_7B = {
+    "arch": "qwen2", "layers": 28, "hidden": 3584, "heads": 28, "kv_heads": 4, "head_dim": 128, "ff": 18944,
+    "vocab": 152064, "context": 32768, "rope_theta": 1e6, "eps": 1e-6,
+}  # fmt: skip
 
 #: gpt-oss-20b's config (openai/gpt-oss-20b): 24 layers of 32 experts, 4 a token.
 GPT_OSS_20B = {
@@ -76,7 +84,7 @@ GEMMA4_E2B = {
 }  # fmt: skip
 SHAPES = {
     "gpt-oss-20b": GPT_OSS_20B, "qwen3-30b-a3b": QWEN3_30B_A3B, "lfm2-1.2b": LFM2_1_2B, "qwen3.5-0.8b": QWEN35_0_8B,
-    "granite-4.0-h-1b": GRANITE_40_H_1B, "gemma-4-e2b": GEMMA4_E2B,
+    "granite-4.0-h-1b": GRANITE_40_H_1B, "gemma-4-e2b": GEMMA4_E2B, "qwen2.5-7b": QWEN25_7B,
 }  # fmt: skip
 
 
@@ -90,6 +98,9 @@ def tensors(shape: dict) -> Iterator[tuple[str, tuple[int, ...], GGMLQuantizatio
         return
     if shape.get("arch") == "qwen3moe":
         yield from _qwen3moe_tensors(shape)
+        return
+    if shape.get("arch") == "qwen2":
+        yield from _qwen2_tensors(shape)
         return
     if shape.get("arch") == "granitehybrid":
         yield from _granite_hybrid_tensors(shape)
@@ -266,6 +277,27 @@ def _qwen3moe_tensors(shape: dict) -> Iterator[tuple[str, tuple[int, ...], GGMLQ
     yield "output.weight", (shape["vocab"], hidden), T.Q6_K
 
 
+def _qwen2_tensors(shape: dict) -> Iterator[tuple[str, tuple[int, ...], GGMLQuantizationType]]:
+    """A dense Qwen2's, typed as ``llama-quantize Q4_K_M`` types it (Q6_K value and down rows in its
+    ``use_more_bits`` layers, and the output layer)."""
+    hidden, heads, kv, dim = shape["hidden"], shape["heads"], shape["kv_heads"], shape["head_dim"]
+    layers = shape["layers"]
+    yield "token_embd.weight", (shape["vocab"], hidden), T.Q4_K
+    for i in range(layers):
+        blk, more = f"blk.{i}", _more_bits(i, layers)
+        yield f"{blk}.attn_norm.weight", (hidden,), T.F32
+        yield f"{blk}.ffn_norm.weight", (hidden,), T.F32
+        for name, rows in (("attn_q", heads * dim), ("attn_k", kv * dim), ("attn_v", kv * dim)):
+            yield f"{blk}.{name}.weight", (rows, hidden), T.Q6_K if more and name == "attn_v" else T.Q4_K
+            yield f"{blk}.{name}.bias", (rows,), T.F32
+        yield f"{blk}.attn_output.weight", (hidden, heads * dim), T.Q4_K
+        yield f"{blk}.ffn_gate.weight", (shape["ff"], hidden), T.Q4_K
+        yield f"{blk}.ffn_up.weight", (shape["ff"], hidden), T.Q4_K
+        yield f"{blk}.ffn_down.weight", (hidden, shape["ff"]), T.Q6_K if more else T.Q4_K
+    yield "output_norm.weight", (hidden,), T.F32
+    yield "output.weight", (shape["vocab"], hidden), T.Q6_K
+
+
 #: Where each K-quant block's fp16 scales sit, and their size: weights of about 0.02 over random quants and
 #: sub-scales (Q4_K: d sc q ~ 240 d, less dmin mn; Q6_K: d sc (q - 32) ~ 1,100 d).
 _K_SCALES = {T.Q4_K: ((0, 8e-5), (2, 4e-5)), T.Q6_K: ((208, 2e-5),)}
@@ -300,7 +332,7 @@ def write(shape: dict, out: Path, tokenizer_from: Path, seed: int = 0) -> None:
     arch = shape.get("arch", "gpt-oss")
     writer = GGUFWriter(out, arch)
     keys = {"gpt-oss": _keys, "qwen3moe": _qwen3moe_keys, "lfm2": _hybrid_keys, "qwen35": _hybrid_keys,
-            "granitehybrid": _hybrid_keys, "gemma4": _gemma4_keys}  # fmt: skip
+            "granitehybrid": _hybrid_keys, "gemma4": _gemma4_keys, "qwen2": _qwen2_keys}  # fmt: skip
     keys[arch](writer, shape)
     _tokenizer(writer, GGUFReader(tokenizer_from), shape["vocab"])
     rng = np.random.default_rng(seed)
@@ -349,6 +381,18 @@ def _keys(writer: GGUFWriter, shape: dict) -> None:
 
 def _qwen3moe_keys(writer: GGUFWriter, shape: dict) -> None:
     _mixture_keys(writer, shape, shape["ff"])
+    writer.add_file_type(15)  # MOSTLY_Q4_K_M
+
+
+def _qwen2_keys(writer: GGUFWriter, shape: dict) -> None:
+    writer.add_block_count(shape["layers"])
+    writer.add_context_length(shape["context"])
+    writer.add_embedding_length(shape["hidden"])
+    writer.add_feed_forward_length(shape["ff"])
+    writer.add_head_count(shape["heads"])
+    writer.add_head_count_kv(shape["kv_heads"])
+    writer.add_rope_freq_base(shape["rope_theta"])
+    writer.add_layer_norm_rms_eps(shape["eps"])
     writer.add_file_type(15)  # MOSTLY_Q4_K_M
 
 
