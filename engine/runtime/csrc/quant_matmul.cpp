@@ -40,7 +40,8 @@
 //     4k + i (16 + 4k + i);
 //   a super-block's blocks (Q4_K, Q5_K, Q6_K: 8 group blocks) hold their scales and mins as bytes, after a header
 //     of the 8 rows' fp16 d (and dmin).
-// Each activation row is quantized per block of 32 to int8 with a scale a = max|x| / 127, and a block's dot
+// Each activation row is quantized per block of 32 to int8 with a scale a = max|x| / 127 (held block-major: a tile's
+// rows of one block at fixed offsets from one pointer, no per-row address arithmetic a block), and a block's dot
 // product is an integer one: sum(w x) = d a sum(q qx) (+ m a sum(qx) for the types with an offset). On AVX2, a
 // run's 4 weights of each of 8 rows meet the row's 4 activations, broadcast, in one vpmaddubsw (unsigned 4/5-bit
 // weights times signed 8-bit activations; 8-bit through the sign trick), and the block's 8 integer dot products end
@@ -394,14 +395,17 @@ void write_sub_block(const SubBlock& sb, const Layout& layout, int64_t c, uint8_
   }
 }
 
-// The activations of one row, per block of 32: int8 values, their scale, and what the offsets m multiply: scale *
-// sum, and scale * the sums of weights 0-15 and 16-31 (for the types with an offset per 16).
+// The activations of the rows, per block of 32: int8 values, their scale, and what the offsets m multiply: scale *
+// sum, and scale * the sums of weights 0-15 and 16-31 (for the types with an offset per 16). Block-major: block b
+// of every row, then block b + 1 (`at`), so that a tile's rows of one block sit at fixed offsets from one pointer.
 struct QuantizedRows {
-  std::vector<int8_t> q;
-  std::vector<float> scale;
+  int64_t rows;
+  std::vector<int8_t> q;  // [blocks * rows * 32]
+  std::vector<float> scale;  // [blocks * rows]
   std::vector<float> scaled_sum;
-  std::vector<float> scaled_halves;  // [blocks * 2]
-  std::vector<int32_t> halves;  // [blocks * 2]: the sums of the int8 values 0-15 and 16-31
+  std::vector<float> scaled_halves;  // [blocks * rows * 2]
+  std::vector<int32_t> halves;  // [blocks * rows * 2]: the sums of the int8 values 0-15 and 16-31
+  int64_t at(int64_t row, int64_t block) const { return block * rows + row; }
 };
 
 // A block's 32 activations quantized: int8 values into q, and the sums of values 0-15 and 16-31; returns the
@@ -466,13 +470,14 @@ float quantize_block(const T* block, int8_t* q, int32_t totals[2]) {
 template <typename T>
 QuantizedRows quantize_rows(const T* x, int64_t rows, int64_t in, bool portable) {
   const int64_t blocks = in / kBlock;
-  QuantizedRows out{std::vector<int8_t>(rows * in), std::vector<float>(rows * blocks),
+  QuantizedRows out{rows, std::vector<int8_t>(rows * in), std::vector<float>(rows * blocks),
                     std::vector<float>(rows * blocks), std::vector<float>(rows * blocks * 2),
                     std::vector<int32_t>(rows * blocks * 2)};
   at::parallel_for(0, rows * blocks, 64, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
-      int32_t totals[2] = {0, 0};  // rows are contiguous, so block i of the flattened rows
-      const T* block = x + i * kBlock;
+    for (int64_t flat = begin; flat < end; ++flat) {
+      int32_t totals[2] = {0, 0};  // rows are contiguous, so block `flat` of the flattened rows
+      const T* block = x + flat * kBlock;
+      const int64_t i = out.at(flat / blocks, flat % blocks);
       int8_t* q = &out.q[i * kBlock];
       const float most = portable ? quantize_block_portable(block, q, totals) : quantize_block(block, q, totals);
       const float scale = most / 127.0f;
@@ -563,10 +568,10 @@ void tile_portable(const Tile& t, int64_t count) {
       float acc = 0.0f;
       for (int64_t b = 0; b < t.blocks; ++b) {
         const uint8_t *g = t.group + layout.block_at(b), *header = t.group + layout.header_at(b);
-        const int8_t* qx = &t.x->q[(r * t.blocks + b) * kBlock];
+        const int8_t* qx = &t.x->q[t.x->at(r, b) * kBlock];
         int32_t dots[2] = {0, 0};  // weights 0-15, 16-31
         for (int64_t j = 0; j < kBlock; ++j) dots[j / 16] += quant_at(g, layout, c, j) * qx[j];
-        const int64_t at = r * t.blocks + b;
+        const int64_t at = t.x->at(r, b);
         const float a = t.x->scale[at];
         if constexpr (Halves) {
           acc = std::fma(packed_d(layout, g, header, c, 0) * a, static_cast<float>(dots[0]), acc);
@@ -635,12 +640,13 @@ void tile_q4_avx2(const Tile& t) {
   __m256 acc[R];
   for (int64_t r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
   for (int64_t b = 0; b < t.blocks; ++b) {
+    const int64_t base = t.x->at(t.first, b);  // row first + r's block b: base + r
     const uint8_t *g = t.group + layout.block_at(b), *header = t.group + layout.header_at(b);
     smolserve::prefetch_ahead(g, bytes);
     const int8_t* qx[R];
     __m256i sums[R][parts], wide[R][parts];
     for (int64_t r = 0; r < R; ++r) {
-      qx[r] = &t.x->q[((t.first + r) * t.blocks + b) * kBlock];
+      qx[r] = &t.x->q[(base + r) * kBlock];
       for (int64_t p = 0; p < parts; ++p) sums[r][p] = wide[r][p] = _mm256_setzero_si256();
     }
     __m256i high_bits = _mm256_setzero_si256();
@@ -700,7 +706,7 @@ void tile_q4_avx2(const Tile& t) {
       m_high = load_m<Scales>(g + layout.scale_bytes() + half, header);
     }
     for (int64_t r = 0; r < R; ++r) {
-      const int64_t at = (t.first + r) * t.blocks + b;
+      const int64_t at = base + r;
       const __m256 a = _mm256_set1_ps(t.x->scale[at]);
       if constexpr (Table != 0 && Vnni) {
         const int32_t lifted = 128 * (t.x->halves[2 * at] + t.x->halves[2 * at + 1]);
@@ -733,12 +739,13 @@ void tile_q8_avx2(const Tile& t) {
   __m256 acc[R];
   for (int64_t r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
   for (int64_t b = 0; b < t.blocks; ++b) {
+    const int64_t base = t.x->at(t.first, b);  // row first + r's block b: base + r
     const uint8_t* g = t.group + b * bytes;
     smolserve::prefetch_ahead(g, bytes);
     const int8_t* qx[R];
     __m256i sums[R][2];
     for (int64_t r = 0; r < R; ++r) {
-      qx[r] = &t.x->q[((t.first + r) * t.blocks + b) * kBlock];
+      qx[r] = &t.x->q[(base + r) * kBlock];
       sums[r][0] = sums[r][1] = _mm256_setzero_si256();
     }
     for (int64_t k = 0; k < 8; ++k) {
@@ -762,7 +769,7 @@ void tile_q8_avx2(const Tile& t) {
     }
     if constexpr (Vnni) {
       for (int64_t r = 0; r < R; ++r) {
-        const int32_t* halves = &t.x->halves[2 * ((t.first + r) * t.blocks + b)];
+        const int32_t* halves = &t.x->halves[2 * (base + r)];
         if constexpr (Halves) {
           sums[r][0] = _mm256_sub_epi32(sums[r][0], _mm256_set1_epi32(128 * halves[0]));
           sums[r][1] = _mm256_sub_epi32(sums[r][1], _mm256_set1_epi32(128 * halves[1]));
@@ -773,7 +780,7 @@ void tile_q8_avx2(const Tile& t) {
     }
     const __m256 d = load_d<Scales, false>(g, nullptr);
     for (int64_t r = 0; r < R; ++r) {
-      const __m256 a = _mm256_set1_ps(t.x->scale[(t.first + r) * t.blocks + b]);
+      const __m256 a = _mm256_set1_ps(t.x->scale[base + r]);
       if constexpr (Halves) {
         const __m256 d_high = load_d<Scales, false>(g + layout.scale_bytes() / 2, nullptr);
         acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(d, a), _mm256_cvtepi32_ps(sums[r][0]), acc[r]);
@@ -798,12 +805,13 @@ void tile_q6_avx2(const Tile& t) {
   __m256 acc[R];
   for (int64_t r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
   for (int64_t b = 0; b < t.blocks; ++b) {
+    const int64_t base = t.x->at(t.first, b);  // row first + r's block b: base + r
     const uint8_t *g = t.group + layout.block_at(b), *header = t.group + layout.header_at(b);
     smolserve::prefetch_ahead(g, layout.bytes());
     const int8_t* qx[R];
     __m256i sums[R][2];
     for (int64_t r = 0; r < R; ++r) {
-      qx[r] = &t.x->q[((t.first + r) * t.blocks + b) * kBlock];
+      qx[r] = &t.x->q[(base + r) * kBlock];
       sums[r][0] = sums[r][1] = _mm256_setzero_si256();
     }
     __m256i plane_low = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(g + layout.high_at()));
@@ -832,7 +840,7 @@ void tile_q6_avx2(const Tile& t) {
     const __m256 d = load_d<kSuperScales, false>(g, header);
     const __m256 d_high = load_d<kSuperScales, false>(g + layout.scale_bytes() / 2, header);
     for (int64_t r = 0; r < R; ++r) {
-      const int64_t at = (t.first + r) * t.blocks + b;
+      const int64_t at = base + r;
       const __m256 a = _mm256_set1_ps(t.x->scale[at]);
       const __m256i low = _mm256_sub_epi32(sums[r][0], _mm256_set1_epi32(32 * t.x->halves[2 * at]));
       const __m256i high = _mm256_sub_epi32(sums[r][1], _mm256_set1_epi32(32 * t.x->halves[2 * at + 1]));
