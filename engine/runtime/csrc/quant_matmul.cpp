@@ -474,10 +474,10 @@ QuantizedRows quantize_rows(const T* x, int64_t rows, int64_t in, bool portable)
                     std::vector<float>(rows * blocks), std::vector<float>(rows * blocks * 2),
                     std::vector<int32_t>(rows * blocks * 2)};
   at::parallel_for(0, rows * blocks, 64, [&](int64_t begin, int64_t end) {
-    for (int64_t flat = begin; flat < end; ++flat) {
-      int32_t totals[2] = {0, 0};  // rows are contiguous, so block `flat` of the flattened rows
-      const T* block = x + flat * kBlock;
-      const int64_t i = out.at(flat / blocks, flat % blocks);
+    // In the order they are held (block-major), so that a thread's writes are its own cache lines.
+    for (int64_t i = begin; i < end; ++i) {
+      int32_t totals[2] = {0, 0};
+      const T* block = x + (i % rows * blocks + i / rows) * kBlock;  // row i % rows, block i / rows
       int8_t* q = &out.q[i * kBlock];
       const float most = portable ? quantize_block_portable(block, q, totals) : quantize_block(block, q, totals);
       const float scale = most / 127.0f;
