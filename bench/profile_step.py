@@ -41,7 +41,7 @@ def main() -> None:
     for rows in args.rows:
         engine.admit([GenerationRequest(tuple(range(100 + i, 164 + i)), 3 * args.steps + 16, ignore_eos=True)
                       for i in range(rows)])  # fmt: skip
-        for _ in range(4):  # the prompts, then warm decode steps
+        for _ in range(-(-rows * 64 // config.max_num_batched_tokens) + 3):  # the prompts, then warm decode steps
             engine.step()
         walls = []
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
