@@ -351,22 +351,28 @@ def write(shape: dict, out: Path, tokenizer_from: Path, seed: int = 0) -> None:
     writer.close()
 
 
-def _mixture_keys(writer: GGUFWriter, shape: dict, ff: int) -> None:
-    """The keys every mixture of experts' file has, as llama.cpp's converter writes them (``ff``: the dense MLP's
-    width, or the experts' where the family has none)."""
+def _common_keys(writer: GGUFWriter, shape: dict, ff: int | list[int]) -> None:
+    """The keys every shape's file has: layers, context, widths (``ff``: the MLP's, or each layer's), query heads,
+    RoPE base, norm epsilon."""
     writer.add_block_count(shape["layers"])
     writer.add_context_length(shape["context"])
     writer.add_embedding_length(shape["hidden"])
     writer.add_feed_forward_length(ff)
-    writer.add_expert_feed_forward_length(shape["expert_ff"])
     writer.add_head_count(shape["heads"])
+    writer.add_rope_freq_base(shape["rope_theta"])
+    writer.add_layer_norm_rms_eps(shape["eps"])
+
+
+def _mixture_keys(writer: GGUFWriter, shape: dict, ff: int) -> None:
+    """The keys every mixture of experts' file has, as llama.cpp's converter writes them (``ff``: the dense MLP's
+    width, or the experts' where the family has none)."""
+    _common_keys(writer, shape, ff)
+    writer.add_expert_feed_forward_length(shape["expert_ff"])
     writer.add_head_count_kv(shape["kv_heads"])
     writer.add_key_length(shape["head_dim"])
     writer.add_value_length(shape["head_dim"])
-    writer.add_layer_norm_rms_eps(shape["eps"])
     writer.add_expert_count(shape["experts"])
     writer.add_expert_used_count(shape["used"])
-    writer.add_rope_freq_base(shape["rope_theta"])
 
 
 def _keys(writer: GGUFWriter, shape: dict) -> None:
@@ -385,29 +391,17 @@ def _qwen3moe_keys(writer: GGUFWriter, shape: dict) -> None:
 
 
 def _qwen2_keys(writer: GGUFWriter, shape: dict) -> None:
-    writer.add_block_count(shape["layers"])
-    writer.add_context_length(shape["context"])
-    writer.add_embedding_length(shape["hidden"])
-    writer.add_feed_forward_length(shape["ff"])
-    writer.add_head_count(shape["heads"])
+    _common_keys(writer, shape, shape["ff"])
     writer.add_head_count_kv(shape["kv_heads"])
-    writer.add_rope_freq_base(shape["rope_theta"])
-    writer.add_layer_norm_rms_eps(shape["eps"])
     writer.add_file_type(15)  # MOSTLY_Q4_K_M
 
 
 def _hybrid_keys(writer: GGUFWriter, shape: dict) -> None:
     """LFM2's and Qwen3.5's keys, as llama.cpp's converter writes them."""
     arch, layers = shape["arch"], shape["layers"]
-    writer.add_block_count(layers)
-    writer.add_context_length(shape["context"])
-    writer.add_embedding_length(shape["hidden"])
-    writer.add_feed_forward_length(shape["ff"])
-    writer.add_head_count(shape["heads"])
+    _common_keys(writer, shape, shape["ff"])
     writer.add_key_length(shape["head_dim"])
     writer.add_value_length(shape["head_dim"])
-    writer.add_rope_freq_base(shape["rope_theta"])
-    writer.add_layer_norm_rms_eps(shape["eps"])
     writer.add_vocab_size(shape["vocab"])
     writer.add_file_type(7)  # MOSTLY_Q8_0
     if arch in ("lfm2", "granitehybrid"):
@@ -448,21 +442,15 @@ def _gemma4_keys(writer: GGUFWriter, shape: dict) -> None:
     """Gemma 4's, as llama.cpp's converter writes them: head sizes, KV heads and MLP widths by layer, the local
     layers' flags and window, the KV-sharing layers, the per-layer inputs' width, the soft cap."""
     layers, local = shape["layers"], [not _gemma4_global(i, shape) for i in range(shape["layers"])]
-    writer.add_block_count(layers)
-    writer.add_context_length(shape["context"])
-    writer.add_embedding_length(shape["hidden"])
-    writer.add_feed_forward_length([shape["ff"] * (1 if i < layers - shape["shared"] else 2) for i in range(layers)])
-    writer.add_head_count(shape["heads"])
+    _common_keys(writer, shape, [shape["ff"] * (1 if i < layers - shape["shared"] else 2) for i in range(layers)])
     writer.add_head_count_kv(shape["kv_heads"])
     writer.add_key_length(shape["global_dim"])
     writer.add_value_length(shape["global_dim"])
     writer.add_key_length_swa(shape["head_dim"])
     writer.add_value_length_swa(shape["head_dim"])
-    writer.add_rope_freq_base(shape["rope_theta"])
     writer.add_rope_freq_base_swa(10000.0)
     writer.add_rope_dimension_count(shape["global_dim"])
     writer.add_rope_dimension_count_swa(shape["head_dim"])
-    writer.add_layer_norm_rms_eps(shape["eps"])
     writer.add_sliding_window(shape["window"])
     writer.add_sliding_window_pattern(local)
     writer.add_shared_kv_layers(shape["shared"])
