@@ -268,8 +268,10 @@ class HFEngine(PlannedEngine):
         for (index, end), state, matrix in kept:
             hashes = seqs[index].blocks.hashes
             if end // size <= len(hashes):
-                # (the state: a view of the step's stacked states, copied; the matrices: stacked a boundary each)
+                # (the state: a view of the step's stacked states, copied; the matrices: a buffer a boundary)
                 self.states.keep(hashes[end // size - 1], state.clone(), matrix)
+            else:
+                self.states.recycle(matrix)
 
     def disk_stats(self) -> dict[str, Any] | None:
         return self.disk.describe() if self.disk is not None else None

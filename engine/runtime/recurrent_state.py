@@ -38,6 +38,10 @@ class Segment:
     length: int
 
 
+#: Evicted checkpoints' matrices held for reuse (beyond ``max_checkpoints``'s: at most this many more in memory).
+SPARE_MATRICES = 4
+
+
 class RecurrentStates:
     """Every sequence slot's recurrent state, for every recurrent layer."""
 
@@ -56,6 +60,9 @@ class RecurrentStates:
         self.matrices = lazy_zeros((layers, slots, *matrix), torch.float32, device) if matrix else None
         self.max_checkpoints = max_checkpoints
         self._checkpoints: OrderedDict[bytes, tuple[torch.Tensor, torch.Tensor | None]] = OrderedDict()
+        #: Evicted checkpoints' matrices, written again by later ones (a new 54 MiB tensor a checkpoint paid its
+        #: pages' faults: ~35 ms each, with 32 new prompts a step about a second).
+        self._spare: list[torch.Tensor] = []
 
     @staticmethod
     def bytes_per_sequence(
@@ -76,7 +83,18 @@ class RecurrentStates:
         self._checkpoints[digest] = (state, matrix)
         self._checkpoints.move_to_end(digest)
         while len(self._checkpoints) > self.max_checkpoints:
-            self._checkpoints.popitem(last=False)
+            _, (_, evicted) = self._checkpoints.popitem(last=False)
+            self.recycle(evicted)
+
+    def matrix_buffer(self) -> torch.Tensor:
+        """Room for a checkpoint's matrices ``[layers, heads, key dim, value dim]``: an evicted one's, else new."""
+        assert self.matrices is not None
+        return self._spare.pop() if self._spare else torch.empty_like(self.matrices[:, 0])
+
+    def recycle(self, matrix: torch.Tensor | None) -> None:
+        """``matrix`` (a checkpoint's, no longer kept) for a later checkpoint to write; a few are held."""
+        if matrix is not None and len(self._spare) < SPARE_MATRICES:
+            self._spare.append(matrix)
 
     def resume(self, slot: int, digest: bytes) -> bool:
         """Put the state kept at the end of the block of hash ``digest`` into ``slot``; False if none was kept."""
@@ -92,6 +110,7 @@ class RecurrentStates:
     def forget(self) -> None:
         """Drop every kept state (the prefix cache was dropped)."""
         self._checkpoints.clear()
+        self._spare.clear()
 
     @property
     def num_checkpoints(self) -> int:
@@ -118,7 +137,9 @@ class StepStates:
         #: The last block end each segment's rows reach (its index, the position), and every layer's state there.
         self.boundaries: list[tuple[int, int]] = []
         self.at_boundaries: list[torch.Tensor] = []
-        self.matrices_at_boundaries: list[dict[tuple[int, int], torch.Tensor]] = []
+        #: Each boundary's matrices, every layer's written into one buffer as the layer's rule reaches it.
+        self._kept_matrices: dict[tuple[int, int], torch.Tensor] = {}
+        self._rule_layers = 0
         for index, segment in enumerate(segments):
             end = _block_end(segment, states.block_size) if states.max_checkpoints else None
             if end is not None:  # the state there, kept for the prefix cache
@@ -190,7 +211,7 @@ class StepStates:
         matrices = matrices[layer]
         ops = kernels.native_ops() if matrices.device.type == "cpu" else None
         if ops is None:
-            return self._one_at_a_time(matrices, (query, key, value, decay, beta), correct)
+            return self._one_at_a_time(layer, matrices, (query, key, value, decay, beta), correct)
         out = torch.empty_like(value)
         inputs = [x.contiguous() for x in (query, key, value, decay, beta)]
         fresh = [segment.slot for segment in self._segments if not segment.start]
@@ -201,9 +222,9 @@ class StepStates:
         # Up to each kept block end (the matrices there kept), then the rest: each piece's positions in order.
         first = [(s.slot, s.row, split) for s, split in zip(self._segments, splits, strict=True) if split]
         self._rules(ops, matrices, first, inputs, correct, out)
-        self.matrices_at_boundaries.append(
-            {(i, end): matrices[self._segments[i].slot].clone() for i, end in ends.items()}
-        )
+        for i, end in ends.items():
+            self._keep_matrix(layer, (i, end), matrices[self._segments[i].slot])
+        self._rule_layers += 1
         rest = [(s.slot, s.row + split, s.length - split) for s, split in zip(self._segments, splits, strict=True)
                 if s.length > split]  # fmt: skip
         self._rules(ops, matrices, rest, inputs, correct, out)
@@ -219,12 +240,19 @@ class StepStates:
             table = torch.tensor(pieces, dtype=torch.long)
             ops.delta_rules(matrices, table, *inputs, correct, out)  # type: ignore[attr-defined]
 
-    def _one_at_a_time(self, matrices: torch.Tensor, inputs: tuple[torch.Tensor, ...], correct: bool) -> torch.Tensor:
+    def _keep_matrix(self, layer: int, boundary: tuple[int, int], matrix: torch.Tensor) -> None:
+        buffer = self._kept_matrices.get(boundary)
+        if buffer is None:
+            buffer = self._kept_matrices[boundary] = self._states.matrix_buffer()
+        buffer[layer].copy_(matrix)
+
+    def _one_at_a_time(
+        self, layer: int, matrices: torch.Tensor, inputs: tuple[torch.Tensor, ...], correct: bool
+    ) -> torch.Tensor:
         """Where the native ops do not build: one sequence at a time, a position at a time (``delta_rule.step``)."""
         query, key, value, decay, beta = inputs
         out = torch.empty_like(value)
         ends = dict(self.boundaries)
-        kept: dict[tuple[int, int], torch.Tensor] = {}
         for index, segment in enumerate(self._segments):
             matrix = matrices[segment.slot]  # [heads, keys, values], moved on in place
             if not segment.start:
@@ -236,8 +264,8 @@ class StepStates:
                     out[rows_of] = self._rule(matrix, query[rows_of], key[rows_of], value[rows_of], decay[rows_of],
                                               beta[rows_of], correct)  # fmt: skip
                 if first == 0 and index in ends:
-                    kept[index, ends[index]] = matrix.clone()
-        self.matrices_at_boundaries.append(kept)
+                    self._keep_matrix(layer, (index, ends[index]), matrix)
+        self._rule_layers += 1
         return out
 
     @staticmethod
@@ -263,9 +291,10 @@ class StepStates:
 
     def matrices_at(self) -> list[torch.Tensor | None]:
         """Every layer's matrices at each of ``boundaries`` (None: no delta rule)."""
-        if not self.matrices_at_boundaries:
+        if not self._rule_layers or not self.boundaries:
             return [None] * len(self.boundaries)
-        return [torch.stack([kept[boundary] for kept in self.matrices_at_boundaries]) for boundary in self.boundaries]
+        assert self._rule_layers == self._states.layers, "a step runs the rule on every recurrent layer"
+        return [self._kept_matrices[boundary] for boundary in self.boundaries]
 
 
 def _block_end(segment: Segment, block_size: int) -> int | None:
