@@ -409,7 +409,8 @@ struct QuantizedRows {
 };
 
 // A block's 32 activations quantized: int8 values into q, and the sums of values 0-15 and 16-31; returns the
-// block's largest magnitude. The plain loops' operations (std::nearbyint: round to nearest, ties to even).
+// block's scale, its largest magnitude / 127. The plain loops' operations (std::nearbyint: round to nearest, ties
+// to even).
 template <typename T>
 float quantize_block_portable(const T* block, int8_t* q, int32_t totals[2]) {
   float most = 0.0f;
@@ -420,7 +421,7 @@ float quantize_block_portable(const T* block, int8_t* q, int32_t totals[2]) {
     q[j] = static_cast<int8_t>(std::nearbyint(static_cast<float>(block[j]) * inverse));
     totals[j / 16] += q[j];
   }
-  return most;
+  return scale;
 }
 
 #if defined(SMOLSERVE_QUANT_AVX2)
@@ -457,7 +458,7 @@ float quantize_block(const T* block, int8_t* q, int32_t totals[2]) {
     _mm256_store_si256(reinterpret_cast<__m256i*>(sums), _mm256_add_epi32(n[2 * h], n[2 * h + 1]));
     for (int32_t value : sums) totals[h] += value;
   }
-  return largest;
+  return scale;
 }
 #else
 template <typename T>
@@ -479,8 +480,7 @@ QuantizedRows quantize_rows(const T* x, int64_t rows, int64_t in, bool portable)
       int32_t totals[2] = {0, 0};
       const T* block = x + (i % rows * blocks + i / rows) * kBlock;  // row i % rows, block i / rows
       int8_t* q = &out.q[i * kBlock];
-      const float most = portable ? quantize_block_portable(block, q, totals) : quantize_block(block, q, totals);
-      const float scale = most / 127.0f;
+      const float scale = portable ? quantize_block_portable(block, q, totals) : quantize_block(block, q, totals);
       out.scale[i] = scale;
       out.scaled_sum[i] = scale * static_cast<float>(totals[0] + totals[1]);
       out.scaled_halves[2 * i] = scale * static_cast<float>(totals[0]);
@@ -618,6 +618,10 @@ inline __m256 load_m(const uint8_t* p, const uint8_t* header) {
   return _mm256_xor_ps(load_d<Scales, true>(p, header + 2 * kCols), _mm256_set1_ps(-0.0f));
 }
 
+// VNNI's unsigned weights (q + 128, or a table's value + 128) summed against activations whose int8 values sum to
+// `sum`: the signed weights' integer sums, 128 sum taken off.
+inline __m256i unlifted(__m256i sums, int32_t sum) { return _mm256_sub_epi32(sums, _mm256_set1_epi32(128 * sum)); }
+
 // Rows [first, first + R) against one group of a 4- or 5-bit matrix: a block's 8 integer dot products per row in
 // one vector (two with `Halves`: weights 0-15 and 16-31), summed in int16 while they fit (4-bit: 4 runs, at most
 // 4 * 2 * 2 * 15 * 128 = 30720; 5-bit: 2 runs, 2 * 2 * 2 * 31 * 128 = 31744), then in int32, scaled and summed in
@@ -709,8 +713,7 @@ void tile_q4_avx2(const Tile& t) {
       const int64_t at = base + r;
       const __m256 a = _mm256_set1_ps(t.x->scale[at]);
       if constexpr (Table != 0 && Vnni) {
-        const int32_t lifted = 128 * (t.x->halves[2 * at] + t.x->halves[2 * at + 1]);
-        wide[r][0] = _mm256_sub_epi32(wide[r][0], _mm256_set1_epi32(lifted));
+        wide[r][0] = unlifted(wide[r][0], t.x->halves[2 * at] + t.x->halves[2 * at + 1]);
       }
       acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(d, a), _mm256_cvtepi32_ps(wide[r][0]), acc[r]);
       if constexpr (Table != 0) continue;  // no offset
@@ -771,10 +774,10 @@ void tile_q8_avx2(const Tile& t) {
       for (int64_t r = 0; r < R; ++r) {
         const int32_t* halves = &t.x->halves[2 * (base + r)];
         if constexpr (Halves) {
-          sums[r][0] = _mm256_sub_epi32(sums[r][0], _mm256_set1_epi32(128 * halves[0]));
-          sums[r][1] = _mm256_sub_epi32(sums[r][1], _mm256_set1_epi32(128 * halves[1]));
+          sums[r][0] = unlifted(sums[r][0], halves[0]);
+          sums[r][1] = unlifted(sums[r][1], halves[1]);
         } else {
-          sums[r][0] = _mm256_sub_epi32(sums[r][0], _mm256_set1_epi32(128 * (halves[0] + halves[1])));
+          sums[r][0] = unlifted(sums[r][0], halves[0] + halves[1]);
         }
       }
     }
