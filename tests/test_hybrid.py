@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 from engine_helpers import make_engine, reference, run_outputs, run_queued, run_staggered
 from gguf import GGMLQuantizationType as T
 from gguf_files import LFM2_LAYERS, tiny_model, write_gguf
@@ -449,3 +450,47 @@ def test_an_evicted_checkpoint_s_matrices_are_written_again_never_a_kept_one_s()
     third.fill_(3.0)
     assert not states.resume(0, b"first")
     assert states.resume(1, b"second") and torch.equal(states.matrices[:, 1], torch.full((2, 1, 2, 2), 2.0))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_native_mamba_steps_are_torch_s_to_rounding_and_a_row_s_bits_whatever_its_batch(dtype) -> None:
+    """``csrc/mamba.cpp``'s steps each side of Granite 4.0-H's scan (4 heads of 24 in 2 groups of B and C of 20;
+    widths that fill no whole vector) against torch's ops as the runner calls them where the native ops do not
+    build: equal to rounding; and a row's results the same bits alone, among 37 others or at another place."""
+    from engine.runtime import kernels
+
+    ops = kernels.native_ops()
+    if ops is None:
+        pytest.skip("no native kernels here")
+    generator = torch.Generator().manual_seed(0)
+    heads, head_dim, groups, size, rows, eps = 4, 24, 2, 20, 37, 1e-5
+    inner, shared = heads * head_dim, groups * size
+    xbc = (torch.randn(rows, inner + 2 * shared, generator=generator) * 4).to(dtype)
+    projected = (torch.randn(rows, inner + heads, generator=generator) * 3).to(dtype)  # z beside dt: strided views
+    z, dt = projected.split([inner, heads], dim=-1)
+    bias = torch.randn(inner + 2 * shared, generator=generator).to(dtype)
+    dt_bias, decay, skip = (torch.randn(heads, generator=generator) for _ in range(3))
+    norm, read = torch.randn(inner, generator=generator), torch.randn(rows, heads, head_dim, generator=generator)
+    x, b, c, step, decay_step = ops.mamba_inputs(xbc, bias, dt, dt_bias, decay, heads, head_dim, groups, size)
+    y = ops.mamba_output(read, x, skip, z, norm, groups, eps)
+    tolerance = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 0.02, "rtol": 0.02}
+    act = F.silu(xbc + bias).float()
+    torch.testing.assert_close(x, act[:, :inner].reshape(rows, heads, head_dim), **tolerance)
+    for got, part in ((b, act[:, inner : inner + shared]), (c, act[:, inner + shared :])):
+        torch.testing.assert_close(got, part.reshape(rows, groups, 1, size).expand(-1, -1, 2, -1).reshape(got.shape),
+                                   **tolerance)  # fmt: skip
+    torch.testing.assert_close(step, F.softplus(dt.float() + dt_bias), atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(decay_step, step * decay)
+    gated = ((read + x * skip[:, None]).reshape(rows, inner) * F.silu(z.float())).reshape(rows, groups, -1)
+    plain = F.rms_norm(gated, (inner // groups,), eps=eps).reshape(rows, inner) * norm
+    torch.testing.assert_close(y.float(), plain.to(dtype).float(), **tolerance)
+    for row in (0, 17, 36):  # alone (a fresh tensor, at another address), and in the middle of others
+        alone_in = ops.mamba_inputs(xbc[row : row + 1].clone(), bias, dt[row : row + 1].clone(), dt_bias, decay, heads,
+                                    head_dim, groups, size)  # fmt: skip
+        batched = (x, b, c, step, decay_step)
+        assert all(torch.equal(one[0], many[row]) for one, many in zip(alone_in, batched, strict=True))
+        alone = ops.mamba_output(read[row : row + 1].clone(), x[row : row + 1].clone(), skip,
+                                 z[row : row + 1].clone(), norm, groups, eps)  # fmt: skip
+        assert torch.equal(alone[0], y[row])
+    without = ops.mamba_inputs(xbc, None, dt, dt_bias, decay, heads, head_dim, groups, size)[0]
+    torch.testing.assert_close(without, F.silu(xbc).float()[:, :inner].reshape(rows, heads, head_dim), **tolerance)

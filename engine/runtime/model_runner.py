@@ -419,6 +419,7 @@ class LlamaRunner:
         self._silu_mul = _silu_mul if ops is None else ops.silu_mul
         self._gelu_mul = _gelu_mul if ops is None else ops.gelu_mul
         self._moe = None if ops is None else ops.moe_mixture
+        self._mamba_ops = ops
         # Every projection quantized: each layer in one native call where the cache's native attention serves
         # the step (``csrc/llama_layer.cpp``: the same ops, without their Python dispatch between them).
         packed = [layer.packed() for layer in self.layers]
@@ -693,6 +694,12 @@ class LlamaRunner:
         rows, inner, shared = normed.shape[0], net.heads * net.head_dim, net.groups * net.state
         z, xbc, dt = linear(normed, layer.qkv, self.tile).split([inner, inner + 2 * shared, net.heads], dim=-1)
         xbc = batch.states.convolve(layer.cache_index, xbc, layer.conv)
+        if self._mamba_ops is not None:  # the steps each side of the scan as one native op each (csrc/mamba.cpp)
+            ops = self._mamba_ops
+            x, b, c, step, decay = ops.mamba_inputs(xbc, net.conv_bias, dt, net.dt_bias, net.decay, net.heads,
+                                                    net.head_dim, net.groups, net.state)  # fmt: skip
+            read = batch.states.delta_rule(layer.cache_index, c, b, x, decay, step, correct=False)
+            return linear(ops.mamba_output(read, x, net.skip, z, net.norm, net.groups, self.eps), layer.o, self.tile)
         xbc = _by_rows(F.silu, xbc if net.conv_bias is None else xbc + net.conv_bias)
         x, b, c = xbc.float().split([inner, shared, shared], dim=-1)
         b, c = (t.reshape(rows, net.groups, 1, net.state).expand(-1, -1, net.heads // net.groups, -1)

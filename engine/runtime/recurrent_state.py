@@ -63,6 +63,7 @@ class RecurrentStates:
         #: Evicted checkpoints' matrices, written again by later ones (a new 54 MiB tensor a checkpoint paid its
         #: pages' faults: ~35 ms each, with 32 new prompts a step about a second).
         self._spare: list[torch.Tensor] = []
+        self._float_weights: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     @staticmethod
     def bytes_per_sequence(
@@ -85,6 +86,13 @@ class RecurrentStates:
         while len(self._checkpoints) > self.max_checkpoints:
             _, (_, evicted) = self._checkpoints.popitem(last=False)
             self.recycle(evicted)
+
+    def float_weight(self, layer: int, weight: torch.Tensor) -> torch.Tensor:
+        """Layer ``layer``'s convolution's ``weight`` in float32, contiguous, as the native op takes it: made once."""
+        kept = self._float_weights.get(layer)
+        if kept is None or kept[0] is not weight:
+            kept = self._float_weights[layer] = (weight, weight.float().contiguous())
+        return kept[1]
 
     def matrix_buffer(self) -> torch.Tensor:
         """Room for a checkpoint's matrices ``[layers, heads, key dim, value dim]``: an evicted one's, else new."""
@@ -177,7 +185,9 @@ class StepStates:
         if ops is not None and inputs.dtype in (torch.float32, torch.bfloat16):
             if self.boundaries:  # the states kept for the prefix cache: read before the op moves them on
                 self.at_boundaries.append(self._pool(state, inputs)[self._at_end])
-            return ops.short_conv(state, inputs.contiguous(), weight.float().contiguous(), self._segments_table)
+            return ops.short_conv(
+                state, inputs.contiguous(), self._states.float_weight(layer, weight), self._segments_table
+            )
         pool = self._pool(state, inputs)  # where the native op does not build: torch's, on gathered windows
         window, new_state = self._windows
         windows = pool[window]  # [rows, span, channels]
@@ -214,31 +224,39 @@ class StepStates:
             return self._one_at_a_time(layer, matrices, (query, key, value, decay, beta), correct)
         out = torch.empty_like(value)
         inputs = [x.contiguous() for x in (query, key, value, decay, beta)]
-        fresh = [segment.slot for segment in self._segments if not segment.start]
-        if fresh:
-            matrices[fresh] = 0
-        ends = dict(self.boundaries)
-        splits = [ends[i] - s.start if i in ends else s.length for i, s in enumerate(self._segments)]
-        # Up to each kept block end (the matrices there kept), then the rest: each piece's positions in order.
-        first = [(s.slot, s.row, split) for s, split in zip(self._segments, splits, strict=True) if split]
+        first, rest = self._pieces
+        if not self._rule_layers and self._fresh_slots:  # every layer's matrices of the fresh sequences, at once
+            self._states.matrices[:, self._fresh_slots] = 0  # type: ignore[index]
         self._rules(ops, matrices, first, inputs, correct, out)
-        for i, end in ends.items():
+        for i, end in self.boundaries:
             self._keep_matrix(layer, (i, end), matrices[self._segments[i].slot])
         self._rule_layers += 1
-        rest = [(s.slot, s.row + split, s.length - split) for s, split in zip(self._segments, splits, strict=True)
-                if s.length > split]  # fmt: skip
         self._rules(ops, matrices, rest, inputs, correct, out)
         return out
 
+    @functools.cached_property
+    def _fresh_slots(self) -> list[int]:
+        return [segment.slot for segment in self._segments if not segment.start]
+
+    @functools.cached_property
+    def _pieces(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The native rule's pieces (slot, first row, rows), the same for every layer: each segment's rows up to its
+        kept block end (the matrices there kept), then the rest; None: no piece."""
+        ends = dict(self.boundaries)
+        splits = [ends[i] - s.start if i in ends else s.length for i, s in enumerate(self._segments)]
+        pairs = list(zip(self._segments, splits, strict=True))
+        first = [(s.slot, s.row, split) for s, split in pairs if split]
+        rest = [(s.slot, s.row + split, s.length - split) for s, split in pairs if s.length > split]
+        return tuple(torch.tensor(p, dtype=torch.long) if p else None for p in (first, rest))  # type: ignore[return-value]
+
     @staticmethod
     def _rules(
-        ops: object, matrices: torch.Tensor, pieces: list[tuple[int, int, int]], inputs: list[torch.Tensor],
-        correct: bool, out: torch.Tensor,
+        ops: object, matrices: torch.Tensor, pieces: torch.Tensor | None, inputs: list[torch.Tensor], correct: bool,
+        out: torch.Tensor,
     ) -> None:  # fmt: skip
         """Several sequences' pieces in one native call (``csrc/delta_rule.cpp``'s ``delta_rules``)."""
-        if pieces:
-            table = torch.tensor(pieces, dtype=torch.long)
-            ops.delta_rules(matrices, table, *inputs, correct, out)  # type: ignore[attr-defined]
+        if pieces is not None:
+            ops.delta_rules(matrices, pieces, *inputs, correct, out)  # type: ignore[attr-defined]
 
     def _keep_matrix(self, layer: int, boundary: tuple[int, int], matrix: torch.Tensor) -> None:
         buffer = self._kept_matrices.get(boundary)
