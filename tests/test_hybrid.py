@@ -454,8 +454,8 @@ def test_an_evicted_checkpoint_s_matrices_are_written_again_never_a_kept_one_s()
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_native_mamba_steps_are_torch_s_to_rounding_and_a_row_s_bits_whatever_its_batch(dtype) -> None:
-    """``csrc/mamba.cpp``'s steps each side of Granite 4.0-H's scan (4 heads of 24 in 2 groups of B and C of 20;
-    widths that fill no whole vector) against torch's ops as the runner calls them where the native ops do not
+    """``csrc/recurrent_steps.cpp``'s steps each side of Granite 4.0-H's scan (4 heads of 24 in 2 groups of B and C
+    of 20; widths that fill no whole vector) against torch's ops as the runner calls them where the native ops do not
     build: equal to rounding; and a row's results the same bits alone, among 37 others or at another place."""
     from engine.runtime import kernels
 
@@ -494,3 +494,43 @@ def test_the_native_mamba_steps_are_torch_s_to_rounding_and_a_row_s_bits_whateve
         assert torch.equal(alone[0], y[row])
     without = ops.mamba_inputs(xbc, None, dt, dt_bias, decay, heads, head_dim, groups, size)[0]
     torch.testing.assert_close(without, F.silu(xbc).float()[:, :inner].reshape(rows, heads, head_dim), **tolerance)
+
+
+@pytest.mark.parametrize("tiled", [False, True], ids=["grouped", "tiled"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_native_delta_net_steps_are_torch_s_to_rounding_and_a_row_s_bits_whatever_its_batch(dtype, tiled) -> None:
+    """``csrc/recurrent_steps.cpp``'s steps each side of Qwen3.5's gated delta rule (2 key heads of 24 serving 6
+    value heads of 20, grouped or tiled) against torch's ops as the runner calls them where the native ops do not
+    build: equal to rounding; and a row's results the same bits alone, among 37 others or at another place."""
+    from engine.runtime import delta_rule, kernels
+
+    ops = kernels.native_ops()
+    if ops is None:
+        pytest.skip("no native kernels here")
+    generator = torch.Generator().manual_seed(0)
+    key_heads, value_heads, key_dim, value_dim, rows, eps = 2, 6, 24, 20, 37, 1e-6
+    keys, values = key_heads * key_dim, value_heads * value_dim
+    mixed = (torch.randn(rows, 2 * keys + values, generator=generator) * 4).to(dtype)
+    projected = (torch.randn(rows, values + 2 * value_heads, generator=generator) * 3).to(dtype)  # strided views
+    z, gates = projected.split([values, 2 * value_heads], dim=-1)
+    dt_bias, decay = torch.randn(value_heads, generator=generator), -torch.rand(value_heads, generator=generator)
+    norm, read = torch.randn(value_dim, generator=generator).to(dtype), torch.randn(rows, value_heads, value_dim)
+    native = ops.delta_inputs(mixed, gates, dt_bias, decay, key_heads, value_heads, key_dim, value_dim, tiled)
+    out = ops.delta_output(read, z, norm, eps)
+    tolerance = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 0.02, "rtol": 0.02}
+    q, k, v = F.silu(mixed).float().split([keys, keys, values], dim=-1)
+    q, k = (delta_rule.l2norm(x.reshape(rows, key_heads, -1)) for x in (q, k))
+    b, a = gates.float().chunk(2, dim=-1)
+    plain = (*delta_rule.prepare(q, k, value_heads, tiled), v.reshape(rows, value_heads, -1),
+             decay * F.softplus(a + dt_bias), torch.sigmoid(b))  # fmt: skip
+    for got, want in zip(native, plain, strict=True):
+        torch.testing.assert_close(got, want, **tolerance)
+    normed = norm * F.rms_norm(read.to(dtype).float(), (value_dim,), eps=eps).to(dtype)
+    gated = (normed * F.silu(z.float()).reshape(rows, value_heads, -1)).reshape(rows, -1)
+    torch.testing.assert_close(out.float(), gated.to(dtype).float(), **tolerance)
+    for row in (0, 17, 36):  # alone (a fresh tensor, at another address), and in the middle of others
+        alone = ops.delta_inputs(mixed[row : row + 1].clone(), gates[row : row + 1].clone(), dt_bias, decay, key_heads,
+                                 value_heads, key_dim, value_dim, tiled)  # fmt: skip
+        assert all(torch.equal(one[0], many[row]) for one, many in zip(alone, native, strict=True))
+        alone_out = ops.delta_output(read[row : row + 1].clone(), z[row : row + 1].clone(), norm, eps)
+        assert torch.equal(alone_out[0], out[row])

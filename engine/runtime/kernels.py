@@ -29,7 +29,7 @@ _SOURCES = [
         "delta_rule.cpp",
         "short_conv.cpp",
         "experts.cpp",
-        "mamba.cpp",
+        "recurrent_steps.cpp",
     )
 ]
 _FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]
@@ -41,8 +41,9 @@ def native_ops() -> Any | None:
     cache's ``decode_attention_int8`` and ``write_kv_int8`` (``csrc/int8_attention.cpp``), the fused element-wise
     ops of ``csrc/fused_ops.cpp``, ``quant_pack``, ``quant_linear`` and ``quant_rows`` (``csrc/quant_matmul.cpp``) and
     ``llama_layer`` (``csrc/llama_layer.cpp``), ``delta_rule`` and ``delta_rules`` (``csrc/delta_rule.cpp``),
-    ``short_conv`` (``csrc/short_conv.cpp``), ``moe_mixture`` (``csrc/experts.cpp``), ``mamba_inputs`` and
-    ``mamba_output`` (``csrc/mamba.cpp``); ``None`` where they cannot be built."""
+    ``short_conv`` (``csrc/short_conv.cpp``), ``moe_mixture`` (``csrc/experts.cpp``), ``mamba_inputs``,
+    ``mamba_output``, ``delta_inputs`` and ``delta_output`` (``csrc/recurrent_steps.cpp``); ``None`` where they
+    cannot be built."""
     if os.environ.get("SMOLSERVE_NATIVE_KERNELS", "1") == "0":
         return None
     from torch.utils.cpp_extension import load

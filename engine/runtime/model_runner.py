@@ -195,7 +195,7 @@ class _DeltaNet:
     key_dim: int
     value_dim: int
     decay: torch.Tensor  # -exp(A_log), float32 [value heads]
-    dt_bias: torch.Tensor  # [value heads]
+    dt_bias: torch.Tensor  # float32 [value heads]
     norm: torch.Tensor  # the gated norm's weights [value dim]
     gates: Weight  # b's and a's projections stacked (a row each value head: beta's and the decay's)
     tiled: bool = False  # the value heads in llama.cpp's converter's order (``delta_rule.prepare``)
@@ -419,7 +419,7 @@ class LlamaRunner:
         self._silu_mul = _silu_mul if ops is None else ops.silu_mul
         self._gelu_mul = _gelu_mul if ops is None else ops.gelu_mul
         self._moe = None if ops is None else ops.moe_mixture
-        self._mamba_ops = ops
+        self._recurrent_ops = ops  # (csrc/recurrent_steps.cpp)
         # Every projection quantized: each layer in one native call where the cache's native attention serves
         # the step (``csrc/llama_layer.cpp``: the same ops, without their Python dispatch between them).
         packed = [layer.packed() for layer in self.layers]
@@ -670,8 +670,16 @@ class LlamaRunner:
         rows, eps = normed.shape[0], self.eps
         keys, values = net.key_heads * net.key_dim, net.value_heads * net.value_dim
         mixed, z = linear(normed, layer.qkv, self.tile).split([2 * keys + values, values], dim=-1)
-        b, a = linear(normed, net.gates, self.tile).chunk(2, dim=-1)
-        mixed = _by_rows(F.silu, batch.states.convolve(layer.cache_index, mixed, layer.conv))
+        gates = linear(normed, net.gates, self.tile)
+        mixed = batch.states.convolve(layer.cache_index, mixed, layer.conv)
+        if self._recurrent_ops is not None:  # the steps each side of the rule as one native op each
+            ops = self._recurrent_ops
+            q, k, v, decay, beta = ops.delta_inputs(mixed, gates, net.dt_bias, net.decay, net.key_heads,
+                                                    net.value_heads, net.key_dim, net.value_dim, net.tiled)  # fmt: skip
+            read = batch.states.delta_rule(layer.cache_index, q, k, v, decay, beta)
+            return linear(ops.delta_output(read, z, net.norm, eps), layer.o, self.tile)
+        b, a = gates.chunk(2, dim=-1)
+        mixed = _by_rows(F.silu, mixed)
         q, k, v = mixed.split([keys, keys, values], dim=-1)
         q, k = (_by_rows(rule.l2norm, x.reshape(rows, net.key_heads, -1).float()) for x in (q, k))
         q, k = rule.prepare(q, k, net.value_heads, net.tiled)
@@ -694,8 +702,8 @@ class LlamaRunner:
         rows, inner, shared = normed.shape[0], net.heads * net.head_dim, net.groups * net.state
         z, xbc, dt = linear(normed, layer.qkv, self.tile).split([inner, inner + 2 * shared, net.heads], dim=-1)
         xbc = batch.states.convolve(layer.cache_index, xbc, layer.conv)
-        if self._mamba_ops is not None:  # the steps each side of the scan as one native op each (csrc/mamba.cpp)
-            ops = self._mamba_ops
+        if self._recurrent_ops is not None:  # the steps each side of the scan as one native op each
+            ops = self._recurrent_ops
             x, b, c, step, decay = ops.mamba_inputs(xbc, net.conv_bias, dt, net.dt_bias, net.decay, net.heads,
                                                     net.head_dim, net.groups, net.state)  # fmt: skip
             read = batch.states.delta_rule(layer.cache_index, c, b, x, decay, step, correct=False)
@@ -848,7 +856,7 @@ def _delta_layer(
     projections = fused(["linear_attn.in_proj_qkv", "linear_attn.in_proj_z"], [net.in_proj_qkv, net.in_proj_z])
     delta = _DeltaNet(
         net.num_k_heads, net.num_v_heads, net.head_k_dim, net.head_v_dim, -net.A_log.detach().float().exp(),
-        net.dt_bias.detach(), net.norm.weight.detach(),
+        net.dt_bias.detach().float(), net.norm.weight.detach(),
         fused(["linear_attn.in_proj_b", "linear_attn.in_proj_a"], [net.in_proj_b, net.in_proj_a]),
     )  # fmt: skip
     output = fused(["linear_attn.out_proj"], [net.out_proj])

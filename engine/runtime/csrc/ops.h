@@ -67,12 +67,16 @@ at::Tensor delta_rule(at::Tensor matrix, const at::Tensor& query, const at::Tens
 at::Tensor short_conv(at::Tensor state, const at::Tensor& inputs, const at::Tensor& weight,
                       const at::Tensor& segments);
 
-// mamba.cpp
+// recurrent_steps.cpp
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> mamba_inputs(
     const at::Tensor& xbc, const std::optional<at::Tensor>& conv_bias, const at::Tensor& dt, const at::Tensor& dt_bias,
     const at::Tensor& decay, int64_t heads, int64_t head_dim, int64_t groups, int64_t state);
 at::Tensor mamba_output(const at::Tensor& read, const at::Tensor& x, const at::Tensor& skip, const at::Tensor& z,
                         const at::Tensor& norm, int64_t groups, double eps);
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> delta_inputs(
+    const at::Tensor& mixed, const at::Tensor& gates, const at::Tensor& dt_bias, const at::Tensor& decay,
+    int64_t key_heads, int64_t value_heads, int64_t key_dim, int64_t value_dim, bool tiled);
+at::Tensor delta_output(const at::Tensor& read, const at::Tensor& z, const at::Tensor& norm, double eps);
 
 // delta_rule.cpp (several sequences)
 void delta_rules(at::Tensor matrices, const at::Tensor& pieces, const at::Tensor& query, const at::Tensor& key,

@@ -1,13 +1,20 @@
-// The element-wise steps of a Mamba-2 layer (Granite 4.0-H) around its scan, one op each side, for bfloat16 or
-// float32 rows on the CPU. At one decoding row the layer's ~40 small torch ops between its two projections cost
-// more than its scan: these two take their place (engine/runtime/model_runner.py, LlamaRunner._mamba).
+// The element-wise steps of the recurrent layers around their scans, one op each side, for bfloat16 or float32 rows
+// on the CPU: Mamba-2's (Granite 4.0-H) and the Gated DeltaNet's (Qwen3.5). At one decoding row a layer's ~40 small
+// torch ops between its projections cost more than its scan; at a prompt's 256 rows, torch's ops in calls of a few
+// rows each (engine/runtime/model_runner.py, _by_rows) cost a Qwen3.5 prompt a fifth of its time. These take their
+// place (LlamaRunner._mamba, LlamaRunner._delta_net).
 //
 // mamba_inputs: after the short convolution, x, B and C (the convolution's output plus its bias, through SiLU,
 // rounded to the rows' dtype as torch's ops round them, then widened), B and C repeated for each head of their
 // group, and each head's step dt = softplus(dt + dt_bias) and its decay dt A, in float32 as the scan takes them.
 // mamba_output: the scan's read plus D x, times SiLU(z), RMS-normalized by groups, times the norm's weights,
-// rounded to the rows' dtype. Each row is computed alone, the same code for every row: a row's result is the same
-// bits whatever else the step holds.
+// rounded to the rows' dtype.
+// delta_inputs: after the short convolution, the query, key and value (SiLU, rounded to the rows' dtype, widened),
+// the query and key L2-normalized per head, the query scaled by 1/sqrt(key dim), both repeated for the value heads
+// each key head serves; beta = sigmoid(b) and the decay softplus(a + dt_bias) A, per value head.
+// delta_output: each head's read RMS-normalized, times the norm's weights and SiLU(z), rounded to the rows' dtype.
+// Each row is computed alone, the same code for every row: a row's result is the same bits whatever else the step
+// holds.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -30,6 +37,9 @@ using bf16 = c10::BFloat16;
 using smolserve::narrow;
 using smolserve::widen;
 
+// The largest value head the gated norm takes (Qwen3.5's: 128).
+constexpr int64_t kMaxValueDim = 512;
+
 // Rows a task takes: one row is ~10k elements; small steps run inline.
 constexpr int64_t kGrain = 4;
 
@@ -37,6 +47,8 @@ inline float silu(float x) { return x / (1.0f + std::exp(-x)); }
 
 // As torch's softplus (beta 1, threshold 20).
 inline float softplus(float x) { return x > 20.0f ? x : std::log1p(std::exp(x)); }
+
+inline float sigmoid(float x) { return 1.0f / (1.0f + std::exp(-x)); }
 
 struct Shape {
   int64_t heads, head_dim, groups, state;
@@ -113,6 +125,60 @@ void output_row(const float* read, const float* x, const float* skip, const T* z
     const float squares = sum_of_squares(y, width);
     const float inverse = 1.0f / std::sqrt(squares / static_cast<float>(width) + static_cast<float>(eps));
     for (int64_t i = 0; i < width; ++i) out[g * width + i] = narrow<T>(y[i] * inverse * norm[g * width + i]);
+  }
+}
+
+// The Gated DeltaNet's shapes; `tiled`: value head j reads key head j % key heads (llama.cpp's converter's order),
+// else j / (value heads / key heads) (transformers').
+struct DeltaShape {
+  int64_t key_heads, value_heads, key_dim, value_dim;
+  bool tiled;
+  int64_t keys() const { return key_heads * key_dim; }
+  int64_t values() const { return value_heads * value_dim; }
+  int64_t key_head(int64_t j) const {
+    return tiled ? j % key_heads : j / (value_heads / key_heads);
+  }
+};
+
+// One row: q and k [value heads, key dim], v [value heads, value dim], decay and beta [value heads]; scratch
+// [2 keys]: the key heads' query and key before they are repeated.
+template <typename T>
+void delta_inputs_row(const T* mixed, const T* b, const T* a, const float* dt_bias, const float* decay, DeltaShape s,
+                      float* scratch, float* q, float* k, float* v, float* decay_out, float* beta) {
+  const auto rounded_silu = [](float x) { return widen(narrow<T>(silu(x))); };
+  map_lanes(2 * s.keys(), [&](int64_t i) { return widen(mixed[i]); }, scratch, rounded_silu);
+  map_lanes(s.values(), [&](int64_t i) { return widen(mixed[2 * s.keys() + i]); }, v, rounded_silu);
+  const float query_scale = 1.0f / std::sqrt(static_cast<float>(s.key_dim));
+  for (int64_t h = 0; h < 2 * s.key_heads; ++h) {  // the query's heads, then the key's: each over its L2 norm
+    float* x = scratch + h * s.key_dim;
+    const float inverse = 1.0f / std::sqrt(sum_of_squares(x, s.key_dim) + 1e-6f);
+    const float scale = h < s.key_heads ? query_scale : 1.0f;
+    for (int64_t i = 0; i < s.key_dim; ++i) x[i] = h < s.key_heads ? x[i] * inverse * scale : x[i] * inverse;
+  }
+  for (int64_t j = 0; j < s.value_heads; ++j) {
+    const int64_t from = s.key_head(j) * s.key_dim;
+    std::memcpy(q + j * s.key_dim, scratch + from, s.key_dim * sizeof(float));
+    std::memcpy(k + j * s.key_dim, scratch + s.keys() + from, s.key_dim * sizeof(float));
+    beta[j] = sigmoid(widen(b[j]));
+    decay_out[j] = decay[j] * softplus(widen(a[j]) + dt_bias[j]);
+  }
+}
+
+// One row: each value head's read over its RMS, times the norm's weights [value dim] and SiLU(z); scratch [values].
+// Rounded to the rows' dtype where torch's ops on them round: the read, its normalization, the weights' product.
+template <typename T>
+void delta_output_row(const float* read, const T* z, const T* norm, DeltaShape s, double eps, float* scratch,
+                      T* out) {
+  map_lanes(s.values(), [&](int64_t i) { return widen(z[i]); }, scratch, silu);
+  float y[kMaxValueDim];
+  for (int64_t j = 0; j < s.value_heads; ++j) {
+    for (int64_t i = 0; i < s.value_dim; ++i) y[i] = widen(narrow<T>(read[j * s.value_dim + i]));
+    const float squares = sum_of_squares(y, s.value_dim);
+    const float inverse = 1.0f / std::sqrt(squares / static_cast<float>(s.value_dim) + static_cast<float>(eps));
+    for (int64_t i = 0; i < s.value_dim; ++i) {
+      const float weighted = widen(narrow<T>(widen(norm[i]) * widen(narrow<T>(y[i] * inverse))));
+      out[j * s.value_dim + i] = narrow<T>(weighted * scratch[j * s.value_dim + i]);
+    }
   }
 }
 
@@ -207,6 +273,75 @@ at::Tensor mamba_output(const at::Tensor& read, const at::Tensor& x, const at::T
   return out;
 }
 
+// mixed [rows, 2 keys + values]: the convolution's output (query, key, value); gates [rows, 2 value heads] (any row
+// stride): b, then a; dt_bias, decay [value heads] float32. Returns the query and key [rows, value heads, key dim],
+// the value [rows, value heads, value dim], the decay and beta [rows, value heads], all float32.
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> delta_inputs(
+    const at::Tensor& mixed, const at::Tensor& gates, const at::Tensor& dt_bias, const at::Tensor& decay,
+    int64_t key_heads, int64_t value_heads, int64_t key_dim, int64_t value_dim, bool tiled) {
+  const DeltaShape s{key_heads, value_heads, key_dim, value_dim, tiled};
+  TORCH_CHECK(key_heads > 0 && value_heads % key_heads == 0, "value heads must be a multiple of key heads");
+  const at::ScalarType dtype = mixed.scalar_type();
+  TORCH_CHECK(dtype == at::kBFloat16 || dtype == at::kFloat, "the rows must be bfloat16 or float32");
+  const int64_t rows = mixed.size(0);
+  check_rows(mixed, "mixed", dtype, rows, 2 * s.keys() + s.values());
+  TORCH_CHECK(mixed.is_contiguous(), "mixed must be contiguous");
+  check_rows(gates, "gates", dtype, rows, 2 * value_heads);
+  check_float(dt_bias, "dt_bias", value_heads);
+  check_float(decay, "decay", value_heads);
+  const auto f32 = mixed.options().dtype(at::kFloat);
+  at::Tensor q = at::empty({rows, value_heads, key_dim}, f32), k = at::empty({rows, value_heads, key_dim}, f32);
+  at::Tensor v = at::empty({rows, value_heads, value_dim}, f32), decay_out = at::empty({rows, value_heads}, f32);
+  at::Tensor beta = at::empty({rows, value_heads}, f32);
+  const auto run = [&](auto zero) {
+    using T = decltype(zero);
+    at::parallel_for(0, rows, kGrain, [&](int64_t begin, int64_t end) {
+      std::vector<float> scratch(2 * s.keys());
+      for (int64_t r = begin; r < end; ++r) {
+        const T* row_gates = gates.const_data_ptr<T>() + r * gates.stride(0);
+        delta_inputs_row<T>(mixed.const_data_ptr<T>() + r * mixed.size(1), row_gates, row_gates + value_heads,
+                            dt_bias.const_data_ptr<float>(), decay.const_data_ptr<float>(), s, scratch.data(),
+                            q.mutable_data_ptr<float>() + r * value_heads * key_dim,
+                            k.mutable_data_ptr<float>() + r * value_heads * key_dim,
+                            v.mutable_data_ptr<float>() + r * s.values(),
+                            decay_out.mutable_data_ptr<float>() + r * value_heads,
+                            beta.mutable_data_ptr<float>() + r * value_heads);
+      }
+    });
+  };
+  dtype == at::kBFloat16 ? run(bf16{}) : run(float{});
+  return {q, k, v, decay_out, beta};
+}
+
+// read [rows, value heads, value dim] float32: what the rule's queries read; z [rows, value heads * value dim] (any
+// row stride) of the rows' dtype, which the result takes; norm [value dim] of the rows' dtype.
+at::Tensor delta_output(const at::Tensor& read, const at::Tensor& z, const at::Tensor& norm, double eps) {
+  TORCH_CHECK(read.dim() == 3 && read.scalar_type() == at::kFloat && read.is_contiguous(),
+              "read must be a contiguous float32 [rows, heads, value dim] tensor");
+  const int64_t rows = read.size(0), heads = read.size(1), value_dim = read.size(2);
+  const DeltaShape s{1, heads, 0, value_dim, false};
+  const at::ScalarType dtype = z.scalar_type();
+  TORCH_CHECK(dtype == at::kBFloat16 || dtype == at::kFloat, "z must be bfloat16 or float32");
+  check_rows(z, "z", dtype, rows, s.values());
+  TORCH_CHECK(value_dim <= kMaxValueDim, "value heads of at most ", kMaxValueDim);
+  TORCH_CHECK(norm.scalar_type() == dtype && norm.dim() == 1 && norm.size(0) == value_dim && norm.is_contiguous(),
+              "norm must be a contiguous [value dim] tensor of the rows' dtype");
+  at::Tensor out = at::empty({rows, s.values()}, z.options());
+  const auto run = [&](auto zero) {
+    using T = decltype(zero);
+    at::parallel_for(0, rows, kGrain, [&](int64_t begin, int64_t end) {
+      std::vector<float> scratch(s.values());
+      for (int64_t r = begin; r < end; ++r) {
+        delta_output_row<T>(read.const_data_ptr<float>() + r * s.values(), z.const_data_ptr<T>() + r * z.stride(0),
+                            norm.const_data_ptr<T>(), s, eps, scratch.data(),
+                            out.mutable_data_ptr<T>() + r * s.values());
+      }
+    });
+  };
+  dtype == at::kBFloat16 ? run(bf16{}) : run(float{});
+  return out;
+}
+
 }  // namespace smolserve
 
 TORCH_LIBRARY_FRAGMENT(smolserve, m) {
@@ -214,9 +349,15 @@ TORCH_LIBRARY_FRAGMENT(smolserve, m) {
       "mamba_inputs(Tensor xbc, Tensor? conv_bias, Tensor dt, Tensor dt_bias, Tensor decay, int heads, int head_dim, "
       "int groups, int state) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
   m.def("mamba_output(Tensor read, Tensor x, Tensor skip, Tensor z, Tensor norm, int groups, float eps) -> Tensor");
+  m.def(
+      "delta_inputs(Tensor mixed, Tensor gates, Tensor dt_bias, Tensor decay, int key_heads, int value_heads, "
+      "int key_dim, int value_dim, bool tiled) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
+  m.def("delta_output(Tensor read, Tensor z, Tensor norm, float eps) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(smolserve, CPU, m) {
   m.impl("mamba_inputs", &smolserve::mamba_inputs);
   m.impl("mamba_output", &smolserve::mamba_output);
+  m.impl("delta_inputs", &smolserve::delta_inputs);
+  m.impl("delta_output", &smolserve::delta_output);
 }
