@@ -171,7 +171,7 @@ def test_a_prompt_chunk_s_rows_attend_as_each_would_alone(
     dtype: torch.dtype, kv_heads: int, groups: int, dim: int
 ) -> None:
     """A prompt chunk's rows read one sequence's blocks (on AVX2 the float kernel, on AVX512-BF16 the bfloat16 one,
-    takes up to eight of them at a time, reading each tile once for all): every row's output is bitwise what it is
+    takes up to 32 of them at a time, reading each tile once for all): every row's output is bitwise what it is
     alone, as a decoding row, and
     whatever cut of the prompt into chunks put it beside other rows (batch-invariant greedy rests on it). A row
     of another sequence between them, and one whose table differs in a block it reads, are not taken along."""

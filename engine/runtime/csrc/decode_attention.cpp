@@ -99,8 +99,9 @@ void attend_one(const T* query, const T* keys, const T* values, T* out, int64_t 
 
 // Up to this many rows of one sequence (a prompt chunk's) attend together: each tile of keys and block of values is
 // read once for all of them, from L1, instead of once a row from L3 (at 16k positions a row's keys and values are
-// ~8 MB a KV head).
-constexpr int kRowsAtOnce = 8;
+// ~8 MB a KV head). 32 rather than 8: a 16k prompt's last 256-row chunk on Qwen3.5's 6 attention layers (heads of
+// 256) took 656 ms of attention against 820.
+constexpr int kRowsAtOnce = 32;
 // Positions of values weighed for every row before the next: 64 x 128 dims of float32 is 32 KB.
 constexpr int64_t kValueBlock = 64;
 
@@ -226,28 +227,52 @@ void attend_rows_avx2(const RowGroup& rows, int64_t groups, const float* keys, c
 #if defined(__AVX512BF16__)
 using bf16 = c10::BFloat16;
 
-// scores[g][offset + i] = scale * query[g] . key[i] for one tile of bfloat16 keys and `Groups` query rows, whose
-// bfloat16 dims are taken in pairs (`query_pairs`): one dpbf16 per pair of dims and query row, two independent
-// sums per row so that consecutive dpbf16s do not wait on each other.
-template <int64_t Dim, int Groups>
-inline void score_tile_paired(const uint32_t (*query_pairs)[Dim / 2], const bf16* tile, float scale,
-                              float* const* scores, int64_t offset) {
-  __m512 sums[Groups][2];
-  for (int g = 0; g < Groups; ++g) sums[g][0] = sums[g][1] = _mm512_setzero_ps();
+// scores[n][offset + i] = scale * query[n] . key[i] for one tile of bfloat16 keys and `N` query rows (a row's
+// query heads, or several rows'), whose bfloat16 dims are taken in pairs (`queries`: each row's pairs): one dpbf16
+// per pair of dims and query row, each key vector loaded once for the N rows, two independent sums per row so that
+// consecutive dpbf16s do not wait on each other. A row's sums are the same whatever rows share the call.
+template <int64_t Dim, int N>
+inline void score_tile_paired(const uint32_t* const* queries, const bf16* tile, float scale, float* const* scores,
+                              int64_t offset) {
+  __m512 sums[N][2];
+  for (int n = 0; n < N; ++n) sums[n][0] = sums[n][1] = _mm512_setzero_ps();
   for (int64_t j = 0; j < Dim / 2; j += 2) {
 #pragma GCC unroll 2
     for (int half = 0; half < 2; ++half) {
       const __m512bh keys = (__m512bh)_mm512_loadu_si512(tile + 2 * kKeyTile * (j + half));
 #pragma GCC unroll 8
-      for (int g = 0; g < Groups; ++g) {
-        const __m512bh pair = (__m512bh)_mm512_set1_epi32(static_cast<int>(query_pairs[g][j + half]));
-        sums[g][half] = _mm512_dpbf16_ps(sums[g][half], pair, keys);
+      for (int n = 0; n < N; ++n) {
+        const __m512bh pair = (__m512bh)_mm512_set1_epi32(static_cast<int>(queries[n][j + half]));
+        sums[n][half] = _mm512_dpbf16_ps(sums[n][half], pair, keys);
       }
     }
   }
   const __m512 scale16 = _mm512_set1_ps(scale);
-  for (int g = 0; g < Groups; ++g) {
-    _mm512_store_ps(scores[g] + offset, _mm512_mul_ps(_mm512_add_ps(sums[g][0], sums[g][1]), scale16));
+  for (int n = 0; n < N; ++n) {
+    _mm512_store_ps(scores[n] + offset, _mm512_mul_ps(_mm512_add_ps(sums[n][0], sums[n][1]), scale16));
+  }
+}
+
+// Rows of queries a pass over a key tile's vectors scores at once: 16 sums and a key in registers.
+constexpr int kScoreRows = 8;
+
+// score_tile_paired for `count` query rows, kScoreRows at a time.
+template <int64_t Dim>
+inline void score_tile_rows(const uint32_t* const* queries, int count, const bf16* tile, float scale,
+                            float* const* scores, int64_t offset) {
+  int n = 0;
+  for (; n + kScoreRows <= count; n += kScoreRows) {
+    score_tile_paired<Dim, kScoreRows>(queries + n, tile, scale, scores + n, offset);
+  }
+  switch (count - n) {
+    case 1: return score_tile_paired<Dim, 1>(queries + n, tile, scale, scores + n, offset);
+    case 2: return score_tile_paired<Dim, 2>(queries + n, tile, scale, scores + n, offset);
+    case 3: return score_tile_paired<Dim, 3>(queries + n, tile, scale, scores + n, offset);
+    case 4: return score_tile_paired<Dim, 4>(queries + n, tile, scale, scores + n, offset);
+    case 5: return score_tile_paired<Dim, 5>(queries + n, tile, scale, scores + n, offset);
+    case 6: return score_tile_paired<Dim, 6>(queries + n, tile, scale, scores + n, offset);
+    case 7: return score_tile_paired<Dim, 7>(queries + n, tile, scale, scores + n, offset);
+    default: return;
   }
 }
 
@@ -268,12 +293,82 @@ inline void round_to_pairs(float* probabilities, int64_t width) {
   }
 }
 
+// acc[n]'s chunks [c0, c0 + C) of 32 dims (in paired_dim's order) += the probabilities' bfloat16 pairs
+// pairs[n][t / 2] times the values' pair at positions t, t + 1 (t's again where t + 1 is not below `length`: its
+// probability is 0), for t in [begin, end) from `begin` even, for `N` query rows: each pair of value vectors is
+// loaded and interleaved once for the N rows. Each sum is one chain of dpbf16s in position order, however the
+// positions and rows are split into calls.
+template <int64_t Dim, int N, int C>
+inline void weigh_value_pairs(const uint32_t* const* pairs, float* const* acc, const bf16* values,
+                              const int64_t* tiles, int64_t begin, int64_t end, int64_t length, int64_t c0) {
+  __m512 sums[N][2 * C];
+  for (int n = 0; n < N; ++n) {
+    for (int i = 0; i < 2 * C; ++i) sums[n][i] = _mm512_load_ps(acc[n] + 32 * c0 + 16 * i);
+  }
+  for (int64_t t = begin; t < end; t += 2) {
+    const bf16* first = values + (tiles[t / kKeyTile] + t % kKeyTile) * Dim;
+    const bf16* second = t + 1 < length ? first + Dim : first;
+    __m512bh pair[N];
+    for (int n = 0; n < N; ++n) pair[n] = (__m512bh)_mm512_set1_epi32(static_cast<int>(pairs[n][t / 2]));
+#pragma GCC unroll 4
+    for (int c = 0; c < C; ++c) {
+      const __m512i a = _mm512_loadu_si512(first + 32 * (c0 + c)), b = _mm512_loadu_si512(second + 32 * (c0 + c));
+      const __m512bh low = (__m512bh)_mm512_unpacklo_epi16(a, b), high = (__m512bh)_mm512_unpackhi_epi16(a, b);
+      for (int n = 0; n < N; ++n) {
+        sums[n][2 * c] = _mm512_dpbf16_ps(sums[n][2 * c], pair[n], low);
+        sums[n][2 * c + 1] = _mm512_dpbf16_ps(sums[n][2 * c + 1], pair[n], high);
+      }
+    }
+  }
+  for (int n = 0; n < N; ++n) {
+    for (int i = 0; i < 2 * C; ++i) _mm512_store_ps(acc[n] + 32 * c0 + 16 * i, sums[n][i]);
+  }
+}
+
+// weigh_value_pairs over every chunk of the head, `N` rows (all of them of at least `length`) at a time.
+template <int64_t Dim, int N>
+inline void weigh_value_chunks(const uint32_t* const* pairs, float* const* acc, const bf16* values,
+                               const int64_t* tiles, int64_t begin, int64_t end, int64_t length) {
+  constexpr int kChunksAtOnce = Dim >= 64 ? 2 : 1;  // N x 4 sums in registers
+  for (int64_t c0 = 0; c0 < Dim / 32; c0 += kChunksAtOnce) {
+    weigh_value_pairs<Dim, N, kChunksAtOnce>(pairs, acc, values, tiles, begin, end, length, c0);
+  }
+}
+
+// Rows weighed together over a block of values (each pair of value vectors loaded once for them).
+constexpr int kValueRows = 4;
+
+// One block of kValueBlock positions from `block` for `count` query rows (their lengths ascending, each reaching
+// the block): kValueRows rows at a time over the positions where each of them has whole pairs, then each row alone
+// over the rest of its positions in the block. Every row's sums take the same chain of dpbf16s as it alone would.
+template <int64_t Dim>
+inline void weigh_value_block(const uint32_t* const* pairs, float* const* acc, const int64_t* length, int count,
+                              const bf16* values, const int64_t* tiles, int64_t block) {
+  const int64_t block_end = block + kValueBlock;
+  for (int n = 0; n < count; n += kValueRows) {
+    const int rows = std::min(kValueRows, count - n);
+    const int64_t shared = std::min(block_end, length[n] / 2 * 2);  // below it every row has whole pairs
+    if (rows == kValueRows) {
+      weigh_value_chunks<Dim, kValueRows>(pairs + n, acc + n, values, tiles, block, shared, length[n]);
+    } else {
+      for (int r = n; r < n + rows; ++r) {
+        weigh_value_chunks<Dim, 1>(pairs + r, acc + r, values, tiles, block, shared, length[r]);
+      }
+    }
+    for (int r = n; r < n + rows; ++r) {
+      const int64_t end = std::min(block_end, length[r]);
+      weigh_value_chunks<Dim, 1>(pairs + r, acc + r, values, tiles, std::max(block, shared), end, length[r]);
+    }
+  }
+}
+
 // attend_one for bfloat16 on AVX512-BF16: up to kRowsAtOnce rows of one sequence (a prompt chunk's, their lengths
 // ascending; a decoding row alone) and `Groups` query heads each, in three passes: every score from one stream of
-// keys, each tile read once for all the rows (from L1 after the first); the softmax over whole rows; the weighted sum
-// from one stream of values, block by block of kValueBlock positions for all the rows (two positions' rows interleaved
-// and multiplied with their two probabilities, rounded to bfloat16, by one dpbf16 into float32 sums held in
-// registers, stored between blocks). Two long streams let the hardware prefetcher run ahead: at 8 x 2048 positions
+// keys, each tile read once for all the rows (from L1 after the first; each key vector loaded once for up to
+// kScoreRows of them: 656 -> 443 ms in the chunk above); the softmax over whole rows; the weighted sum from one
+// stream of values, block by block of kValueBlock positions for all the rows (two positions' rows interleaved and
+// multiplied with their two probabilities, rounded to bfloat16, by one dpbf16 into float32 sums held in registers,
+// stored between blocks; each interleaved pair for up to kValueRows rows: 443 -> 392 ms). Two long streams let the hardware prefetcher run ahead: at 8 x 2048 positions
 // the kernel reads the cache about as fast as a plain loop of loads, in 0.73-0.89 of the time of an online softmax
 // over alternating blocks of keys and values. Each row's arithmetic is the same whatever rows share its call: a
 // prompt position's output does not depend on its batchmates or on how its prompt was cut into chunks. (Row by
@@ -292,14 +387,18 @@ void attend_paired_rows(const bf16* const* query, bf16* const* out, const int64_
   }
   float* buffer = smolserve::score_rows(at);
   float* scores[kRowsAtOnce][Groups];
+  const uint32_t* queries[kRowsAtOnce][Groups];  // row-major: the rows that reach a tile are a suffix
   for (int r = 0, offset = 0; r < count; offset += Groups * width[r], ++r) {
-    for (int g = 0; g < Groups; ++g) scores[r][g] = buffer + offset + g * width[r];
-  }
-  for (int64_t t = 0; t < length[count - 1]; t += kKeyTile) {
-    const bf16* tile = keys + tiles[t / kKeyTile] * Dim;
-    for (int r = 0; r < count; ++r) {
-      if (t < length[r]) score_tile_paired<Dim, Groups>(query_pairs[r], tile, scale, scores[r], t);
+    for (int g = 0; g < Groups; ++g) {
+      scores[r][g] = buffer + offset + g * width[r];
+      queries[r][g] = query_pairs[r][g];
     }
+  }
+  int first = 0;  // the first row that reaches the tile (their lengths ascend)
+  for (int64_t t = 0; t < length[count - 1]; t += kKeyTile) {
+    while (t >= length[first]) ++first;
+    score_tile_rows<Dim>(queries[first], (count - first) * Groups, keys + tiles[t / kKeyTile] * Dim, scale,
+                         scores[first], t);
   }
   float total[kRowsAtOnce][Groups];
   for (int r = 0; r < count; ++r) {
@@ -313,34 +412,21 @@ void attend_paired_rows(const bf16* const* query, bf16* const* out, const int64_
     }
   }
   alignas(64) float acc[kRowsAtOnce][Groups][Dim] = {};
-  for (int64_t block = 0; block < length[count - 1]; block += kValueBlock) {
-    for (int r = 0; r < count; ++r) {
-      const int64_t end = std::min(length[r], block + kValueBlock);
-      if (block >= end) continue;
-      __m512 sums[Groups][2 * kChunks];
-      for (int g = 0; g < Groups; ++g) {
-        for (int64_t i = 0; i < 2 * kChunks; ++i) sums[g][i] = _mm512_load_ps(acc[r][g] + 16 * i);
-      }
-      for (int64_t t = block; t < end; t += 2) {
-        const bf16* first = values + (tiles[t / kKeyTile] + t % kKeyTile) * Dim;
-        const bf16* second = t + 1 < length[r] ? first + Dim : first;
-        __m512bh pair[Groups];
-        for (int g = 0; g < Groups; ++g) {
-          pair[g] = (__m512bh)_mm512_broadcastd_epi32(_mm_loadu_si32(scores[r][g] + t / 2));
-        }
-        for (int64_t c = 0; c < kChunks; ++c) {
-          const __m512i a = _mm512_loadu_si512(first + 32 * c), b = _mm512_loadu_si512(second + 32 * c);
-          const __m512bh low = (__m512bh)_mm512_unpacklo_epi16(a, b), high = (__m512bh)_mm512_unpackhi_epi16(a, b);
-          for (int g = 0; g < Groups; ++g) {
-            sums[g][2 * c] = _mm512_dpbf16_ps(sums[g][2 * c], pair[g], low);
-            sums[g][2 * c + 1] = _mm512_dpbf16_ps(sums[g][2 * c + 1], pair[g], high);
-          }
-        }
-      }
-      for (int g = 0; g < Groups; ++g) {
-        for (int64_t i = 0; i < 2 * kChunks; ++i) _mm512_store_ps(acc[r][g] + 16 * i, sums[g][i]);
-      }
+  const uint32_t* pairs[kRowsAtOnce * Groups];  // row-major, as `queries`
+  float* sums[kRowsAtOnce * Groups];
+  int64_t lengths[kRowsAtOnce * Groups];
+  for (int r = 0; r < count; ++r) {
+    for (int g = 0; g < Groups; ++g) {
+      pairs[r * Groups + g] = reinterpret_cast<const uint32_t*>(scores[r][g]);
+      sums[r * Groups + g] = acc[r][g];
+      lengths[r * Groups + g] = length[r];
     }
+  }
+  first = 0;
+  for (int64_t block = 0; block < length[count - 1]; block += kValueBlock) {
+    while (block >= length[first]) ++first;
+    weigh_value_block<Dim>(pairs + first * Groups, sums + first * Groups, lengths + first * Groups,
+                           (count - first) * Groups, values, tiles, block);
   }
   for (int r = 0; r < count; ++r) {
     for (int g = 0; g < Groups; ++g) {
