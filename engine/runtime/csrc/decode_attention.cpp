@@ -99,18 +99,21 @@ void attend_one(const T* query, const T* keys, const T* values, T* out, int64_t 
 
 // Up to this many rows of one sequence (a prompt chunk's) attend together: each tile of keys and block of values is
 // read once for all of them, from L1, instead of once a row from L3 (at 16k positions a row's keys and values are
-// ~8 MB a KV head). 32 rather than 8: a 16k prompt's last 256-row chunk on Qwen3.5's 6 attention layers (heads of
-// 256) took 656 ms of attention against 820.
+// ~8 MB a KV head). The float32 kernel takes up to kFloatRows; the bfloat16 one up to kRowsAtOnce (query rows and
+// heads together: 32 rows of heads of 256, 8 of four heads of 64, whose scores, 16k positions a row and head, would
+// no longer stay in the core's cache). 32 rows rather than 8 at heads of 256: a 16k prompt's last 256-row chunk on
+// Qwen3.5's 6 attention layers took 656 ms of attention against 820.
 constexpr int kRowsAtOnce = 32;
+constexpr int kFloatRows = 8;
 // Positions of values weighed for every row before the next: 64 x 128 dims of float32 is 32 KB.
 constexpr int64_t kValueBlock = 64;
 
 // Rows of one sequence for attend_rows_avx2, their lengths ascending: each reads the tiles of the last (longest).
 struct RowGroup {
   int count = 0;
-  const float* query[kRowsAtOnce];  // [groups][Dim] each
-  float* out[kRowsAtOnce];
-  int64_t length[kRowsAtOnce];
+  const float* query[kFloatRows];  // [groups][Dim] each
+  float* out[kFloatRows];
+  int64_t length[kFloatRows];
 };
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -198,7 +201,7 @@ void attend_rows_avx2(const RowGroup& rows, int64_t groups, const float* keys, c
       }
     }
   }
-  float total[kRowsAtOnce * kMaxGroups];
+  float total[kFloatRows * kMaxGroups];
   for (int64_t i = 0; i < heads; ++i) {
     smolserve::mask_leading(scores + i * width, skip);
     float row_max;
@@ -228,11 +231,12 @@ void attend_rows_avx2(const RowGroup& rows, int64_t groups, const float* keys, c
 using bf16 = c10::BFloat16;
 
 // scores[n][offset + i] = scale * query[n] . key[i] for one tile of bfloat16 keys and `N` query rows (a row's
-// query heads, or several rows'), whose bfloat16 dims are taken in pairs (`queries`: each row's pairs): one dpbf16
-// per pair of dims and query row, each key vector loaded once for the N rows, two independent sums per row so that
-// consecutive dpbf16s do not wait on each other. A row's sums are the same whatever rows share the call.
+// query heads, or several rows'), whose bfloat16 dims are taken in pairs (`queries`: N rows of Dim / 2 pairs, one
+// after another): one dpbf16 per pair of dims and query row, each key vector loaded once for the N rows, two
+// independent sums per row so that consecutive dpbf16s do not wait on each other. A row's sums are the same whatever
+// rows share the call.
 template <int64_t Dim, int N>
-inline void score_tile_paired(const uint32_t* const* queries, const bf16* tile, float scale, float* const* scores,
+inline void score_tile_paired(const uint32_t* queries, const bf16* tile, float scale, float* const* scores,
                               int64_t offset) {
   __m512 sums[N][2];
   for (int n = 0; n < N; ++n) sums[n][0] = sums[n][1] = _mm512_setzero_ps();
@@ -242,7 +246,7 @@ inline void score_tile_paired(const uint32_t* const* queries, const bf16* tile, 
       const __m512bh keys = (__m512bh)_mm512_loadu_si512(tile + 2 * kKeyTile * (j + half));
 #pragma GCC unroll 8
       for (int n = 0; n < N; ++n) {
-        const __m512bh pair = (__m512bh)_mm512_set1_epi32(static_cast<int>(queries[n][j + half]));
+        const __m512bh pair = (__m512bh)_mm512_set1_epi32(static_cast<int>(queries[n * Dim / 2 + j + half]));
         sums[n][half] = _mm512_dpbf16_ps(sums[n][half], pair, keys);
       }
     }
@@ -256,22 +260,23 @@ inline void score_tile_paired(const uint32_t* const* queries, const bf16* tile, 
 // Rows of queries a pass over a key tile's vectors scores at once: 16 sums and a key in registers.
 constexpr int kScoreRows = 8;
 
-// score_tile_paired for `count` query rows, kScoreRows at a time.
+// score_tile_paired for `count` query rows (`queries`: their pairs one after another), kScoreRows at a time.
 template <int64_t Dim>
-inline void score_tile_rows(const uint32_t* const* queries, int count, const bf16* tile, float scale,
-                            float* const* scores, int64_t offset) {
+inline void score_tile_rows(const uint32_t* queries, int count, const bf16* tile, float scale, float* const* scores,
+                            int64_t offset) {
   int n = 0;
   for (; n + kScoreRows <= count; n += kScoreRows) {
-    score_tile_paired<Dim, kScoreRows>(queries + n, tile, scale, scores + n, offset);
+    score_tile_paired<Dim, kScoreRows>(queries + n * Dim / 2, tile, scale, scores + n, offset);
   }
+  const uint32_t* rest = queries + n * Dim / 2;
   switch (count - n) {
-    case 1: return score_tile_paired<Dim, 1>(queries + n, tile, scale, scores + n, offset);
-    case 2: return score_tile_paired<Dim, 2>(queries + n, tile, scale, scores + n, offset);
-    case 3: return score_tile_paired<Dim, 3>(queries + n, tile, scale, scores + n, offset);
-    case 4: return score_tile_paired<Dim, 4>(queries + n, tile, scale, scores + n, offset);
-    case 5: return score_tile_paired<Dim, 5>(queries + n, tile, scale, scores + n, offset);
-    case 6: return score_tile_paired<Dim, 6>(queries + n, tile, scale, scores + n, offset);
-    case 7: return score_tile_paired<Dim, 7>(queries + n, tile, scale, scores + n, offset);
+    case 1: return score_tile_paired<Dim, 1>(rest, tile, scale, scores + n, offset);
+    case 2: return score_tile_paired<Dim, 2>(rest, tile, scale, scores + n, offset);
+    case 3: return score_tile_paired<Dim, 3>(rest, tile, scale, scores + n, offset);
+    case 4: return score_tile_paired<Dim, 4>(rest, tile, scale, scores + n, offset);
+    case 5: return score_tile_paired<Dim, 5>(rest, tile, scale, scores + n, offset);
+    case 6: return score_tile_paired<Dim, 6>(rest, tile, scale, scores + n, offset);
+    case 7: return score_tile_paired<Dim, 7>(rest, tile, scale, scores + n, offset);
     default: return;
   }
 }
@@ -386,18 +391,14 @@ void attend_paired_rows(const bf16* const* query, bf16* const* out, const int64_
     at += Groups * width[r];
   }
   float* buffer = smolserve::score_rows(at);
-  float* scores[kRowsAtOnce][Groups];
-  const uint32_t* queries[kRowsAtOnce][Groups];  // row-major: the rows that reach a tile are a suffix
+  float* scores[kRowsAtOnce][Groups];  // row-major, as query_pairs: the rows that reach a tile are a suffix
   for (int r = 0, offset = 0; r < count; offset += Groups * width[r], ++r) {
-    for (int g = 0; g < Groups; ++g) {
-      scores[r][g] = buffer + offset + g * width[r];
-      queries[r][g] = query_pairs[r][g];
-    }
+    for (int g = 0; g < Groups; ++g) scores[r][g] = buffer + offset + g * width[r];
   }
   int first = 0;  // the first row that reaches the tile (their lengths ascend)
   for (int64_t t = 0; t < length[count - 1]; t += kKeyTile) {
     while (t >= length[first]) ++first;
-    score_tile_rows<Dim>(queries[first], (count - first) * Groups, keys + tiles[t / kKeyTile] * Dim, scale,
+    score_tile_rows<Dim>(query_pairs[first][0], (count - first) * Groups, keys + tiles[t / kKeyTile] * Dim, scale,
                          scores[first], t);
   }
   float total[kRowsAtOnce][Groups];
@@ -411,7 +412,8 @@ void attend_paired_rows(const bf16* const* query, bf16* const* out, const int64_
       round_to_pairs(scores[r][g], width[r]);
     }
   }
-  alignas(64) float acc[kRowsAtOnce][Groups][Dim] = {};
+  alignas(64) float acc[kRowsAtOnce][Groups][Dim];
+  std::memset(acc, 0, sizeof(acc[0]) * count);  // (the rows used: the whole array is 32 rows' worth)
   const uint32_t* pairs[kRowsAtOnce * Groups];  // row-major, as `queries`
   float* sums[kRowsAtOnce * Groups];
   int64_t lengths[kRowsAtOnce * Groups];
@@ -455,12 +457,12 @@ inline int64_t grain(const smolserve::BlockTables& tables, int64_t rows, int64_t
   return positions < 2048 ? items : 1;
 }
 
-// Consecutive rows that read the same blocks (a prompt chunk's) in groups of up to kRowsAtOnce: each group's first
-// row, then `rows`.
-inline std::vector<int64_t> row_groups(const smolserve::BlockTables& tables, int64_t rows) {
+// Consecutive rows that read the same blocks (a prompt chunk's) in groups of up to `most`: each group's first row,
+// then `rows`.
+inline std::vector<int64_t> row_groups(const smolserve::BlockTables& tables, int64_t rows, int64_t most) {
   std::vector<int64_t> starts;
   for (int64_t i = 0; i < rows; ++i) {
-    if (starts.empty() || i - starts.back() == kRowsAtOnce || !tables.continues(i - 1, i)) starts.push_back(i);
+    if (starts.empty() || i - starts.back() == most || !tables.continues(i - 1, i)) starts.push_back(i);
   }
   starts.push_back(rows);
   return starts;
@@ -468,14 +470,14 @@ inline std::vector<int64_t> row_groups(const smolserve::BlockTables& tables, int
 
 #if defined(__AVX512BF16__)
 // run for bfloat16 of head size `Dim` on AVX512-BF16: consecutive rows that read the same blocks (a prompt chunk's)
-// in groups of up to kRowsAtOnce (attend_paired_rows), a group and KV head an item; its query heads as many at a
-// time as keep their sums in registers.
+// in groups of up to kRowsAtOnce / kMost (attend_paired_rows), a group and KV head an item; its query heads kMost at
+// a time.
 template <int64_t Dim>
 void run_rows_paired(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values, at::Tensor& out,
                      const smolserve::BlockTables& tables, float scale, const float* sinks) {
   constexpr int kMost = Dim == 64 ? 4 : Dim == 128 ? 2 : 1;
   const int64_t rows = q.size(0), heads = q.size(1), groups = q.size(2);
-  const std::vector<int64_t> starts = row_groups(tables, rows);
+  const std::vector<int64_t> starts = row_groups(tables, rows, kRowsAtOnce / std::min<int64_t>(groups, kMost));
   const int64_t items = static_cast<int64_t>(starts.size() - 1) * heads;
   const bf16* qp = q.const_data_ptr<bf16>();
   bf16* op = out.mutable_data_ptr<bf16>();
@@ -519,7 +521,7 @@ template <int64_t Dim>
 void run_rows(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values, at::Tensor& out,
               const smolserve::BlockTables& tables, float scale, const float* sinks) {
   const int64_t rows = q.size(0), heads = q.size(1), groups = q.size(2);
-  const std::vector<int64_t> starts = row_groups(tables, rows);
+  const std::vector<int64_t> starts = row_groups(tables, rows, kFloatRows);
   const int64_t items = static_cast<int64_t>(starts.size() - 1) * heads;
   const float* qp = q.const_data_ptr<float>();
   float* op = out.mutable_data_ptr<float>();
