@@ -214,6 +214,40 @@ def test_a_shared_prefix_resumes_from_the_state_kept_at_its_last_block(hybrid) -
     assert [entry for out in outputs for entry in out.logprobs] == run_outputs(fresh, [(0, second)])[0]
 
 
+def test_a_restarted_engine_resumes_a_shared_prefix_from_the_disk_tier_exactly(hybrid, tmp_path: Path) -> None:
+    """The prefix cache's disk tier keeps a hybrid's state at each prompt's last block end (one a prompt, in a folder
+    of its own) beside the KV blocks: an agent's second turn, sent to an engine started afresh on the same folder,
+    reads the first turn's prompt's blocks and that state from disk and resumes there (a prompt in chunks of 24:
+    the state at 64 was reached before the completing chunk); its stream is the one computed from nothing. A state
+    another configuration wrote is never read (its folder is named by the configuration, as the blocks' are)."""
+    from engine.runtime.kv_disk import DiskSpec
+
+    _, loaded = hybrid("mixed")
+    spec = DiskSpec(tmp_path, 1 << 30, {})
+    first = GenerationRequest(prompt(8, 75), 10, ignore_eos=True)
+    engine = make_engine(loaded.model, loaded.eos_token_ids, quantized=loaded.blocks, max_num_batched_tokens=24,
+                         kv_disk=spec)  # fmt: skip
+    answer = run_outputs(engine, [(0, first)])[0]
+    engine.close()  # (the writers finish)
+    second = GenerationRequest(first.prompt_ids + tuple(e.token_id for e in answer) + prompt(9, 30), 12,
+                               ignore_eos=True, logprobs=2)  # fmt: skip
+    restarted = make_engine(loaded.model, loaded.eos_token_ids, quantized=loaded.blocks, kv_disk=spec)
+    restarted.admit([second])
+    outputs = [out for _ in range(100) if restarted.num_active() for out in restarted.step()]
+    assert outputs[0].cached_tokens == 64  # the first turn's prompt's four whole blocks, its state at their end
+    stats = restarted.disk_stats()
+    assert stats is not None and stats["states"]["restored_blocks"] == 1 and stats["restored_blocks"] >= 4
+    fresh = make_engine(loaded.model, loaded.eos_token_ids, quantized=loaded.blocks, prefix_caching=False)
+    assert [entry for out in outputs for entry in out.logprobs] == run_outputs(fresh, [(0, second)])[0]
+    other = make_engine(loaded.model, loaded.eos_token_ids, quantized=loaded.blocks, kv_disk=spec,
+                        kv_cache_dtype="int8")  # fmt: skip
+    other.admit([second])
+    first_out, *_ = [out for _ in range(100) if other.num_active() for out in other.step()]
+    assert first_out.cached_tokens == 0
+    for made in (restarted, other):
+        made.close()
+
+
 def test_a_prefix_whose_last_states_were_dropped_ends_at_the_last_kept_one(hybrid) -> None:
     """A prompt in chunks of 24 keeps the state at each chunk's last block end (16, 48, 64; not 80: the sequence ends
     in that step and its blocks' hashes with it); with room for one, 16 and 48 are dropped. A prompt sharing its

@@ -124,10 +124,10 @@ class BlockLedger:
         if not self.caching:
             return 0
         found = self.pool.match(tokens[:limit], queried=len(tokens))
-        if resume is not None:
-            found = self._resumable(seq.row, found, resume)
-        elif self.lower is not None and self.lower.pays():
+        if self.lower is not None and self.lower.pays():
             found += self._from_lower(tokens[:limit], found)
+        if resume is not None:  # (a hybrid's blocks read from disk: its states too, by ``resume``)
+            found = self._resumable(seq.row, found, resume)
         for block in found:
             self._assign(seq.row, len(seq.blocks), block)
             seq.blocks.append(block)

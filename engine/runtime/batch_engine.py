@@ -189,12 +189,9 @@ class HFEngine(PlannedEngine):
     def _disk_tier(
         self, spec: DiskSpec | None, mode: BatchMode, quantized: dict[str, QuantizedWeight] | None
     ) -> DiskTier | None:
-        """The prefix cache's disk tier, its files named by all that a block's bytes depend on; none for a hybrid
-        (its recurrent states are not kept on disk)."""
+        """The prefix cache's disk tier, its files named by all that a block's bytes depend on; for a hybrid, its
+        recurrent states' tier beside it (``states.disk``: the state at each prompt's last block end)."""
         if spec is None or spec.max_bytes <= 0:
-            return None
-        if self.states is not None:
-            self.hybrid_limits["kv_disk"] = "off: the recurrent layers' states at block ends are not kept on disk"
             return None
         cache = self.cache
         identity = {
@@ -203,11 +200,16 @@ class HFEngine(PlannedEngine):
             "dense_from_rows": mode.dense_from_rows, "blocks": sorted({w.qtype for w in (quantized or {}).values()}),
             "cpu": kernels.cpu_tag(),
         }  # fmt: skip
+        if self.states is not None:
+            self.states.disk = DiskTier(self.states, spec.directory, spec.max_bytes // KEPT_STATES_SHARE,
+                                        fingerprint({**identity, "states": True}), timed=False)  # fmt: skip
         return DiskTier(cache, spec.directory, spec.max_bytes, fingerprint(identity), spec.prefill_seconds_per_token)
 
     def close(self) -> None:
         if self.disk is not None:
             self.disk.close()
+        if self.states is not None and self.states.disk is not None:
+            self.states.disk.close()
 
     @property
     def pool(self) -> BlockPool:
@@ -266,15 +268,23 @@ class HFEngine(PlannedEngine):
         size = self.states.block_size
         kept = zip(step.boundaries, step.states_at_boundaries(), step.matrices_at(), strict=True)
         for (index, end), state, matrix in kept:
-            hashes = seqs[index].blocks.hashes
-            if end // size <= len(hashes):
+            seq = seqs[index]
+            if end // size <= len(seq.blocks.hashes):
                 # (the state: a view of the step's stacked states, copied; the matrices: a buffer a boundary)
-                self.states.keep(hashes[end // size - 1], state.clone(), matrix)
+                last = index >= len(plan.decoding) and end == seq.target // size * size  # a prompt's last block end
+                self.states.keep(seq.blocks.hashes[end // size - 1], state.clone(), matrix, persist=last)
             else:
                 self.states.recycle(matrix)
+        if self.states.disk is not None:
+            self.states.disk.end_step()
 
     def disk_stats(self) -> dict[str, Any] | None:
-        return self.disk.describe() if self.disk is not None else None
+        if self.disk is None:
+            return None
+        described = self.disk.describe()
+        if self.states is not None and self.states.disk is not None:
+            described["states"] = self.states.disk.describe()  # a hybrid's: states written and restored
+        return described
 
     def runtime_info(self) -> dict[str, Any]:
         mode = self.batch_mode

@@ -13,6 +13,10 @@ removed when read, never used. With 256 MB of blocks waiting, newer ones are dro
 disk). The tier holds at most ``max_bytes`` (room is made before a file is written), least recently written or
 read dropped first; its index is rebuilt from the folder at start, oldest first by modification time.
 
+A hybrid model's recurrent states go to a tier of their own (a folder named by the same fingerprint and "states"):
+the state at a prompt's last block end, a file a prompt (``RecurrentStates``' bytes: a checkpoint's convolution
+inputs and matrices), so that a restarted server resumes a hybrid's prefix at the last block whose state it finds.
+
 A block is read instead of prefilled while that is faster: the tier times a read of a block (a file written and
 read back at start, then each restore, as a moving average) against the engine's prefill per block (the start-up
 probe's matmuls per row at first, then each step of at least ``PREFILL_ROWS`` rows), and while prefilling is the
@@ -36,13 +40,12 @@ import threading
 import time
 import zlib
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
-
-from engine.runtime.kv_cache import BlockKVCache
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +66,19 @@ _RESCAN_SECONDS = 30.0
 _STALE_SECONDS = 600.0
 #: The engine's own code whose change may change a block's bytes.
 _CODE = [Path(__file__).parent, Path(__file__).parent / "csrc"]
+
+
+class Blocks(Protocol):
+    """What the tier keeps, as runs of bytes of one size: the KV cache's blocks (``BlockKVCache``), or a hybrid's
+    recurrent states (``RecurrentStates``: a checkpoint's bytes, read into a sequence's slot)."""
+
+    block_size: int
+
+    def block_bytes(self) -> int: ...
+
+    def read_block(self, block: int) -> torch.Tensor: ...
+
+    def write_block(self, block: int, data: torch.Tensor) -> None: ...
 
 
 @dataclass(slots=True, frozen=True)
@@ -102,8 +118,11 @@ def file_identity(source: str) -> dict[str, Any]:
 
 class DiskTier:
     def __init__(
-        self, cache: BlockKVCache, directory: Path, max_bytes: int, name: str, prefill_per_token: float | None = None
-    ) -> None:
+        self, cache: Blocks, directory: Path, max_bytes: int, name: str, prefill_per_token: float | None = None,
+        timed: bool = True,
+    ) -> None:  # fmt: skip
+        """``timed``: a read is timed at start (against a prefill's cost, ``pays``); a hybrid's states' tier is not
+        (the KV blocks' tier decides; a state is read where its blocks were)."""
         self.cache = cache
         self.directory = directory / name
         self.directory.mkdir(parents=True, exist_ok=True)
@@ -121,7 +140,7 @@ class DiskTier:
         self.stats = {"restored_blocks": 0, "restore_seconds": 0.0, "written_blocks": 0,
                       "dropped_writes": 0, "corrupt_files": 0, "lookups_skipped": 0}  # fmt: skip
         #: Seconds to read a block in, and to prefill one (None: not known yet), as moving averages.
-        self.read_seconds = self._time_a_read()
+        self.read_seconds = self._time_a_read() if timed else 0.0
         self.prefill_seconds = None if prefill_per_token is None else prefill_per_token * cache.block_size
         self._reserved = 0  # bytes of files being written: counted in _bytes, not yet in the index
         self._reserve(0)  # a smaller bound than the last start's
@@ -188,6 +207,11 @@ class DiskTier:
         return True
 
     def store(self, digest: bytes, block: int) -> None:
+        self.store_bytes(digest, lambda: self.cache.read_block(block))
+
+    def store_bytes(self, digest: bytes, copy: Callable[[], torch.Tensor]) -> None:
+        """Keep ``copy()``'s bytes (a copy the caller no longer writes, made only if they are to be written) as
+        ``digest``'s, off the caller's thread."""
         with self._lock:
             if digest in self._index or digest in self._queued:
                 return
@@ -195,7 +219,7 @@ class DiskTier:
                 self.stats["dropped_writes"] += 1
                 return
             self._queued.add(digest)
-        self._step.append((digest, self.cache.read_block(block)))
+        self._step.append((digest, copy()))
 
     def end_step(self) -> None:
         """Hand this step's blocks to the writer at once: it wakes once a step, not once a block (each time it

@@ -20,12 +20,16 @@ from __future__ import annotations
 import functools
 from collections import OrderedDict
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from engine.runtime import delta_rule as rule
 from engine.runtime import kernels
 from engine.runtime.os_memory import lazy_zeros
+
+if TYPE_CHECKING:
+    from engine.runtime.kv_disk import DiskTier
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,6 +68,8 @@ class RecurrentStates:
         #: pages' faults: ~35 ms each, with 32 new prompts a step about a second).
         self._spare: list[torch.Tensor] = []
         self._float_weights: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        #: The prefix cache's disk tier for states (``kv_disk.DiskTier`` over these: a "block" is a slot's state).
+        self.disk: DiskTier | None = None
 
     @staticmethod
     def bytes_per_sequence(
@@ -76,11 +82,14 @@ class RecurrentStates:
         """The indexes a step's convolutions read and write through (one set for every layer)."""
         return StepStates(self, segments, rows)
 
-    def keep(self, digest: bytes, state: torch.Tensor, matrix: torch.Tensor | None) -> None:
+    def keep(self, digest: bytes, state: torch.Tensor, matrix: torch.Tensor | None, persist: bool = False) -> None:
         """The state ``[layers, span - 1, channels]`` (and the matrices ``[layers, heads, key dim, value dim]``) at
-        the end of the cached block of hash ``digest``."""
+        the end of the cached block of hash ``digest``; ``persist``: written to the disk tier too (a prompt's last
+        block end's: one a prompt, not one a block a long prompt or a decoding sequence crosses)."""
         if not self.max_checkpoints:
             return
+        if persist and self.disk is not None:
+            self.disk.store_bytes(digest, lambda: _packed(state, matrix))
         self._checkpoints[digest] = (state, matrix)
         self._checkpoints.move_to_end(digest)
         while len(self._checkpoints) > self.max_checkpoints:
@@ -105,15 +114,36 @@ class RecurrentStates:
             self._spare.append(matrix)
 
     def resume(self, slot: int, digest: bytes) -> bool:
-        """Put the state kept at the end of the block of hash ``digest`` into ``slot``; False if none was kept."""
+        """Put the state kept at the end of the block of hash ``digest`` into ``slot`` (from memory, else from the
+        disk tier); False if none was kept."""
         kept = self._checkpoints.get(digest)
         if kept is None:
-            return False
+            return self.disk is not None and self.disk.load(digest, slot)
         self._checkpoints.move_to_end(digest)
         self.state[:, slot] = kept[0]
         if self.matrices is not None and kept[1] is not None:
             self.matrices[:, slot] = kept[1]
         return True
+
+    # -- as the disk tier's blocks (``kv_disk.Blocks``): a slot's state as one run of bytes ------------------------
+
+    def block_bytes(self) -> int:
+        """A checkpoint's bytes: every layer's convolution inputs, then (the delta rule's) matrices."""
+        matrices = 0 if self.matrices is None else self.matrices[:, 0].numel() * 4
+        return self.state[:, 0].numel() * self.dtype.itemsize + matrices
+
+    def read_block(self, block: int) -> torch.Tensor:
+        """Slot ``block``'s state as ``write_block`` takes it back."""
+        return _packed(self.state[:, block], None if self.matrices is None else self.matrices[:, block])
+
+    def write_block(self, block: int, data: torch.Tensor) -> None:
+        """Slot ``block``'s state from the bytes of a checkpoint (``_packed``)."""
+        state = self.state[:, block]
+        count = state.numel() * self.dtype.itemsize
+        state.copy_(_typed(data[:count], self.dtype).view(state.shape))
+        if self.matrices is not None:
+            matrices = self.matrices[:, block]
+            matrices.copy_(_typed(data[count:], torch.float32).view(matrices.shape))
 
     def forget(self) -> None:
         """Drop every kept state (the prefix cache was dropped)."""
@@ -313,6 +343,17 @@ class StepStates:
             return [None] * len(self.boundaries)
         assert self._rule_layers == self._states.layers, "a step runs the rule on every recurrent layer"
         return [self._kept_matrices[boundary] for boundary in self.boundaries]
+
+
+def _packed(state: torch.Tensor, matrix: torch.Tensor | None) -> torch.Tensor:
+    """A checkpoint's bytes, copied: its convolution inputs, then its matrices (``RecurrentStates.write_block``)."""
+    parts = [state] if matrix is None else [state, matrix]
+    return torch.cat([part.contiguous().view(torch.uint8).flatten() for part in parts])
+
+
+def _typed(data: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Bytes ``data`` as ``dtype`` (copied where they do not start at a multiple of its size)."""
+    return (data.clone() if data.storage_offset() % dtype.itemsize else data).view(dtype)
 
 
 def _block_end(segment: Segment, block_size: int) -> int | None:
