@@ -283,3 +283,35 @@ def test_null_means_absent_for_every_field(client: TestClient, path: str, body: 
     fields = {field.alias or name: None for name, field in model.model_fields.items() if name not in body}
     reply = post(client, {**body, **fields, "max_tokens": 2}, path)
     assert reply["usage"]["completion_tokens"] == 2
+
+
+def test_a_model_without_a_chat_template_answers_chat_requests_with_a_400_in_each_api_s_shape() -> None:
+    """A GGUF whose files carry no chat template (a base model's, a shaped benchmark file): a chat request is a 400
+    that says so and where to send the text instead, in each API's own error shape, never a 500; text completions
+    still answer."""
+    from app_helpers import LOCAL
+    from starlette.testclient import TestClient
+    from tokenizers import Tokenizer as RawTokenizer
+    from tokenizers import models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from app.server.app import create_app
+    from app.server.state import ServerConfig
+    from engine.chooser import ServedModel
+    from engine.core.tokenizer import HFTokenizer
+
+    raw = RawTokenizer(models.WordLevel({"[UNK]": 0, "hello": 1, "there": 2}, unk_token="[UNK]"))
+    raw.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer = HFTokenizer(PreTrainedTokenizerFast(tokenizer_object=raw, unk_token="[UNK]"), frozenset({0}))
+    served = ServedModel("base", FakeEngine(max_model_len=64), tokenizer)
+    asked = [{"role": "user", "content": "hello there"}]
+    with TestClient(create_app(served, ServerConfig()), base_url=LOCAL) as client:
+        openai = client.post("/v1/chat/completions", json={"model": "base", "messages": asked})
+        assert openai.status_code == 400 and "no chat template" in openai.json()["error"]["message"]
+        anthropic = client.post("/v1/messages", json={"model": "base", "max_tokens": 4, "messages": asked})
+        assert anthropic.status_code == 400 and anthropic.json()["type"] == "error"
+        assert "/v1/completions" in anthropic.json()["error"]["message"]
+        ollama = client.post("/api/chat", json={"model": "base", "messages": asked, "stream": False})
+        assert ollama.status_code == 400 and "no chat template" in ollama.json()["error"]
+        text = client.post("/v1/completions", json={"model": "base", "prompt": "hello", "max_tokens": 2})
+        assert text.status_code == 200

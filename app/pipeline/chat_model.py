@@ -33,7 +33,7 @@ from app.wire.openai.sampling import GenerationOptions, StructuredOutput
 from engine.chooser import ServedModel
 from engine.core.grammar import Grammars
 from engine.core.scheduler import Scheduler
-from engine.core.tokenizer import ChatTemplateError, Tokenizer
+from engine.core.tokenizer import ChatTemplateError, NoChatTemplate, Tokenizer
 
 
 class Model(Protocol):
@@ -91,7 +91,8 @@ class ChatModel:
     ) -> list[int]:
         """The conversation through the model's template; tools through the template when it renders them, else through
         the default tool prompt (``app/pipeline/tools/``); ``extra``: more of the template's variables. Tools for a
-        template whose call syntax this server cannot read back, or a conversation the template refuses: a 400. A
+        template whose call syntax this server cannot read back, a conversation the template refuses, or a model
+        without a template: a 400. A
         harmony model's conversation is rendered by openai-harmony instead (``app/pipeline/harmony/prompt.py``)."""
         if self.harmony is not None:
             return harmony_prompt.render(self.harmony, messages, calling, extra or {})
@@ -107,6 +108,9 @@ class ChatModel:
         definitions = calling.definitions() if native and calling is not None else None
         try:
             return self.tokenizer.chat_prompt(rendered, definitions or None, extra)
+        except NoChatTemplate:
+            message = "messages: this model's files carry no chat template; send the prompt as text to /v1/completions"
+            raise bad_request(message, "messages") from None
         except ChatTemplateError as exc:
             message = f"messages: the model's chat template refused the conversation: {exc}"
             raise bad_request(message, "messages") from None

@@ -14,6 +14,10 @@ class ChatTemplateError(ValueError):
     """The model's chat template refused the conversation (its ``raise_exception``); the message says why."""
 
 
+class NoChatTemplate(ChatTemplateError):
+    """The model's files carry no chat template: it takes text prompts only."""
+
+
 class Tokenizer(Protocol):
     eos_token_ids: frozenset[int]
     vocab_size: int
@@ -49,7 +53,7 @@ class Tokenizer(Protocol):
         """Render chat messages with the model's template, ending where the assistant's reply begins; ``tools``
         go to the template's own ``tools`` argument (for a template that renders them), ``extra`` are more of
         its variables (``enable_thinking``). A template that refuses the conversation raises
-        ``ChatTemplateError``."""
+        ``ChatTemplateError`` (``NoChatTemplate`` where there is none)."""
         ...
 
 
@@ -118,7 +122,7 @@ class HFTokenizer:
         extra: dict[str, Any] | None = None,
     ) -> list[int]:
         if not self._tok.chat_template:
-            raise ValueError("this model has no chat template")
+            raise NoChatTemplate("this model's files carry no chat template")
         extra = extra or {}
         # A conversation that ends in the assistant's own text (a prefill) is continued, not answered anew.
         opens_turn = not extra.get("continue_final_message")
