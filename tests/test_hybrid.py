@@ -214,14 +214,19 @@ def test_a_shared_prefix_resumes_from_the_state_kept_at_its_last_block(hybrid) -
     assert [entry for out in outputs for entry in out.logprobs] == run_outputs(fresh, [(0, second)])[0]
 
 
-def test_a_restarted_engine_resumes_a_shared_prefix_from_the_disk_tier_exactly(hybrid, tmp_path: Path) -> None:
+def test_a_restarted_engine_resumes_a_shared_prefix_from_the_disk_tier_exactly(
+    hybrid, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The prefix cache's disk tier keeps a hybrid's state at each prompt's last block end (one a prompt, in a folder
-    of its own) beside the KV blocks: an agent's second turn, sent to an engine started afresh on the same folder,
-    reads the first turn's prompt's blocks and that state from disk and resumes there (a prompt in chunks of 24:
-    the state at 64 was reached before the completing chunk); its stream is the one computed from nothing. A state
-    another configuration wrote is never read (its folder is named by the configuration, as the blocks' are)."""
+    of its own; prompts of at least ``STATES_ON_DISK_FROM`` tokens, here 64) beside the KV blocks: an agent's second
+    turn, sent to an engine started afresh on the same folder, reads the first turn's prompt's blocks and that state
+    from disk and resumes there (a prompt in chunks of 24: the state at 64 was reached before the completing chunk);
+    its stream is the one computed from nothing. A state another configuration wrote is never read (its folder is
+    named by the configuration, as the blocks' are); a shorter prompt's state is not written."""
+    from engine.runtime import batch_engine
     from engine.runtime.kv_disk import DiskSpec
 
+    monkeypatch.setattr(batch_engine, "STATES_ON_DISK_FROM", 64)
     _, loaded = hybrid("mixed")
     spec = DiskSpec(tmp_path, 1 << 30, {})
     first = GenerationRequest(prompt(8, 75), 10, ignore_eos=True)
@@ -246,6 +251,13 @@ def test_a_restarted_engine_resumes_a_shared_prefix_from_the_disk_tier_exactly(h
     assert first_out.cached_tokens == 0
     for made in (restarted, other):
         made.close()
+    monkeypatch.setattr(batch_engine, "STATES_ON_DISK_FROM", 80)  # the first prompt's last block end is 64: too short
+    short = make_engine(loaded.model, loaded.eos_token_ids, quantized=loaded.blocks, kv_disk=DiskSpec(tmp_path / "b",
+                        1 << 30, {}))  # fmt: skip
+    run_outputs(short, [(0, first)])
+    short.close()
+    stats = short.disk_stats()
+    assert stats is not None and stats["states"]["written_blocks"] == 0 and stats["written_blocks"] >= 4
 
 
 def test_a_prefix_whose_last_states_were_dropped_ends_at_the_last_kept_one(hybrid) -> None:

@@ -104,6 +104,10 @@ def _recurrent_states(
                            kept_bytes // per_state, matrix)  # fmt: skip
 
 
+#: The shortest prefix whose state goes to the disk tier: a state is tens of megabytes (Granite 4.0-H-1B's 57 MB), a
+#: file a prompt; a shorter prompt prefills again in about a second, and writing one for every short request took
+#: bandwidth from decoding for little.
+STATES_ON_DISK_FROM = 1024
 #: The share of the KV cache's bytes that a hybrid's states kept at cached blocks' ends may take besides.
 KEPT_STATES_SHARE = 8
 
@@ -272,6 +276,7 @@ class HFEngine(PlannedEngine):
             if end // size <= len(seq.blocks.hashes):
                 # (the state: a view of the step's stacked states, copied; the matrices: a buffer a boundary)
                 last = index >= len(plan.decoding) and end == seq.target // size * size  # a prompt's last block end
+                last = last and end >= STATES_ON_DISK_FROM
                 self.states.keep(seq.blocks.hashes[end // size - 1], state.clone(), matrix, persist=last)
             else:
                 self.states.recycle(matrix)
