@@ -341,7 +341,7 @@ inline void weigh_value_chunks(const uint32_t* const* pairs, float* const* acc, 
 }
 
 // Rows weighed together over a block of values (each pair of value vectors loaded once for them).
-constexpr int kValueRows = 4;
+constexpr int kValueRows = 4;  // (weigh_value_block calls 1 to 4)
 
 // One block of kValueBlock positions from `block` for `count` query rows (their lengths ascending, each reaching
 // the block): kValueRows rows at a time over the positions where each of them has whole pairs, then each row alone
@@ -353,12 +353,11 @@ inline void weigh_value_block(const uint32_t* const* pairs, float* const* acc, c
   for (int n = 0; n < count; n += kValueRows) {
     const int rows = std::min(kValueRows, count - n);
     const int64_t shared = std::min(block_end, length[n] / 2 * 2);  // below it every row has whole pairs
-    if (rows == kValueRows) {
-      weigh_value_chunks<Dim, kValueRows>(pairs + n, acc + n, values, tiles, block, shared, length[n]);
-    } else {
-      for (int r = n; r < n + rows; ++r) {
-        weigh_value_chunks<Dim, 1>(pairs + r, acc + r, values, tiles, block, shared, length[r]);
-      }
+    switch (rows) {  // (a decoding row's query heads, kMost at most, are one call)
+      case 1: weigh_value_chunks<Dim, 1>(pairs + n, acc + n, values, tiles, block, shared, length[n]); break;
+      case 2: weigh_value_chunks<Dim, 2>(pairs + n, acc + n, values, tiles, block, shared, length[n]); break;
+      case 3: weigh_value_chunks<Dim, 3>(pairs + n, acc + n, values, tiles, block, shared, length[n]); break;
+      default: weigh_value_chunks<Dim, kValueRows>(pairs + n, acc + n, values, tiles, block, shared, length[n]);
     }
     for (int r = n; r < n + rows; ++r) {
       const int64_t end = std::min(block_end, length[r]);
