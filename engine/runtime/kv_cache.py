@@ -33,7 +33,7 @@ import torch
 
 from engine.core.config import BLOCK_SIZE
 from engine.core.planner import PrefillChunk
-from engine.runtime import kernels
+from engine.runtime import kernels, kv_disk
 from engine.runtime.os_memory import forget_pages, lazy_zeros
 from engine.runtime.recurrent_state import StepStates
 
@@ -203,17 +203,11 @@ class BlockKVCache:
 
     def read_block(self, block: int) -> torch.Tensor:
         """A copy of block ``block``'s K/V (and scales), as one run of bytes (``write_block`` takes it back)."""
-        parts = [tensor[:, :, :, self._block(block)] for tensor in self._tensors()]
-        return torch.cat([part.contiguous().view(torch.uint8).flatten() for part in parts])
+        return kv_disk.to_bytes([tensor[:, :, :, self._block(block)] for tensor in self._tensors()])
 
     def write_block(self, block: int, data: torch.Tensor) -> None:
         """Block ``block``'s K/V (and scales) from ``data``, bytes as ``read_block`` gave them."""
-        offset = 0
-        for tensor in self._tensors():
-            view = tensor[:, :, :, self._block(block)]
-            count = view.numel() * view.element_size()
-            view.copy_(data[offset : offset + count].view(view.dtype).view(view.shape))
-            offset += count
+        kv_disk.from_bytes(data, [tensor[:, :, :, self._block(block)] for tensor in self._tensors()])
 
     def release_memory(self) -> None:
         """Hand the pool's pages back to the OS (no block holds anything worth keeping); they read as zeros

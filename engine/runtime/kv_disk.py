@@ -40,7 +40,7 @@ import threading
 import time
 import zlib
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -79,6 +79,23 @@ class Blocks(Protocol):
     def read_block(self, block: int) -> torch.Tensor: ...
 
     def write_block(self, block: int, data: torch.Tensor) -> None: ...
+
+
+def to_bytes(parts: Sequence[torch.Tensor]) -> torch.Tensor:
+    """``parts``' elements as one run of bytes, copied, one part after another (``from_bytes`` takes them back)."""
+    return torch.cat([part.contiguous().view(torch.uint8).flatten() for part in parts])
+
+
+def from_bytes(data: torch.Tensor, parts: Sequence[torch.Tensor]) -> None:
+    """Write ``parts`` (views into a pool) from the bytes ``to_bytes`` made of parts of their shapes and types."""
+    offset = 0
+    for part in parts:
+        count = part.numel() * part.element_size()
+        run = data[offset : offset + count]
+        if run.storage_offset() % part.element_size():
+            run = run.clone()  # a view as a wider type must start at a multiple of its size
+        part.copy_(run.view(part.dtype).view(part.shape))
+        offset += count
 
 
 @dataclass(slots=True, frozen=True)

@@ -20,16 +20,12 @@ from __future__ import annotations
 import functools
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
 from engine.runtime import delta_rule as rule
-from engine.runtime import kernels
+from engine.runtime import kernels, kv_disk
 from engine.runtime.os_memory import lazy_zeros
-
-if TYPE_CHECKING:
-    from engine.runtime.kv_disk import DiskTier
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,7 +65,7 @@ class RecurrentStates:
         self._spare: list[torch.Tensor] = []
         self._float_weights: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         #: The prefix cache's disk tier for states (``kv_disk.DiskTier`` over these: a "block" is a slot's state).
-        self.disk: DiskTier | None = None
+        self.disk: kv_disk.DiskTier | None = None
 
     @staticmethod
     def bytes_per_sequence(
@@ -89,7 +85,7 @@ class RecurrentStates:
         if not self.max_checkpoints:
             return
         if persist and self.disk is not None:
-            self.disk.store_bytes(digest, lambda: _packed(state, matrix))
+            self.disk.store_bytes(digest, lambda: kv_disk.to_bytes([state] if matrix is None else [state, matrix]))
         self._checkpoints[digest] = (state, matrix)
         self._checkpoints.move_to_end(digest)
         while len(self._checkpoints) > self.max_checkpoints:
@@ -134,16 +130,15 @@ class RecurrentStates:
 
     def read_block(self, block: int) -> torch.Tensor:
         """Slot ``block``'s state as ``write_block`` takes it back."""
-        return _packed(self.state[:, block], None if self.matrices is None else self.matrices[:, block])
+        return kv_disk.to_bytes(self._parts(block))
 
     def write_block(self, block: int, data: torch.Tensor) -> None:
-        """Slot ``block``'s state from the bytes of a checkpoint (``_packed``)."""
-        state = self.state[:, block]
-        count = state.numel() * self.dtype.itemsize
-        state.copy_(_typed(data[:count], self.dtype).view(state.shape))
-        if self.matrices is not None:
-            matrices = self.matrices[:, block]
-            matrices.copy_(_typed(data[count:], torch.float32).view(matrices.shape))
+        """Slot ``block``'s state from the bytes of a checkpoint (``read_block``)."""
+        kv_disk.from_bytes(data, self._parts(block))
+
+    def _parts(self, slot: int) -> list[torch.Tensor]:
+        """Slot ``slot``'s state as the disk keeps it: its convolution inputs, then (the delta rule's) matrices."""
+        return [self.state[:, slot]] + ([] if self.matrices is None else [self.matrices[:, slot]])
 
     def forget(self) -> None:
         """Drop every kept state (the prefix cache was dropped)."""
@@ -343,17 +338,6 @@ class StepStates:
             return [None] * len(self.boundaries)
         assert self._rule_layers == self._states.layers, "a step runs the rule on every recurrent layer"
         return [self._kept_matrices[boundary] for boundary in self.boundaries]
-
-
-def _packed(state: torch.Tensor, matrix: torch.Tensor | None) -> torch.Tensor:
-    """A checkpoint's bytes, copied: its convolution inputs, then its matrices (``RecurrentStates.write_block``)."""
-    parts = [state] if matrix is None else [state, matrix]
-    return torch.cat([part.contiguous().view(torch.uint8).flatten() for part in parts])
-
-
-def _typed(data: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Bytes ``data`` as ``dtype`` (copied where they do not start at a multiple of its size)."""
-    return (data.clone() if data.storage_offset() % dtype.itemsize else data).view(dtype)
 
 
 def _block_end(segment: Segment, block_size: int) -> int | None:
