@@ -10,7 +10,12 @@
 // a head at 128 x 128: it stays in the core's cache between the passes.
 //
 // Without the correction (correct = false) it is Mamba-2's selective scan (Granite 4.0-H) in the same form: S
-// decays by exp(g) and moves by k (v beta)^T, the key B, the value x, beta the step dt, the query C.
+// decays by exp(g) and moves by k (v beta)^T, the key B, the value x, beta the step dt, the query C. With AVX-512
+// and value dims of whole vectors, the scan takes up to kFused positions a pass over S: each 16-value column of S
+// read once, moved position after position in a register, each position's read summed as it goes (one pass a
+// position read and wrote S: at Granite 4.0-H's 48 heads of 128 x 64 the loads and stores, not the arithmetic,
+// set its time). A position's arithmetic is the same in a pass of one or of kFused, so however a sequence's
+// positions are cut into calls its bits are the same.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -18,9 +23,15 @@
 
 #include "ops.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <vector>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#define SMOLSERVE_SCAN_AVX512 1
+#endif
 
 namespace smolserve {
 
@@ -69,6 +80,95 @@ inline void head_step(float* S, const float* q, const float* k, const float* v, 
   }
 }
 
+#if SMOLSERVE_SCAN_AVX512
+// Positions of Mamba-2's scan a pass over S takes (registers: P reads and P steps' x beta a 16-value column).
+constexpr int64_t kFused = 4;
+// Explicit rounding: these intrinsics are opaque to -ffast-math's rewriting of plain vector arithmetic.
+constexpr int kNearest = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+
+// P positions of Mamba-2's scan for one head, S [keys][values] (values a multiple of 16): for each 16-value column
+// of S, the column's rows in order, each moved by the P positions in turn (S = g S + k (x beta)) and read by their
+// queries. q, k: the positions' [keys] vectors; v: their [values]; g: exp(decay); beta; out: their [values].
+template <int P>
+void scan_positions(float* S, const float* const* q, const float* const* k, const float* const* v, const float* g,
+                    const float* beta, float* const* out, int64_t keys, int64_t values) {
+  for (int64_t j = 0; j < values; j += 16) {
+    __m512 step[P], read[P], decay[P];
+    for (int p = 0; p < P; ++p) {
+      step[p] = _mm512_mul_round_ps(_mm512_loadu_ps(v[p] + j), _mm512_set1_ps(beta[p]), kNearest);
+      read[p] = _mm512_setzero_ps();
+      decay[p] = _mm512_set1_ps(g[p]);
+    }
+    float* column = S + j;
+    for (int64_t i = 0; i < keys; ++i) {
+      __m512 s = _mm512_loadu_ps(column + i * values);
+      for (int p = 0; p < P; ++p) {
+        s = _mm512_fmadd_round_ps(_mm512_set1_ps(k[p][i]), step[p], _mm512_mul_round_ps(s, decay[p], kNearest),
+                                  kNearest);
+        read[p] = _mm512_fmadd_round_ps(s, _mm512_set1_ps(q[p][i]), read[p], kNearest);
+      }
+      _mm512_storeu_ps(column + i * values, s);
+    }
+    for (int p = 0; p < P; ++p) _mm512_storeu_ps(out[p] + j, read[p]);
+  }
+}
+
+// exp(x) by the scalar library call, as head_step takes it: a loop of these over a pass's positions was vectorized
+// into the vector library's exp, whose last bit differs (a position's bits then depended on its pass).
+__attribute__((noinline)) float scalar_exp(float x) { return std::exp(x); }
+
+// One head's positions first .. first + count of Mamba-2's scan, kFused a pass (the last pass fewer); the vectors
+// as delta_rules takes them, [rows, heads, ...].
+void scan_head(float* S, int64_t first, int64_t count, int64_t heads, int64_t h, const float* q, const float* k,
+               const float* v, const float* decay, const float* beta, float* o, int64_t keys, int64_t values) {
+  for (int64_t t = first; t < first + count; t += kFused) {
+    const int64_t n = std::min<int64_t>(kFused, first + count - t);
+    const float *qs[kFused], *ks[kFused], *vs[kFused];
+    float gs[kFused], bs[kFused], *os[kFused];
+    for (int64_t p = 0; p < n; ++p) {
+      const int64_t row = (t + p) * heads + h;
+      qs[p] = q + row * keys, ks[p] = k + row * keys, vs[p] = v + row * values, os[p] = o + row * values;
+      gs[p] = scalar_exp(decay[row]), bs[p] = beta[row];
+    }
+    if (n == 4) scan_positions<4>(S, qs, ks, vs, gs, bs, os, keys, values);
+    if (n == 3) scan_positions<3>(S, qs, ks, vs, gs, bs, os, keys, values);
+    if (n == 2) scan_positions<2>(S, qs, ks, vs, gs, bs, os, keys, values);
+    if (n == 1) scan_positions<1>(S, qs, ks, vs, gs, bs, os, keys, values);
+  }
+}
+
+// One head's positions first .. first + count of the gated delta rule, one 16-value column of S after another: a
+// column's values depend only on that column (the key's read, the delta, the move, the query's read), so each
+// position's two passes read the column's keys x 16 floats from the core's first cache, not the whole S from the
+// second. The arithmetic is head_step's, element for element and in its order of sums.
+void rule_head(float* S, int64_t first, int64_t count, int64_t heads, int64_t h, const float* q, const float* k,
+               const float* v, const float* decay, const float* beta, float* o, int64_t keys, int64_t values) {
+  for (int64_t j = 0; j < values; j += 16) {
+    float* column = S + j;
+    for (int64_t t = first; t < first + count; ++t) {
+      const int64_t row = t * heads + h;
+      const float *qt = q + row * keys, *kt = k + row * keys;
+      const __m512 g = _mm512_set1_ps(scalar_exp(decay[row]));
+      __m512 read = _mm512_setzero_ps();
+      for (int64_t i = 0; i < keys; ++i) {
+        const __m512 s = _mm512_mul_round_ps(_mm512_loadu_ps(column + i * values), g, kNearest);
+        read = _mm512_fmadd_round_ps(s, _mm512_set1_ps(kt[i]), read, kNearest);
+      }
+      const __m512 gap = _mm512_sub_round_ps(_mm512_loadu_ps(v + row * values + j), read, kNearest);
+      const __m512 delta = _mm512_mul_round_ps(gap, _mm512_set1_ps(beta[row]), kNearest);
+      __m512 out = _mm512_setzero_ps();
+      for (int64_t i = 0; i < keys; ++i) {
+        const __m512 s = _mm512_mul_round_ps(_mm512_loadu_ps(column + i * values), g, kNearest);
+        const __m512 moved = _mm512_fmadd_round_ps(_mm512_set1_ps(kt[i]), delta, s, kNearest);
+        _mm512_storeu_ps(column + i * values, moved);
+        out = _mm512_fmadd_round_ps(moved, _mm512_set1_ps(qt[i]), out, kNearest);
+      }
+      _mm512_storeu_ps(o + row * values + j, out);
+    }
+  }
+}
+#endif
+
 }  // namespace
 
 // Several sequences' positions in one call: matrices [slots, heads, keys, values] (each piece's slot updated in
@@ -111,6 +211,13 @@ void delta_rules(at::Tensor matrices, const at::Tensor& pieces, const at::Tensor
     for (int64_t task = begin; task < end; ++task) {
       const int64_t i = task / heads, h = task % heads;
       float* matrix = S + (piece[3 * i] * heads + h) * keys * values;
+#if SMOLSERVE_SCAN_AVX512
+      if (values % 16 == 0) {
+        (correct ? rule_head : scan_head)(matrix, piece[3 * i + 1], piece[3 * i + 2], heads, h, q, k, v, g, b, o, keys,
+                                          values);
+        continue;
+      }
+#endif
       for (int64_t t = piece[3 * i + 1]; t < piece[3 * i + 1] + piece[3 * i + 2]; ++t) {
         const int64_t row = t * heads + h;
         head_step(matrix, q + row * keys, k + row * keys, v + row * values, g[row], b[row], o + row * values,
