@@ -242,6 +242,7 @@ def test_a_restarted_engine_resumes_a_shared_prefix_from_the_disk_tier_exactly(
     assert outputs[0].cached_tokens == 64  # the first turn's prompt's four whole blocks, its state at their end
     stats = restarted.disk_stats()
     assert stats is not None and stats["states"]["restored_blocks"] == 1 and stats["restored_blocks"] >= 4
+    assert "hit_tokens" not in stats["states"]  # (the blocks' tier counts the tokens; a state is no tokens)
     fresh = make_engine(loaded.model, loaded.eos_token_ids, quantized=loaded.blocks, prefix_caching=False)
     assert [entry for out in outputs for entry in out.logprobs] == run_outputs(fresh, [(0, second)])[0]
     other = make_engine(loaded.model, loaded.eos_token_ids, quantized=loaded.blocks, kv_disk=spec,

@@ -157,6 +157,7 @@ class DiskTier:
         self.stats = {"restored_blocks": 0, "restore_seconds": 0.0, "written_blocks": 0,
                       "dropped_writes": 0, "corrupt_files": 0, "lookups_skipped": 0}  # fmt: skip
         #: Seconds to read a block in, and to prefill one (None: not known yet), as moving averages.
+        self.timed = timed
         self.read_seconds = self._time_a_read() if timed else 0.0
         self.prefill_seconds = None if prefill_per_token is None else prefill_per_token * cache.block_size
         self._reserved = 0  # bytes of files being written: counted in _bytes, not yet in the index
@@ -253,12 +254,15 @@ class DiskTier:
     # -- the rest ------------------------------------------------------------------------------------------
 
     def describe(self) -> dict[str, Any]:
-        """For ``/health``, ``/metrics`` and the start-up summary."""
+        """For ``/health``, ``/metrics`` and the start-up summary (a states' tier: no tokens or timings of its own:
+        its "blocks" are states, each at the end of blocks the KV blocks' tier counts)."""
         with self._lock:
             held = {"blocks": len(self._index), "bytes": self._bytes}
+        described = {"directory": str(self.directory), "max_bytes": self.max_bytes, **held, **self.stats}
+        if not self.timed:
+            return described
         hits = self.stats["restored_blocks"] * self.cache.block_size  # each block restored is a newcomer's
-        return {"directory": str(self.directory), "max_bytes": self.max_bytes, **held, **self.stats,
-                "hit_tokens": hits, "read_seconds_per_block": self.read_seconds,
+        return {**described, "hit_tokens": hits, "read_seconds_per_block": self.read_seconds,
                 "prefill_seconds_per_block": self.prefill_seconds}  # fmt: skip
 
     def flush(self) -> None:
