@@ -303,6 +303,7 @@ def test_served_with_default_flags_it_answers_and_says_what_a_sequence_costs(lfm
     state = f"recurrent state (short convolution, 3 layers): {kib} KiB a sequence, 0.0 MiB for 4; kept at up to"
     assert state in summary
     assert "speculative off: the recurrent layers' state is not rolled back past a draft" in summary
+    assert f"every drafted position, {kib} KiB a sequence each" in summary  # what rolling back would cost
     body = {"model": "lfm2", "prompt": "The quick brown fox", "max_tokens": 8, "temperature": 0}
     with TestClient(app, base_url=LOCAL) as client:
         whole = client.post("/v1/completions", json=body).json()

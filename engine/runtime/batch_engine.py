@@ -187,7 +187,11 @@ class HFEngine(PlannedEngine):
         self._step_states: StepStates | None = None
         if self.states is None or draft_rows is None:
             return draft_rows
-        self.hybrid_limits["speculative"] = "off: the recurrent layers' state is not rolled back past a draft"
+        each = self.states.block_bytes() / 2**10
+        self.hybrid_limits["speculative"] = (
+            "off: the recurrent layers' state is not rolled back past a draft (rolling back would keep the state at "
+            f"every drafted position, {each:,.0f} KiB a sequence each, or compute the accepted tokens again)"
+        )
         return None
 
     def _disk_tier(
