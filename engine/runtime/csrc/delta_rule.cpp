@@ -11,11 +11,13 @@
 //
 // Without the correction (correct = false) it is Mamba-2's selective scan (Granite 4.0-H) in the same form: S
 // decays by exp(g) and moves by k (v beta)^T, the key B, the value x, beta the step dt, the query C. With AVX-512
-// and value dims of whole vectors, the scan takes up to kFused positions a pass over S: each 16-value column of S
-// read once, moved position after position in a register, each position's read summed as it goes (one pass a
-// position read and wrote S: at Granite 4.0-H's 48 heads of 128 x 64 the loads and stores, not the arithmetic,
-// set its time). A position's arithmetic is the same in a pass of one or of kFused, so however a sequence's
-// positions are cut into calls its bits are the same.
+// and value dims of whole vectors, a sequence's several positions (a prompt's) go a 16-value column of S at a time:
+// the scan takes up to kFused positions a pass over a column, moved position after position in a register, each
+// position's read summed as it goes (one pass a position read and wrote S: at Granite 4.0-H's 48 heads of 128 x 64
+// the loads and stores, not the arithmetic, set its time); the rule's two passes a position stay on one column, in
+// the core's first cache. A sequence's one position (a decoding step's) goes row by row, S read in memory order.
+// Every element's arithmetic and every sum's order are the same on each path, so however a sequence's positions are
+// cut into calls its bits are the same.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -85,6 +87,12 @@ inline void head_step(float* S, const float* q, const float* k, const float* v, 
 constexpr int64_t kFused = 4;
 // Explicit rounding: these intrinsics are opaque to -ffast-math's rewriting of plain vector arithmetic.
 constexpr int kNearest = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+// The widest value dim these paths take (a row of S in registers: its reads' sums, 16 values a vector).
+constexpr int64_t kMaxValueVectors = 16;
+
+inline __m512 moved_by(__m512 s, __m512 decay, float k, __m512 step) {  // the scan's S = g S + k (x beta)
+  return _mm512_fmadd_round_ps(_mm512_set1_ps(k), step, _mm512_mul_round_ps(s, decay, kNearest), kNearest);
+}
 
 // P positions of Mamba-2's scan for one head, S [keys][values] (values a multiple of 16): for each 16-value column
 // of S, the column's rows in order, each moved by the P positions in turn (S = g S + k (x beta)) and read by their
@@ -103,14 +111,68 @@ void scan_positions(float* S, const float* const* q, const float* const* k, cons
     for (int64_t i = 0; i < keys; ++i) {
       __m512 s = _mm512_loadu_ps(column + i * values);
       for (int p = 0; p < P; ++p) {
-        s = _mm512_fmadd_round_ps(_mm512_set1_ps(k[p][i]), step[p], _mm512_mul_round_ps(s, decay[p], kNearest),
-                                  kNearest);
+        s = moved_by(s, decay[p], k[p][i], step[p]);
         read[p] = _mm512_fmadd_round_ps(s, _mm512_set1_ps(q[p][i]), read[p], kNearest);
       }
       _mm512_storeu_ps(column + i * values, s);
     }
     for (int p = 0; p < P; ++p) _mm512_storeu_ps(out[p] + j, read[p]);
   }
+}
+
+// One position of Mamba-2's scan for one head, row by row of S (a decoding sequence's: S read once, in the order it
+// lies in memory; column by column it was read at a stride, ~1.7x the time over 32 sequences' 50 MB): each element's
+// arithmetic and each read's order of sums as scan_positions's.
+void scan_position(float* S, const float* q, const float* k, const float* v, float g, float beta, float* out,
+                   int64_t keys, int64_t values) {
+  const int64_t vectors = values / 16;
+  __m512 step[kMaxValueVectors], read[kMaxValueVectors];
+  const __m512 decay = _mm512_set1_ps(g);
+  for (int64_t j = 0; j < vectors; ++j) {
+    step[j] = _mm512_mul_round_ps(_mm512_loadu_ps(v + 16 * j), _mm512_set1_ps(beta), kNearest);
+    read[j] = _mm512_setzero_ps();
+  }
+  for (int64_t i = 0; i < keys; ++i) {
+    float* row = S + i * values;
+    for (int64_t j = 0; j < vectors; ++j) {
+      const __m512 s = moved_by(_mm512_loadu_ps(row + 16 * j), decay, k[i], step[j]);
+      _mm512_storeu_ps(row + 16 * j, s);
+      read[j] = _mm512_fmadd_round_ps(s, _mm512_set1_ps(q[i]), read[j], kNearest);
+    }
+  }
+  for (int64_t j = 0; j < vectors; ++j) _mm512_storeu_ps(out + 16 * j, read[j]);
+}
+
+// One position of the gated delta rule for one head, row by row of S (a decoding sequence's, as scan_position): each
+// element's arithmetic and each sum's order as rule_head's.
+void rule_position(float* S, const float* q, const float* k, const float* v, float g, float beta, float* out,
+                   int64_t keys, int64_t values) {
+  const int64_t vectors = values / 16;
+  const __m512 decay = _mm512_set1_ps(g);
+  __m512 sums[kMaxValueVectors];
+  for (int64_t j = 0; j < vectors; ++j) sums[j] = _mm512_setzero_ps();
+  for (int64_t i = 0; i < keys; ++i) {
+    for (int64_t j = 0; j < vectors; ++j) {
+      const __m512 s = _mm512_mul_round_ps(_mm512_loadu_ps(S + i * values + 16 * j), decay, kNearest);
+      sums[j] = _mm512_fmadd_round_ps(s, _mm512_set1_ps(k[i]), sums[j], kNearest);
+    }
+  }
+  for (int64_t j = 0; j < vectors; ++j) {  // sums[j]: the delta, then the query's read
+    const __m512 gap = _mm512_sub_round_ps(_mm512_loadu_ps(v + 16 * j), sums[j], kNearest);
+    sums[j] = _mm512_mul_round_ps(gap, _mm512_set1_ps(beta), kNearest);
+  }
+  __m512 reads[kMaxValueVectors];
+  for (int64_t j = 0; j < vectors; ++j) reads[j] = _mm512_setzero_ps();
+  for (int64_t i = 0; i < keys; ++i) {
+    for (int64_t j = 0; j < vectors; ++j) {
+      float* at = S + i * values + 16 * j;
+      const __m512 s = _mm512_mul_round_ps(_mm512_loadu_ps(at), decay, kNearest);
+      const __m512 moved = _mm512_fmadd_round_ps(_mm512_set1_ps(k[i]), sums[j], s, kNearest);
+      _mm512_storeu_ps(at, moved);
+      reads[j] = _mm512_fmadd_round_ps(moved, _mm512_set1_ps(q[i]), reads[j], kNearest);
+    }
+  }
+  for (int64_t j = 0; j < vectors; ++j) _mm512_storeu_ps(out + 16 * j, reads[j]);
 }
 
 // exp(x) by the scalar library call, as head_step takes it: a loop of these over a pass's positions was vectorized
@@ -212,9 +274,14 @@ void delta_rules(at::Tensor matrices, const at::Tensor& pieces, const at::Tensor
       const int64_t i = task / heads, h = task % heads;
       float* matrix = S + (piece[3 * i] * heads + h) * keys * values;
 #if SMOLSERVE_SCAN_AVX512
-      if (values % 16 == 0) {
-        (correct ? rule_head : scan_head)(matrix, piece[3 * i + 1], piece[3 * i + 2], heads, h, q, k, v, g, b, o, keys,
-                                          values);
+      if (values % 16 == 0 && values <= 16 * kMaxValueVectors) {
+        const int64_t first = piece[3 * i + 1], count = piece[3 * i + 2], row = first * heads + h;
+        if (count == 1) {  // a decoding sequence's one position: S in memory order
+          (correct ? rule_position : scan_position)(matrix, q + row * keys, k + row * keys, v + row * values,
+                                                    scalar_exp(g[row]), b[row], o + row * values, keys, values);
+        } else {
+          (correct ? rule_head : scan_head)(matrix, first, count, heads, h, q, k, v, g, b, o, keys, values);
+        }
         continue;
       }
 #endif
