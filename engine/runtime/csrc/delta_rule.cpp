@@ -90,8 +90,21 @@ constexpr int kNearest = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
 // The widest value dim these paths take (a row of S in registers: its reads' sums, 16 values a vector).
 constexpr int64_t kMaxValueVectors = 16;
 
-inline __m512 moved_by(__m512 s, __m512 decay, float k, __m512 step) {  // the scan's S = g S + k (x beta)
-  return _mm512_fmadd_round_ps(_mm512_set1_ps(k), step, _mm512_mul_round_ps(s, decay, kNearest), kNearest);
+// The element-wise arithmetic every path below shares, one definition each (the paths differ only in the order they
+// visit S's elements, so a position's bits are the same on each).
+inline __m512 decayed(__m512 s, __m512 g) { return _mm512_mul_round_ps(s, g, kNearest); }  // g S
+inline __m512 decayed(const float* at, __m512 g) { return decayed(_mm512_loadu_ps(at), g); }
+inline __m512 times(const float* at, float beta) {  // x beta: the scan's step
+  return _mm512_mul_round_ps(_mm512_loadu_ps(at), _mm512_set1_ps(beta), kNearest);
+}
+inline __m512 summed(__m512 sum, __m512 s, float weight) {  // sum + s weight: a read by a key or a query
+  return _mm512_fmadd_round_ps(s, _mm512_set1_ps(weight), sum, kNearest);
+}
+inline __m512 moved(__m512 decayed_s, float k, __m512 step) {  // g S + k step: the scan's move and the rule's
+  return _mm512_fmadd_round_ps(_mm512_set1_ps(k), step, decayed_s, kNearest);
+}
+inline __m512 delta(const float* v, __m512 read, float beta) {  // (v - S^T k) beta
+  return _mm512_mul_round_ps(_mm512_sub_round_ps(_mm512_loadu_ps(v), read, kNearest), _mm512_set1_ps(beta), kNearest);
 }
 
 // P positions of Mamba-2's scan for one head, S [keys][values] (values a multiple of 16): for each 16-value column
@@ -103,7 +116,7 @@ void scan_positions(float* S, const float* const* q, const float* const* k, cons
   for (int64_t j = 0; j < values; j += 16) {
     __m512 step[P], read[P], decay[P];
     for (int p = 0; p < P; ++p) {
-      step[p] = _mm512_mul_round_ps(_mm512_loadu_ps(v[p] + j), _mm512_set1_ps(beta[p]), kNearest);
+      step[p] = times(v[p] + j, beta[p]);
       read[p] = _mm512_setzero_ps();
       decay[p] = _mm512_set1_ps(g[p]);
     }
@@ -111,8 +124,8 @@ void scan_positions(float* S, const float* const* q, const float* const* k, cons
     for (int64_t i = 0; i < keys; ++i) {
       __m512 s = _mm512_loadu_ps(column + i * values);
       for (int p = 0; p < P; ++p) {
-        s = moved_by(s, decay[p], k[p][i], step[p]);
-        read[p] = _mm512_fmadd_round_ps(s, _mm512_set1_ps(q[p][i]), read[p], kNearest);
+        s = moved(decayed(s, decay[p]), k[p][i], step[p]);
+        read[p] = summed(read[p], s, q[p][i]);
       }
       _mm512_storeu_ps(column + i * values, s);
     }
@@ -129,15 +142,15 @@ void scan_position(float* S, const float* q, const float* k, const float* v, flo
   __m512 step[kMaxValueVectors], read[kMaxValueVectors];
   const __m512 decay = _mm512_set1_ps(g);
   for (int64_t j = 0; j < vectors; ++j) {
-    step[j] = _mm512_mul_round_ps(_mm512_loadu_ps(v + 16 * j), _mm512_set1_ps(beta), kNearest);
+    step[j] = times(v + 16 * j, beta);
     read[j] = _mm512_setzero_ps();
   }
   for (int64_t i = 0; i < keys; ++i) {
     float* row = S + i * values;
     for (int64_t j = 0; j < vectors; ++j) {
-      const __m512 s = moved_by(_mm512_loadu_ps(row + 16 * j), decay, k[i], step[j]);
+      const __m512 s = moved(decayed(row + 16 * j, decay), k[i], step[j]);
       _mm512_storeu_ps(row + 16 * j, s);
-      read[j] = _mm512_fmadd_round_ps(s, _mm512_set1_ps(q[i]), read[j], kNearest);
+      read[j] = summed(read[j], s, q[i]);
     }
   }
   for (int64_t j = 0; j < vectors; ++j) _mm512_storeu_ps(out + 16 * j, read[j]);
@@ -153,23 +166,18 @@ void rule_position(float* S, const float* q, const float* k, const float* v, flo
   for (int64_t j = 0; j < vectors; ++j) sums[j] = _mm512_setzero_ps();
   for (int64_t i = 0; i < keys; ++i) {
     for (int64_t j = 0; j < vectors; ++j) {
-      const __m512 s = _mm512_mul_round_ps(_mm512_loadu_ps(S + i * values + 16 * j), decay, kNearest);
-      sums[j] = _mm512_fmadd_round_ps(s, _mm512_set1_ps(k[i]), sums[j], kNearest);
+      sums[j] = summed(sums[j], decayed(S + i * values + 16 * j, decay), k[i]);
     }
   }
-  for (int64_t j = 0; j < vectors; ++j) {  // sums[j]: the delta, then the query's read
-    const __m512 gap = _mm512_sub_round_ps(_mm512_loadu_ps(v + 16 * j), sums[j], kNearest);
-    sums[j] = _mm512_mul_round_ps(gap, _mm512_set1_ps(beta), kNearest);
-  }
+  for (int64_t j = 0; j < vectors; ++j) sums[j] = delta(v + 16 * j, sums[j], beta);  // the key's read: the delta
   __m512 reads[kMaxValueVectors];
   for (int64_t j = 0; j < vectors; ++j) reads[j] = _mm512_setzero_ps();
   for (int64_t i = 0; i < keys; ++i) {
     for (int64_t j = 0; j < vectors; ++j) {
       float* at = S + i * values + 16 * j;
-      const __m512 s = _mm512_mul_round_ps(_mm512_loadu_ps(at), decay, kNearest);
-      const __m512 moved = _mm512_fmadd_round_ps(_mm512_set1_ps(k[i]), sums[j], s, kNearest);
-      _mm512_storeu_ps(at, moved);
-      reads[j] = _mm512_fmadd_round_ps(moved, _mm512_set1_ps(q[i]), reads[j], kNearest);
+      const __m512 s = moved(decayed(at, decay), k[i], sums[j]);
+      _mm512_storeu_ps(at, s);
+      reads[j] = summed(reads[j], s, q[i]);
     }
   }
   for (int64_t j = 0; j < vectors; ++j) _mm512_storeu_ps(out + 16 * j, reads[j]);
@@ -212,18 +220,13 @@ void rule_head(float* S, int64_t first, int64_t count, int64_t heads, int64_t h,
       const float *qt = q + row * keys, *kt = k + row * keys;
       const __m512 g = _mm512_set1_ps(scalar_exp(decay[row]));
       __m512 read = _mm512_setzero_ps();
-      for (int64_t i = 0; i < keys; ++i) {
-        const __m512 s = _mm512_mul_round_ps(_mm512_loadu_ps(column + i * values), g, kNearest);
-        read = _mm512_fmadd_round_ps(s, _mm512_set1_ps(kt[i]), read, kNearest);
-      }
-      const __m512 gap = _mm512_sub_round_ps(_mm512_loadu_ps(v + row * values + j), read, kNearest);
-      const __m512 delta = _mm512_mul_round_ps(gap, _mm512_set1_ps(beta[row]), kNearest);
+      for (int64_t i = 0; i < keys; ++i) read = summed(read, decayed(column + i * values, g), kt[i]);
+      const __m512 step = delta(v + row * values + j, read, beta[row]);
       __m512 out = _mm512_setzero_ps();
       for (int64_t i = 0; i < keys; ++i) {
-        const __m512 s = _mm512_mul_round_ps(_mm512_loadu_ps(column + i * values), g, kNearest);
-        const __m512 moved = _mm512_fmadd_round_ps(_mm512_set1_ps(kt[i]), delta, s, kNearest);
-        _mm512_storeu_ps(column + i * values, moved);
-        out = _mm512_fmadd_round_ps(moved, _mm512_set1_ps(qt[i]), out, kNearest);
+        const __m512 s = moved(decayed(column + i * values, g), kt[i], step);
+        _mm512_storeu_ps(column + i * values, s);
+        out = summed(out, s, qt[i]);
       }
       _mm512_storeu_ps(o + row * values + j, out);
     }
