@@ -85,7 +85,7 @@ class RecurrentStates:
         if not self.max_checkpoints:
             return
         if persist and self.disk is not None:
-            self.disk.store_bytes(digest, lambda: kv_disk.to_bytes([state] if matrix is None else [state, matrix]))
+            self.disk.store_bytes(digest, lambda: kv_disk.to_bytes(_checkpoint_parts(state, matrix)))
         self._checkpoints[digest] = (state, matrix)
         self._checkpoints.move_to_end(digest)
         while len(self._checkpoints) > self.max_checkpoints:
@@ -138,7 +138,7 @@ class RecurrentStates:
 
     def _parts(self, slot: int) -> list[torch.Tensor]:
         """Slot ``slot``'s state as the disk keeps it: its convolution inputs, then (the delta rule's) matrices."""
-        return [self.state[:, slot]] + ([] if self.matrices is None else [self.matrices[:, slot]])
+        return _checkpoint_parts(self.state[:, slot], None if self.matrices is None else self.matrices[:, slot])
 
     def forget(self) -> None:
         """Drop every kept state (the prefix cache was dropped)."""
@@ -338,6 +338,11 @@ class StepStates:
             return [None] * len(self.boundaries)
         assert self._rule_layers == self._states.layers, "a step runs the rule on every recurrent layer"
         return [self._kept_matrices[boundary] for boundary in self.boundaries]
+
+
+def _checkpoint_parts(state: torch.Tensor, matrix: torch.Tensor | None) -> list[torch.Tensor]:
+    """A state's tensors in the order its bytes lie on disk: convolution inputs, then (the delta rule's) matrices."""
+    return [state] if matrix is None else [state, matrix]
 
 
 def _block_end(segment: Segment, block_size: int) -> int | None:
